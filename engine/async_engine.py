@@ -1,0 +1,191 @@
+"""AsyncEngine: one background thread owns all torch state and steps the LLMEngine.
+
+asyncio code talks to it in two directions only:
+- commands (add, abort, any callable) go into a thread-safe queue and wake the loop;
+- each request's outputs come back through its own asyncio.Queue, fed with
+  `loop.call_soon_threadsafe`, so the event loop never blocks on torch.
+Cancelling a `generate()` iterator (client gone, task cancelled) aborts the request in the
+engine, which frees its blocks at the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineError, RequestFailedError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where one request's outputs go: a queue living on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Thread-backed engine with an async request API. Call `start()` once, `shutdown()` at exit."""
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._ids = itertools.count()
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still running are aborted."""
+        self._stop = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises typed engine errors for requests it cannot serve."""
+        self._check_alive()
+        self.engine.validate_request(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        ids = list(prompt_token_ids)
+        self._submit(lambda: self._add(request_id, ids, params, stream))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and await its result."""
+        self._check_alive()
+        future: Future[T] = Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the awaiting caller
+                future.set_exception(exc)
+
+        self._submit(call)
+        return await asyncio.wrap_future(future)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None or self._stop:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wakeup.clear()
+                self._drain_commands()
+                if self._stop:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    continue
+                self._step()
+        except BaseException as exc:  # the loop itself broke: fail everyone, loudly
+            logger.exception("engine loop died")
+            self._dead = exc
+        finally:
+            self._drain_commands()
+            for output in self.engine.fail_all("the engine is shutting down"):
+                self._deliver(output)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # One bad batch must not kill the server: fail its requests, keep the loop.
+            logger.exception("engine step failed; failing the requests in flight")
+            outputs = self.engine.fail_all(f"engine step failed: {exc}")
+        for output in outputs:
+            self._deliver(output)
+
+    def _add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: _Stream
+    ) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except EngineError as exc:
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort_request(request_id)
+        if output is not None:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        if output.error is not None:
+            stream.put(RequestFailedError(output.error))
+        else:
+            stream.put(output)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for metrics; plain int reads, safe from any thread."""
+        return self.engine.stats()

@@ -1,0 +1,62 @@
+"""Engine configuration: one frozen dataclass; CLI flags map one-to-one onto its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build and run the engine.
+
+    `model=None` serves the embedded default model. The KV pool is sized by `num_kv_blocks`
+    when given, else by `kv_cache_memory` bytes, else by a default share of RAM (CPU) or of
+    free device memory (CUDA). `max_model_len=None` takes the model's own limit.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    debug_check_integrity: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}", param="dtype")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidRequestError("device must be cpu or cuda[:N]", param="device")
+        _positive(self.block_size, "block_size")
+        _positive(self.max_num_seqs, "max_num_seqs")
+        _positive(self.max_num_batched_tokens, "max_num_batched_tokens")
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(value, name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def _positive(value: int, name: str) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)

@@ -1,0 +1,37 @@
+"""Typed engine errors. The gateway maps each class, in one place, to an HTTP status."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError):
+    """The caller sent something the engine cannot serve; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus requested output does not fit in `max_model_len` (or in the whole KV pool)."""
+
+    def __init__(self, message: str, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(message, param="messages")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class ModelLoadError(EngineError):
+    """The model spec cannot be loaded: missing path, unsupported architecture, bad files."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop has stopped; no request can be served any more."""
+
+
+class RequestFailedError(EngineError):
+    """A request failed inside the engine loop (for example its forward raised)."""

@@ -1,0 +1,251 @@
+"""LLMEngine: the synchronous step API over scheduler, runner and detokenizers.
+
+Not thread-safe: exactly one thread (the AsyncEngine's loop, a test, a benchmark) drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.kv_cache import BlockPool, num_blocks_for
+from engine.model_setup import LoadedModel, load_model
+from engine.outputs import RequestOutput, SampleLogprobs
+from engine.runner import ModelRunner, SampledToken
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    pending_logprobs: list[SampleLogprobs] | None = None
+
+
+class LLMEngine:
+    """Admit requests as token ids, step the batch, hand back per-request deltas."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded or load_model(config)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = loaded.vocab_size
+        self.pool: BlockPool = loaded.pool
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.pool, config.torch_device)
+        self._requests: dict[str, _RequestState] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise a typed error for anything this engine cannot serve. Pure: safe from any thread."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.vocab_size})", param="prompt"
+            )
+        num_prompt = len(prompt_token_ids)
+        num_total = num_prompt + (params.max_tokens or 1)
+        if num_total > self.max_model_len:
+            requested = (
+                f"{num_total} tokens ({num_prompt} in the prompt, {params.max_tokens} in the "
+                "completion)"
+                if params.max_tokens
+                else f"{num_prompt} tokens in the prompt"
+            )
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {requested}. Please reduce the length of the prompt or "
+                "max_tokens.",
+                num_prompt_tokens=num_prompt,
+                max_model_len=self.max_model_len,
+            )
+        num_needed = min(num_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
+        num_usable = self.pool.num_blocks - self.pool.num_pinned_blocks
+        if num_blocks_for(num_needed, self.pool.block_size) > num_usable:
+            raise PromptTooLongError(
+                f"This request needs {num_needed} tokens of KV cache but only "
+                f"{num_usable * self.pool.block_size} fit beside the pinned prefixes.",
+                num_prompt_tokens=num_prompt,
+                max_model_len=self.max_model_len,
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
+        self.validate_request(prompt_token_ids, params)
+        generator = (
+            make_generator(params.seed, self.config.torch_device)
+            if params.seed is not None
+            else None
+        )
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            arrival_index=next(self._arrivals),
+            generator=generator,
+        )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
+        )
+        self._requests[request_id] = _RequestState(seq, detok)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, None if unknown."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish(state.seq, "abort")
+        return self._output(state, "", [], "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, detokenize; return the deltas of this step."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.on_step_done(out)
+        self.num_steps += 1
+        outputs = [o for o in (self._append(s) for s in sampled) if o is not None]
+        if self.config.debug_check_integrity:
+            self.check_integrity()
+        return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with an error (the forward raised); blocks are released."""
+        outputs = []
+        for request_id in list(self._requests):
+            output = self.abort_request(request_id)
+            if output is not None:
+                output.error = message
+                outputs.append(output)
+        return outputs
+
+    def check_integrity(self) -> None:
+        """The pool's own invariants, plus: every referenced block belongs to a live holder."""
+        self.pool.check_integrity()
+        held = sum(len(state.seq.block_table) for state in self._requests.values())
+        num_referenced = self.pool.num_blocks - self.pool.num_free_blocks
+        if held + self.pool.num_pinned_blocks < num_referenced:
+            raise AssertionError(
+                f"leak: {num_referenced} blocks referenced, {held} held by requests, "
+                f"{self.pool.num_pinned_blocks} pinned"
+            )
+
+    def _append(self, sampled: SampledToken) -> RequestOutput | None:
+        seq, token_id = sampled.seq, sampled.token_id
+        state = self._requests[seq.request_id]
+        seq.token_ids.append(token_id)
+        logprobs = [sampled.logprobs] if sampled.logprobs is not None else None
+        finish_reason: str | None
+        stop_reason: str | int | None
+        finish_reason, stop_reason = self._stop_by_token(seq, token_id)
+        text = ""
+        if finish_reason is None:  # an EOS or stop token is never turned into text
+            delta = state.detokenizer.step(token_id)
+            text = delta.text
+            if delta.stop_string is not None:
+                finish_reason, stop_reason = "stop", delta.stop_string
+        if finish_reason is None:
+            finish_reason = self._stop_by_length(seq)
+        if finish_reason is not None and not isinstance(stop_reason, str):
+            text += state.detokenizer.flush()
+        if finish_reason is not None:
+            del self._requests[seq.request_id]
+            self.scheduler.finish(seq, finish_reason)
+            seq.stop_reason = stop_reason
+        return self._output(state, text, [token_id], finish_reason, stop_reason, logprobs)
+
+    def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
+        if token_id in seq.params.stop_token_ids:
+            return "stop", token_id
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            return "stop", None
+        return None, None
+
+    def _stop_by_length(self, seq: Sequence) -> str | None:
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(
+        self,
+        state: _RequestState,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+        logprobs: list[SampleLogprobs] | None = None,
+    ) -> RequestOutput:
+        seq = state.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+        )
+
+    # -- conveniences -----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion (tests, benchmarks); returns each one's output token ids."""
+        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(request_id, prompt, params)
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        while any(i in self._requests for i in ids):
+            for output in self.step():
+                if output.request_id in results:
+                    results[output.request_id].extend(output.token_ids)
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free_blocks,
+            "kv_blocks_pinned": self.pool.num_pinned_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "time": time.time(),
+        }

@@ -1,0 +1,147 @@
+"""From EngineConfig to a ready model, tokenizer and KV pool (the slow, once-per-process part)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, GiB
+from engine.errors import ModelLoadError
+from engine.kv_cache import BlockPool, KVCacheSpec, num_blocks_for
+from engine.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from engine.models import CausalLM, build_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_SHARE = 0.2  # of total RAM, capped at DEFAULT_CPU_KV_CAP
+DEFAULT_CPU_KV_CAP = 4 * GiB
+DEFAULT_CUDA_KV_SHARE = 0.85  # of free device memory after the weights
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: CausalLM
+    tokenizer: Any
+    pool: BlockPool
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    start = time.perf_counter()
+    source = resolve_model(config.model)
+    hf_config = load_hf_config(source.path)
+    tokenizer = load_tokenizer(source.path)
+    max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
+    model = build_model(
+        hf_config,
+        load_state_dict(source.path),
+        max_model_len,
+        config.torch_dtype,
+        config.torch_device,
+    )
+    logger.info(
+        "model %s (%s, %d layers) on %s in %s, loaded in %.1f s",
+        source.name,
+        hf_config.model_type,
+        len(model.attention_layers()),
+        config.device,
+        config.dtype,
+        time.perf_counter() - start,
+    )
+    pool = _make_pool(config, model, max_model_len)
+    return LoadedModel(
+        name=source.name,
+        model=model,
+        tokenizer=tokenizer,
+        pool=pool,
+        max_model_len=max_model_len,
+        eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
+        vocab_size=int(hf_config.vocab_size),
+    )
+
+
+def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window))  # beyond the window we would attend too far back
+    if requested is not None and requested > limit:
+        raise ModelLoadError(
+            f"max_model_len {requested} exceeds the model's limit {limit} ({path})"
+        )
+    return int(requested or limit)
+
+
+def _make_pool(config: EngineConfig, model: CausalLM, max_model_len: int) -> BlockPool:
+    layers = model.attention_layers()
+    spec = KVCacheSpec(
+        num_layers=len(layers),
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=config.block_size,
+        dtype=config.torch_dtype,
+    )
+    num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec)
+    needed = num_blocks_for(max_model_len, config.block_size)
+    if num_blocks < needed:
+        raise ModelLoadError(
+            f"the KV cache holds {num_blocks * config.block_size} tokens, less than one "
+            f"max_model_len sequence ({max_model_len}); raise --kv-cache-memory or lower "
+            "--max-model-len"
+        )
+    pool = BlockPool(spec, num_blocks, config.torch_device)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %.1f KB/token)",
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        num_blocks * spec.bytes_per_block / GiB,
+        spec.bytes_per_block / config.block_size / 1024,
+    )
+    return pool
+
+
+def _blocks_from_memory(config: EngineConfig, spec: KVCacheSpec) -> int:
+    budget = config.kv_cache_memory
+    if budget is None:
+        if config.torch_device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(config.torch_device)
+            budget = int(free * DEFAULT_CUDA_KV_SHARE)
+        else:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(int(ram * DEFAULT_CPU_KV_SHARE), DEFAULT_CPU_KV_CAP)
+    return max(1, budget // spec.bytes_per_block)
+
+
+def _eos_token_ids(hf_config: Any, tokenizer: Any, path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (
+        getattr(hf_config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+        _generation_eos(path),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _generation_eos(path: Path) -> Any:
+    from transformers import GenerationConfig
+
+    if not (path / "generation_config.json").exists():
+        return None
+    return GenerationConfig.from_pretrained(path).eos_token_id

@@ -1,0 +1,60 @@
+"""Model classes by Hugging Face `model_type`, and the one place that builds them."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from engine.attention import ForwardBatch
+from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.llama import LlamaForCausalLM
+
+
+class AttentionLayer(Protocol):
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class CausalLM(Protocol):
+    """What the runner needs from a model."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def attention_layers(self) -> list[Any]: ...
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def init_buffers(self) -> None: ...
+
+
+MODEL_CLASSES: dict[str, type[Any]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
+SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
+
+
+def build_model(
+    hf_config: Any,
+    state_dict: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> CausalLM:
+    """Instantiate the model for `hf_config.model_type`, load weights, cast, move, eval.
+
+    Built on the meta device so no time goes into a random init that the weights overwrite.
+    """
+    cls = MODEL_CLASSES[hf_config.model_type]
+    with torch.device("meta"):
+        model = cls(hf_config, max_positions, dtype)
+    model = model.to_empty(device="cpu")
+    model.init_buffers()
+    model.load_weights(state_dict)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model  # type: ignore[no-any-return]

@@ -1,0 +1,87 @@
+"""Building blocks shared by the model files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in float32 and cast back exactly as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_positions`, precomputed once.
+
+    Inverse frequencies come from transformers' own RoPE initialisers, so Llama 3 / linear /
+    dynamic / YaRN scaling match the reference implementation.
+    """
+
+    def __init__(self, hf_config: Any, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        with torch.device("cpu"):  # real numbers even while the model is built on meta
+            inv_freq, scaling = _inv_freq(hf_config)
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_positions, rot_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rot_dim]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rot_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return inv_freq, 1.0
+
+
+def stack_weights(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate projections along the output dim (q/k/v -> qkv, gate/up -> gate_up)."""
+    return torch.cat(tensors, dim=0)
+
+
+def load_exact(module: nn.Module, sd: dict[str, torch.Tensor], tied: set[str]) -> None:
+    """Load every parameter from `sd`; anything missing or left over is an error."""
+    missing, unexpected = module.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )

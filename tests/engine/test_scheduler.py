@@ -1,0 +1,119 @@
+"""Scheduler: token budget, decode-first ordering, chunked prefill, admission, preemption."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import BlockPool, KVCacheSpec
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+
+
+def _scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
+    return Scheduler(BlockPool(spec, num_blocks, torch.device("cpu")), max_num_seqs, budget)
+
+
+def _seq(index: int, num_prompt: int) -> Sequence:
+    return Sequence(f"r{index}", list(range(num_prompt)), num_prompt, SamplingParams(), index)
+
+
+def _plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def _finish_step(sched: Scheduler, out: SchedulerOutput, next_token: int = 7) -> None:
+    """What the engine does after a forward: advance, append a token where one was sampled."""
+    sampling = [s.seq for s in out.scheduled if s.is_sampling]
+    sched.on_step_done(out)
+    for seq in sampling:
+        seq.token_ids.append(next_token)
+
+
+def test_long_prompt_is_chunked_by_the_token_budget() -> None:
+    sched = _scheduler(budget=32)
+    sched.add(_seq(0, 70))
+    plans = []
+    for _ in range(3):
+        out = sched.schedule()
+        plans.append(_plan(out))
+        assert [s.is_sampling for s in out.scheduled] == [len(plans) == 3]
+        _finish_step(sched, out)
+    assert plans == [[("r0", 32)], [("r0", 32)], [("r0", 6)]]
+    assert sched.running[0].block_table == list(range(18))  # ceil(70 / 4) blocks, in order
+
+
+def test_decodes_go_first_and_prefill_gets_the_rest_of_the_budget() -> None:
+    sched = _scheduler(budget=16)
+    for i in range(3):
+        sched.add(_seq(i, 4))
+    _finish_step(sched, sched.schedule())  # all three prefilled in one step (12 tokens)
+    sched.add(_seq(3, 40))  # a long prompt arrives while three sequences decode
+    out = sched.schedule()
+    assert _plan(out) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 13)]
+    _finish_step(sched, out)
+    # Next step: the partial prefill must not push the decodes out.
+    assert _plan(sched.schedule()) == [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 13)]
+
+
+def test_admission_respects_max_num_seqs_and_fifo() -> None:
+    sched = _scheduler(max_num_seqs=2, budget=100)
+    for i in range(3):
+        sched.add(_seq(i, 5))
+    out = sched.schedule()
+    assert _plan(out) == [("r0", 5), ("r1", 5)]
+    assert [s.request_id for s in sched.waiting] == ["r2"]
+    _finish_step(sched, out)
+    sched.finish(sched.running[0], "stop")
+    assert _plan(sched.schedule()) == [("r1", 1), ("r2", 5)]
+
+
+def test_head_of_line_waits_for_blocks_instead_of_being_skipped() -> None:
+    sched = _scheduler(num_blocks=4, budget=100)
+    sched.add(_seq(0, 12))  # 3 blocks
+    sched.add(_seq(1, 8))  # 2 blocks: does not fit beside r0
+    sched.add(_seq(2, 2))  # 1 block: would fit, but must not overtake r1
+    out = sched.schedule()
+    assert _plan(out) == [("r0", 12)]
+    assert [s.request_id for s in sched.waiting] == ["r1", "r2"]
+
+
+def test_newest_sequence_is_preempted_when_blocks_run_out() -> None:
+    sched = _scheduler(num_blocks=4, budget=100)
+    sched.add(_seq(0, 8))  # 2 blocks, full
+    sched.add(_seq(1, 8))  # 2 blocks, full
+    _finish_step(sched, sched.schedule())
+    out = sched.schedule()  # both need a third block for their next token: only r0 can have it
+    assert _plan(out) == [("r0", 1)]
+    assert [s.request_id for s in out.preempted] == ["r1"]
+    victim = sched.waiting[0]
+    assert (victim.request_id, victim.num_computed_tokens, victim.block_table) == ("r1", 0, [])
+    assert victim.status is SequenceStatus.WAITING and victim.num_preemptions == 1
+    assert victim.token_ids == [*range(8), 7]  # recomputed later with the token it produced
+    sched.pool.check_integrity()
+    assert sched.pool.num_free_blocks == 1
+
+
+def test_preempted_sequence_is_recomputed_once_blocks_come_back() -> None:
+    sched = _scheduler(num_blocks=4, budget=100)
+    sched.add(_seq(0, 8))
+    sched.add(_seq(1, 8))
+    _finish_step(sched, sched.schedule())
+    _finish_step(sched, sched.schedule())  # r1 preempted here
+    sched.finish(sched.running[0], "stop")
+    out = sched.schedule()
+    assert _plan(out) == [("r1", 9)]  # prompt + the token it had produced
+    assert out.scheduled[0].is_sampling
+
+
+def test_finish_releases_blocks_of_waiting_and_running_sequences() -> None:
+    sched = _scheduler(budget=8)
+    sched.add(_seq(0, 20))
+    sched.add(_seq(1, 4))
+    _finish_step(sched, sched.schedule())  # r0 partially prefilled, r1 still waiting
+    for seq in [*sched.running, *sched.waiting]:
+        sched.finish(seq, "abort")
+    assert not sched.has_unfinished()
+    assert sched.pool.num_free_blocks == sched.pool.num_blocks
+    sched.pool.check_integrity()
