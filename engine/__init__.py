@@ -3,6 +3,7 @@
 This module is the engine's public API; the gateway imports only from here.
 """
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import (
     EngineDeadError,
@@ -17,6 +18,7 @@ from engine.outputs import RequestOutput, SampleLogprobs, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 __all__ = [
+    "AsyncEngine",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",

@@ -11,11 +11,12 @@ engine, which frees its blocks at the next loop turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,7 +39,8 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if not self.loop.is_closed():
+        # RuntimeError: the caller's loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -76,7 +78,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises typed engine errors for requests it cannot serve."""
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
@@ -94,11 +96,11 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # cancelled or closed early: free the request's blocks
+                self._submit(lambda: self._abort(request_id, stream))
 
     def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._abort(request_id))
+        self._submit(lambda: self._abort(request_id, None))
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and await its result."""
@@ -138,8 +140,13 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._dead = exc
         finally:
+            reason = (
+                "the engine is shutting down"
+                if self._dead is None
+                else (f"the engine loop died: {self._dead!r}")
+            )
             self._drain_commands()
-            for output in self.engine.fail_all("the engine is shutting down"):
+            for output in self.engine.fail_all(reason):
                 self._deliver(output)
 
     def _drain_commands(self) -> None:
@@ -168,9 +175,17 @@ class AsyncEngine:
         except EngineError as exc:
             stream.put(exc)
             return
+        except Exception as exc:  # a bug for this request only: it fails, the loop goes on
+            logger.exception("could not add request %s", request_id)
+            stream.put(RequestFailedError(f"could not add the request: {exc!r}"))
+            return
         self._streams[request_id] = stream
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, stream: _Stream | None) -> None:
+        """Abort a request; with `stream`, only if that stream still owns the id (a rejected
+        duplicate that is cancelled must not abort the original)."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return
         output = self.engine.abort_request(request_id)
         if output is not None:
             self._deliver(output)

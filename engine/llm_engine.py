@@ -139,7 +139,7 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         self.scheduler.on_step_done(out)
         self.num_steps += 1
-        outputs = [o for o in (self._append(s) for s in sampled) if o is not None]
+        outputs = [self._append_or_fail(s) for s in sampled]
         if self.config.debug_check_integrity:
             self.check_integrity()
         return outputs
@@ -165,7 +165,19 @@ class LLMEngine:
                 f"{self.pool.num_pinned_blocks} pinned"
             )
 
-    def _append(self, sampled: SampledToken) -> RequestOutput | None:
+    def _append_or_fail(self, sampled: SampledToken) -> RequestOutput:
+        """Post-process one sampled token; a failure there fails that request alone."""
+        try:
+            return self._append(sampled)
+        except Exception as exc:
+            logger.exception("post-processing failed for request %s", sampled.seq.request_id)
+            output = self.abort_request(sampled.seq.request_id)
+            if output is None:  # already gone: let the caller fail the whole step
+                raise
+            output.error = f"post-processing failed: {exc!r}"
+            return output
+
+    def _append(self, sampled: SampledToken) -> RequestOutput:
         seq, token_id = sampled.seq, sampled.token_id
         state = self._requests[seq.request_id]
         seq.token_ids.append(token_id)

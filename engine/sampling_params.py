@@ -67,6 +67,7 @@ class SamplingParams:
             "stop",
         )
         _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must fit in int64", "seed")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",

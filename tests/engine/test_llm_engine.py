@@ -14,9 +14,10 @@ from engine import (
     InvalidRequestError,
     LLMEngine,
     PromptTooLongError,
-    RequestOutput,
     SamplingParams,
 )
+from tests.helpers import assert_all_free as _assert_all_free
+from tests.helpers import run_staggered, tokens_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [
@@ -49,31 +50,6 @@ def _hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
         for _ in range(max_new_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-def run_staggered(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, arrivals: list[int]
-) -> list[list[RequestOutput]]:
-    """Add prompt i before step arrivals[i]; step until all finish; outputs per request."""
-    outputs: dict[str, list[RequestOutput]] = {str(i): [] for i in range(len(prompts))}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for i, arrival in enumerate(arrivals):
-            if arrival == step:
-                engine.add_request(str(i), prompts[i], params)
-        for output in engine.step():
-            outputs[output.request_id].append(output)
-        step += 1
-    return [outputs[str(i)] for i in range(len(prompts))]
-
-
-def _tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for o in outputs for t in o.token_ids]
-
-
-def _assert_all_free(engine: LLMEngine) -> None:
-    engine.check_integrity()
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -117,7 +93,7 @@ def test_greedy_matches_transformers_in_a_staggered_batch(
 ) -> None:
     engine = _engine(model_path, **overrides)
     results = run_staggered(engine, prompts, GREEDY, arrivals=[0, 0, 2, 5])
-    assert [_tokens(r) for r in results] == expected
+    assert [tokens_of(r) for r in results] == expected
     assert [r[-1].finish_reason for r in results] == ["length"] * 4
     if "num_kv_blocks" in overrides:
         assert engine.scheduler.num_preemptions > 0
@@ -175,7 +151,7 @@ def test_stop_token_id_ends_the_request(tiny_llama_path: Path, prompts: list[lis
         temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)
     )
     [outputs] = run_staggered(engine, prompts[:1], params, [0])
-    assert _tokens(outputs) == full[: first + 1]
+    assert tokens_of(outputs) == full[: first + 1]
     assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop_id)
 
 

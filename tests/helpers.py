@@ -1,0 +1,31 @@
+"""Helpers shared by engine tests: drive an LLMEngine step by step, check for leaks."""
+
+from __future__ import annotations
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+
+
+def run_staggered(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, arrivals: list[int]
+) -> list[list[RequestOutput]]:
+    """Add prompt i before step arrivals[i]; step until all finish; outputs per request."""
+    outputs: dict[str, list[RequestOutput]] = {str(i): [] for i in range(len(prompts))}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i, arrival in enumerate(arrivals):
+            if arrival == step:
+                engine.add_request(str(i), prompts[i], params)
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+        step += 1
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    """No leak: the pool's invariants hold and every block is free again."""
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
