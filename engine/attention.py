@@ -5,9 +5,8 @@ order), then one token per decoding sequence. New K/V rows are written into the 
 `slot_mapping` before attention reads them, so a span's queries see the cached prefix (shared
 prefix blocks included) plus themselves.
 
-GQA without repeating K/V: the `group` query heads that share a KV head are folded into the
-query-length axis (`[kv_heads, group * q_len, head_dim]`), so SDPA sees plain multi-head
-attention with `kv_heads` heads; masks are tiled to match.
+GQA never repeats K/V: prefill spans use SDPA's `enable_gqa`; decodes fold the `group` query
+heads that share a KV head into the query axis (`[B, kv_heads, group, head_dim]`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ class PrefillSpan:
     num_new_tokens: int
     num_cached: int
     block_ids: torch.Tensor  # [num_blocks] long, on the device
-    mask: torch.Tensor | None  # [group * num_new, num_cached + num_new] bool; None: no cache
+    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool; None: nothing cached
 
 
 @dataclass(slots=True)
@@ -43,12 +42,11 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
 
 
-def prefill_mask(num_cached: int, num_new: int, group: int, device: torch.device) -> torch.Tensor:
+def prefill_mask(num_cached: int, num_new: int, device: torch.device) -> torch.Tensor:
     """Causal mask with an offset: query i (position num_cached + i) sees keys 0..num_cached+i."""
     q_pos = torch.arange(num_new, device=device) + num_cached  # [num_new]
     k_pos = torch.arange(num_cached + num_new, device=device)  # [ctx]
-    mask = k_pos[None, :] <= q_pos[:, None]  # [num_new, ctx]
-    return mask.repeat(group, 1)  # [group * num_new, ctx]
+    return k_pos[None, :] <= q_pos[:, None]  # [num_new, ctx]
 
 
 def decode_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -90,25 +88,21 @@ def _span_attention(
     q: torch.Tensor,  # [n, num_heads, head_dim]
     k: torch.Tensor,  # [ctx, num_kv_heads, head_dim]
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | None,  # [n, ctx] bool, None: plain causal (nothing cached)
     scale: float,
 ) -> torch.Tensor:
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [kv, ctx, d]
-    if mask is None:  # pure causal: SDPA can skip the masked half
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kt, vt, is_causal=True, scale=scale, enable_gqa=True
-        )  # [num_heads, n, d]
-        return o.transpose(0, 1)
-    group = num_heads // num_kv_heads
-    # [n, kv, group, d] -> [kv, group * n, d]: rows ordered (group, position) to match the mask
-    qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(num_kv_heads, group * n, head_dim)
-    o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask, scale=scale)
-    # [kv, group * n, d] -> [n, num_heads, d]
-    o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-    return o.reshape(n, num_heads, head_dim)
+    # 4-D inputs: the CPU flash kernel only takes batched 4-D tensors (3-D falls back to the
+    # math path, which materialises every score and was half of prefill time).
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, num_heads, n, head_dim]
+        k.transpose(0, 1)[None],  # [1, num_kv_heads, ctx, head_dim]
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, num_heads, n, head_dim]
+    return o[0].transpose(0, 1)
 
 
 def _decode_attention(

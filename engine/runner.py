@@ -31,10 +31,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.num_forward_calls = 0
-        layers = model.attention_layers()
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(model.attention_layers()):
             layer.k_cache, layer.v_cache = pool.layer_caches(i)
-        self.group = layers[0].num_heads // model.num_kv_heads
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
@@ -93,7 +91,7 @@ class ModelRunner:
     def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
         num_cached = seq.num_computed_tokens
         num_blocks = -(-(num_cached + n) // self.pool.block_size)
-        mask = prefill_mask(num_cached, n, self.group, self.device) if num_cached else None
+        mask = prefill_mask(num_cached, n, self.device) if num_cached else None
         return PrefillSpan(
             token_start=token_start,
             num_new_tokens=n,

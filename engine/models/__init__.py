@@ -57,4 +57,4 @@ def build_model(
     model.load_weights(state_dict)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    return model  # type: ignore[no-any-return]
+    return model

@@ -79,7 +79,7 @@ class GPT2LMHeadModel(nn.Module):
         return hidden @ self.wte.weight.T
 
     def attention_layers(self) -> list[GPT2Attention]:
-        return [block.attn for block in self.h]
+        return [m for m in self.modules() if isinstance(m, GPT2Attention)]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face GPT-2 state dict; its Conv1D weights are [in, out]: transpose."""

@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.layers]
+        return [m for m in self.modules() if isinstance(m, LlamaAttention)]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face Llama state dict, fusing q/k/v and gate/up."""

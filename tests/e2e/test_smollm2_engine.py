@@ -115,23 +115,20 @@ def test_capital_of_france(engine: LLMEngine, prompts: list[list[int]]) -> None:
 
 
 def test_streamed_text_is_whole_utf8_and_equals_decode(engine: LLMEngine) -> None:
+    """Japanese output: most characters span several byte-level tokens."""
     prompt = engine.tokenizer.apply_chat_template(
-        [
-            {
-                "role": "user",
-                "content": "Écris une phrase en français avec « guillemets », "
-                "puis 日本語 et un emoji 😀.",
-            }
-        ],
+        [{"role": "user", "content": "Translate 'thank you' into Japanese."}],
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
     )
-    params = SamplingParams(temperature=0.8, seed=7, max_tokens=64)
-    [outputs] = run_staggered(engine, [list(prompt)], params, [0])
-    assert all("\ufffd" not in o.text for o in outputs)
+    [outputs] = run_staggered(
+        engine, [list(prompt)], SamplingParams(temperature=0, max_tokens=40), [0]
+    )
     tokens = tokens_of(outputs)
-    decoded = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    assert "".join(o.text for o in outputs) == decoded
     split = [t for t in tokens if "\ufffd" in engine.tokenizer.decode([t])]
-    assert split, "the output should contain a character spread over several tokens"
+    assert len(split) >= 10, "the output should have characters spread over several tokens"
+    assert all("\ufffd" not in o.text for o in outputs)
+    assert "".join(o.text for o in outputs) == engine.tokenizer.decode(
+        tokens, skip_special_tokens=True
+    )
