@@ -4,6 +4,7 @@ This module is the engine's public API; the gateway imports only from here.
 """
 
 from engine.async_engine import AsyncEngine
+from engine.chat import chat_prompt_ids, text_prompt_ids
 from engine.config import EngineConfig
 from engine.errors import (
     EngineDeadError,
@@ -15,6 +16,9 @@ from engine.errors import (
 )
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, SampleLogprobs, TokenLogprob
+from engine.prefix_loader import PrefixBudgetError
+from engine.registry import PrefixRegistry, RegisteredPrefix, ReloadStatus
+from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
 from engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -25,10 +29,19 @@ __all__ = [
     "InvalidRequestError",
     "LLMEngine",
     "ModelLoadError",
+    "PrefixBudgetError",
+    "PrefixRegistry",
+    "PrefixSpec",
     "PromptTooLongError",
+    "RegisteredPrefix",
+    "RegistryFileError",
+    "ReloadStatus",
     "RequestFailedError",
     "RequestOutput",
     "SampleLogprobs",
     "SamplingParams",
     "TokenLogprob",
+    "chat_prompt_ids",
+    "load_prefix_file",
+    "text_prompt_ids",
 ]

@@ -16,6 +16,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.registry import ReloadStatus
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._ids = itertools.count()
         self._stop = False
+        self._next_prefix_poll = 0.0
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
 
@@ -116,6 +119,12 @@ class AsyncEngine:
         self._submit(call)
         return await asyncio.wrap_future(future)
 
+    async def reload_prefixes(self) -> ReloadStatus:
+        """Re-read the prefix file now; resolves when the new set serves (or the reload failed)."""
+        done: Future[ReloadStatus] = Future()
+        await self.run_in_engine(lambda e: e.reload_prefix_file(done.set_result))
+        return await asyncio.wrap_future(done)
+
     # -- engine thread --------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -132,8 +141,9 @@ class AsyncEngine:
                 self._drain_commands()
                 if self._stop:
                     break
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
+                self._poll_prefix_file()
+                if not self.engine.has_work():
+                    self._wakeup.wait(timeout=self.engine.config.prefix_watch_interval)
                     continue
                 self._step()
         except BaseException as exc:  # the loop itself broke: fail everyone, loudly
@@ -148,6 +158,12 @@ class AsyncEngine:
             self._drain_commands()
             for output in self.engine.fail_all(reason):
                 self._deliver(output)
+
+    def _poll_prefix_file(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_prefix_poll:
+            self._next_prefix_poll = now + self.engine.config.prefix_watch_interval
+            self.engine.poll_prefix_file()
 
     def _drain_commands(self) -> None:
         while True:

@@ -31,6 +31,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
+    prefix_file: str | None = None
+    prefix_watch_interval: float = 1.0  # seconds between mtime polls of prefix_file
     num_threads: int | None = None
     seed: int = 0
     debug_check_integrity: bool = False

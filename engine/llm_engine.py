@@ -7,16 +7,25 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache import BlockPool, num_blocks_for
 from engine.model_setup import LoadedModel, load_model
 from engine.outputs import RequestOutput, SampleLogprobs
+from engine.prefix_loader import PrefixLoader
+from engine.registry import PrefixRegistry, ReloadStatus
+from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -45,11 +54,79 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
         self.pool: BlockPool = loaded.pool
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.registry = PrefixRegistry(self.pool)
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.registry if config.enable_prefix_cache else None,
+        )
         self.runner = ModelRunner(loaded.model, self.pool, config.torch_device)
         self._requests: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
+        self.prefixes = PrefixLoader(
+            self.registry,
+            self.scheduler,
+            self.max_model_len,
+            lambda: next(self._arrivals),
+            config.enable_prefix_cache,
+        )
         self.num_steps = 0
+        self._prefix_file_mtime: float | None = None
+        if config.prefix_file is not None:
+            self._load_prefix_file_at_start(Path(config.prefix_file))
+
+    # -- prefixes ---------------------------------------------------------------------------------
+    def load_prefixes(
+        self, specs: list[PrefixSpec], on_done: Callable[[ReloadStatus], None] | None = None
+    ) -> None:
+        """Start registering `specs` (filled by the next steps); the old set serves meanwhile."""
+        self.prefixes.start(specs, on_done)
+
+    def reload_prefix_file(self, on_done: Callable[[ReloadStatus], None] | None = None) -> None:
+        """Re-read `config.prefix_file`. Any error keeps the old registry and is recorded."""
+        path = self._prefix_path()
+        try:
+            self._prefix_file_mtime = path.stat().st_mtime
+            specs = load_prefix_file(path, self.tokenizer, self.max_model_len)
+            self.load_prefixes(specs, on_done)
+        except (EngineError, OSError) as exc:
+            error = str(exc) if isinstance(exc, EngineError) else f"{path}: {exc}"
+            status = ReloadStatus(time.time(), False, error, len(self.registry.prefixes))
+            self.registry.last_reload = status
+            logger.error("prefix reload failed, keeping the old registry: %s", error)
+            if on_done is not None:
+                on_done(status)
+
+    def poll_prefix_file(self) -> bool:
+        """Reload when the file's mtime changed since the last (re)load; True if started."""
+        if self.config.prefix_file is None:
+            return False
+        try:
+            mtime = os.stat(self.config.prefix_file).st_mtime
+        except OSError:
+            mtime = None
+        if mtime == self._prefix_file_mtime:
+            return False
+        logger.info("%s changed: reloading prefixes", self.config.prefix_file)
+        self.reload_prefix_file()
+        return True
+
+    def _prefix_path(self) -> Path:
+        if self.config.prefix_file is None:
+            raise RegistryFileError(Path("<none>"), ["no prefix file is configured"])
+        return Path(self.config.prefix_file)
+
+    def _load_prefix_file_at_start(self, path: Path) -> None:
+        """Load, fill and pin every prefix before serving; a bad file fails the start."""
+        self._prefix_file_mtime = path.stat().st_mtime if path.exists() else None
+        self.load_prefixes(load_prefix_file(path, self.tokenizer, self.max_model_len))
+        total = self.prefixes.num_pending_tokens
+        with tqdm(total=total, desc="prefilling prefixes", unit="tok", disable=total == 0) as bar:
+            while self.prefixes.is_pending:
+                before = self.prefixes.num_pending_tokens
+                self.step()
+                bar.update(before - self.prefixes.num_pending_tokens)
 
     # -- requests -------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -122,6 +199,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_work(self) -> bool:
+        """Requests to serve or prefixes to fill."""
+        return bool(self._requests) or self.prefixes.is_pending
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -136,10 +217,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         self.scheduler.on_step_done(out)
         self.num_steps += 1
-        outputs = [self._append_or_fail(s) for s in sampled]
+        for seq, logits in result.prefix_logits:
+            self.prefixes.on_filled(seq, logits)
+        outputs = [self._append_or_fail(s) for s in result.sampled]
         if self.config.debug_check_integrity:
             self.check_integrity()
         return outputs
@@ -155,15 +238,21 @@ class LLMEngine:
         return outputs
 
     def check_integrity(self) -> None:
-        """The pool's own invariants, plus: every referenced block belongs to a live holder."""
+        """The pool's own invariants, plus: every block's ref_cnt equals its number of holders
+        (live requests, registered prefixes, prefix fills in flight) and only prefixes pin."""
         self.pool.check_integrity()
-        held = sum(len(state.seq.block_table) for state in self._requests.values())
-        num_referenced = self.pool.num_blocks - self.pool.num_free_blocks
-        if held + self.pool.num_pinned_blocks < num_referenced:
-            raise AssertionError(
-                f"leak: {num_referenced} blocks referenced, {held} held by requests, "
-                f"{self.pool.num_pinned_blocks} pinned"
-            )
+        holders = [state.seq.block_table for state in self._requests.values()]
+        prefix_tables = [p.block_ids for p in self.registry.prefixes.values()]
+        loader_tables = self.prefixes.block_holders()
+        expected = Counter(b for table in (*holders, *prefix_tables, *loader_tables) for b in table)
+        actual = Counter({b: c for b, c in enumerate(self.pool.ref_cnt) if c})
+        if expected != actual:
+            diff = {
+                b: (actual.get(b, 0), expected.get(b, 0))
+                for b in expected | actual
+                if actual.get(b, 0) != expected.get(b, 0)
+            }
+            raise AssertionError(f"block ref_cnt != holders (block: (ref_cnt, holders)): {diff}")
 
     def _append_or_fail(self, sampled: SampledToken) -> RequestOutput:
         """Post-process one sampled token; a failure there fails that request alone."""
@@ -258,6 +347,8 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free_blocks,
             "kv_blocks_pinned": self.pool.num_pinned_blocks,
+            "prefix_lookups": self.registry.stats.num_lookups,
+            "prefix_hits": self.registry.stats.num_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "time": time.time(),
         }

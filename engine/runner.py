@@ -22,6 +22,13 @@ class SampledToken:
     logprobs: SampleLogprobs | None
 
 
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[SampledToken]
+    # sequences that filled a registry prefix, with their last-position logits [vocab_size]
+    prefix_logits: list[tuple[Sequence, torch.Tensor]]
+
+
 class ModelRunner:
     """Owns the model and binds the pool's per-layer K/V tensors to its attention layers."""
 
@@ -31,25 +38,58 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.num_forward_calls = 0
+        self.num_forward_tokens = 0
         for i, layer in enumerate(model.attention_layers()):
             layer.k_cache, layer.v_cache = pool.layer_caches(i)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
-        """Run the scheduled chunks; return one sampled token per sequence that reached its end."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run the scheduled chunks; sample one token per sequence that reached its end."""
         ordered = batch_order(out)
-        batch = self.build_batch(ordered)
-        hidden = self.model(batch)  # [num_tokens, hidden]
-        self.num_forward_calls += 1
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
-        sampling = [s.seq for s in ordered if s.is_sampling]
+        sampling = [item for item in ordered if item.is_sampling]
+        logits = self._logits_rows(ordered, sampling)  # [len(sampling), vocab]
+        fills = [(i, item.seq) for i, item in enumerate(sampling) if item.seq.is_prefix_fill]
+        prefix_logits = [(seq, logits[i].clone()) for i, seq in fills]
+        if fills:
+            keep = [i for i, item in enumerate(sampling) if not item.seq.is_prefix_fill]
+            logits = logits[keep]
+            sampling = [sampling[i] for i in keep]
         if not sampling:
-            return []
-        result = self.sampler(logits, _sampling_batch(sampling))
-        return [
+            return StepResult([], prefix_logits)
+        seqs = [item.seq for item in sampling]
+        result = self.sampler(logits, _sampling_batch(seqs))
+        sampled = [
             SampledToken(seq, tok, lp)
-            for seq, tok, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
+            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
+        return StepResult(sampled, prefix_logits)
+
+    def _logits_rows(
+        self, ordered: list[ScheduledSequence], sampling: list[ScheduledSequence]
+    ) -> torch.Tensor:
+        """One logits row per sampling item: from this forward, a leader's row, or the
+        registry's stored row (exact hits need no forward at all)."""
+        computed = [item for item in ordered if item.num_new_tokens > 0]
+        forward_logits = None
+        if computed:
+            batch = self.build_batch(computed)
+            hidden = self.model(batch)  # [num_tokens, hidden]
+            forward_logits = self.model.compute_logits(hidden[batch.logits_indices])
+            self.num_forward_calls += 1
+            self.num_forward_tokens += len(batch.input_ids)
+        if all(item.num_new_tokens > 0 for item in sampling):
+            assert forward_logits is not None or not sampling
+            return forward_logits if forward_logits is not None else torch.empty(0)
+        row_of = {id(item.seq): i for i, item in enumerate(x for x in computed if x.is_sampling)}
+        rows = []
+        for item in sampling:
+            if item.cached_logits is not None:
+                rows.append(item.cached_logits)
+            else:
+                assert forward_logits is not None
+                source = item.leader if item.leader is not None else item.seq
+                rows.append(forward_logits[row_of[id(source)]])
+        return torch.stack(rows)  # [len(sampling), vocab]
 
     def build_batch(self, ordered: list[ScheduledSequence]) -> ForwardBatch:
         """Flatten the step's chunks (in `batch_order`) into the tensors the model reads."""
@@ -123,9 +163,12 @@ class ModelRunner:
 
 
 def batch_order(out: SchedulerOutput) -> list[ScheduledSequence]:
-    """Prefill spans (2+ new tokens) first, then one-token decodes: what attention expects."""
-    prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-    return prefills + [s for s in out.scheduled if s.num_new_tokens == 1]
+    """Prefill spans (2+ new tokens), then one-token decodes (what attention expects), then
+    the sequences that need no forward (exact prefix hits, in-step duplicates)."""
+    by_kind: tuple[list[ScheduledSequence], ...] = ([], [], [])
+    for item in out.scheduled:
+        by_kind[0 if item.num_new_tokens > 1 else 1 if item.num_new_tokens == 1 else 2].append(item)
+    return [*by_kind[0], *by_kind[1], *by_kind[2]]
 
 
 def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:

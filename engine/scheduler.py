@@ -6,6 +6,13 @@ so a long prompt is spread over several steps instead of stalling every running 
 whole prefill. New requests are admitted at every step while there is budget, a free slot
 (`max_num_seqs`) and KV blocks for their first chunk.
 
+Prefix reuse happens at admission, on token ids only: a fresh sequence whose ids start with a
+registered prefix shares that prefix's full blocks (reference counted, zero copy), gets a
+private copy of a partial last block, and starts with those tokens computed; if its ids equal
+the prefix, it needs no forward at all (the prefix's stored logits are sampled). Identical
+fresh prompts admitted in the same step are prefilled once: the first is the leader, the
+others share its blocks and its logits row.
+
 When a sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it goes back to the front of the waiting queue to be recomputed
 later (prompt + the tokens it already produced), instead of the engine failing.
@@ -16,14 +23,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.kv_cache import BlockPool, num_blocks_for
+from engine.registry import PrefixMatch, PrefixRegistry
 from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledSequence:
+    """A sequence and how many new tokens it feeds this step.
+
+    `num_new_tokens == 0` happens for exact registry hits (`cached_logits` holds the row to
+    sample) and in-batch duplicates (`leader` is the sequence whose logits row they share).
+    """
+
     seq: Sequence
     num_new_tokens: int
+    cached_logits: torch.Tensor | None = None
+    leader: Sequence | None = None
 
     @property
     def is_sampling(self) -> bool:
@@ -35,6 +53,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (src, dst) block copies to run once this step's forward has filled `src`
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,8 +68,15 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and every sequence's KV blocks."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        registry: PrefixRegistry | None = None,
+    ) -> None:
         self.pool = pool
+        self.registry = registry  # None: every form of reuse is off
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -71,13 +98,17 @@ class Scheduler:
 
     def finish(self, seq: Sequence, finish_reason: str) -> None:
         """Remove a sequence from whichever queue holds it and release its blocks."""
+        self.detach(seq)
+        self._release_blocks(seq)
+        seq.finish_reason = finish_reason
+
+    def detach(self, seq: Sequence) -> None:
+        """Remove a sequence from the queues; its blocks stay with the caller (a new owner)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release_blocks(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = finish_reason
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -101,22 +132,94 @@ class Scheduler:
         return out
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance each scheduled sequence's computed-token count after its forward ran."""
+        """Advance computed-token counts and copy duplicates' tail blocks, after the forward."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+        for src, dst in out.block_copies:
+            self.pool.copy_block(src, dst)
 
     # -- internals ------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        leaders: dict[tuple[int, ...], Sequence] = {}
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, num_new):
-                break  # head of line waits for blocks: no overtaking, no starvation
+            item = self._admit_one(seq, budget, leaders, out)
+            if item is None:
+                break  # head of line waits for budget or blocks: no overtaking, no starvation
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            out.scheduled.append(item)
+            budget -= item.num_new_tokens
+
+    def _admit_one(
+        self,
+        seq: Sequence,
+        budget: int,
+        leaders: dict[tuple[int, ...], Sequence],
+        out: SchedulerOutput,
+    ) -> ScheduledSequence | None:
+        can_dedup = (
+            self.registry is not None
+            and seq.num_computed_tokens == 0
+            and (seq.num_output_tokens == 0 and not seq.is_prefix_fill)
+        )
+        key = tuple(seq.token_ids) if can_dedup else ()
+        if key in leaders:
+            return self._admit_duplicate(seq, leaders[key], out)
+        match = self._attach_prefix(seq) if self.registry and seq.num_computed_tokens == 0 else None
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if (num_new == 0 and seq.num_uncomputed_tokens > 0) or not self._reserve(seq, num_new):
+            self._release_blocks(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            return None
+        is_fresh_request = seq.num_prompt_tokens == seq.num_tokens and not seq.is_prefix_fill
+        if self.registry is not None and is_fresh_request:
+            self.registry.record_lookup(match)
+        if can_dedup and num_new == seq.num_uncomputed_tokens and num_new > 0:
+            leaders[key] = seq
+        exact_logits = match.prefix.last_logits if match is not None and num_new == 0 else None
+        return ScheduledSequence(seq, num_new, exact_logits)
+
+    def _attach_prefix(self, seq: Sequence) -> PrefixMatch | None:
+        """Share the longest matching prefix's blocks; copy its partial tail block."""
+        assert self.registry is not None
+        match = self.registry.match(seq.token_ids)
+        if match is None:
+            return None
+        prefix = match.prefix
+        if prefix.is_tail_partial and not self.pool.can_allocate(1):
+            return None
+        shared = prefix.block_ids[: prefix.num_full_blocks]
+        self.pool.share(shared)
+        seq.block_table = list(shared)
+        if prefix.is_tail_partial:
+            # Copy on write, up front: the request writes its own tokens right after the
+            # prefix, inside this block, so it must never be the registry's block.
+            [tail] = self.pool.allocate(1)
+            self.pool.copy_block(prefix.block_ids[-1], tail)
+            seq.block_table.append(tail)
+        seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
+        return match
+
+    def _admit_duplicate(
+        self, seq: Sequence, leader: Sequence, out: SchedulerOutput
+    ) -> ScheduledSequence | None:
+        """Same prompt as a sequence prefilled in this very step: share its work."""
+        num_tokens = leader.num_tokens
+        num_full = num_tokens // self.pool.block_size
+        is_tail_partial = num_tokens % self.pool.block_size != 0
+        if is_tail_partial and not self.pool.can_allocate(1):
+            return None
+        shared = leader.block_table[:num_full]
+        self.pool.share(shared)
+        seq.block_table = list(shared)
+        if is_tail_partial:
+            [tail] = self.pool.allocate(1)
+            seq.block_table.append(tail)
+            out.block_copies.append((leader.block_table[num_full], tail))
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        return ScheduledSequence(seq, 0, leader=leader)
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Reserve blocks for `num_new` more tokens, preempting newer sequences if needed.

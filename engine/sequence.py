@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.registry_file import PrefixSpec
 from engine.sampling_params import SamplingParams
 
 
@@ -39,6 +40,11 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    prefix_spec: PrefixSpec | None = None  # set: this sequence fills a registry prefix
+
+    @property
+    def is_prefix_fill(self) -> bool:
+        return self.prefix_spec is not None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,142 @@
+"""PrefixRegistry: operator-declared prefixes held as pinned KV blocks, matched on token ids.
+
+Ownership: each registered prefix owns one reference (and one pin) on each of its blocks.
+A request that matches takes its own reference on the prefix's full blocks (zero copy) and
+gets a private copy of a partial last block, so it never writes into a shared block. When a
+reload removes or replaces a prefix, the registry drops its reference and pin; requests still
+holding the blocks keep them alive until they finish.
+
+Engine-thread only, like the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import BlockPool
+from engine.registry_file import PrefixSpec
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    num_hits: int = 0
+    num_cached_tokens: int = 0  # tokens served from this prefix's blocks, summed over hits
+    last_hit_time: float | None = None
+
+
+@dataclass(slots=True)
+class RegisteredPrefix:
+    spec: PrefixSpec
+    block_ids: list[int]
+    last_logits: torch.Tensor  # [vocab_size], on the device: an exact hit needs no forward
+    block_size: int
+    stats: PrefixStats = field(default_factory=PrefixStats)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.spec.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.spec.token_ids)
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.num_tokens // self.block_size
+
+    @property
+    def is_tail_partial(self) -> bool:
+        return self.num_tokens % self.block_size != 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    prefix: RegisteredPrefix
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefix.num_tokens
+
+
+@dataclass(slots=True)
+class ReloadStatus:
+    """Outcome of the last load/reload, for the admin API."""
+
+    time: float | None = None
+    ok: bool | None = None
+    error: str | None = None
+    num_prefixes: int = 0
+
+
+@dataclass(slots=True)
+class RegistryStats:
+    num_lookups: int = 0
+    num_hits: int = 0
+    num_cached_tokens: int = 0
+
+
+class PrefixRegistry:
+    """The live set of pinned prefixes plus hit statistics."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.prefixes: dict[str, RegisteredPrefix] = {}
+        self.stats = RegistryStats()
+        self.last_reload = ReloadStatus()
+
+    def match(self, token_ids: Sequence[int]) -> PrefixMatch | None:
+        """Longest registered prefix whose ids start `token_ids` (equal ids included)."""
+        best: RegisteredPrefix | None = None
+        n = len(token_ids)
+        for prefix in self.prefixes.values():
+            k = prefix.num_tokens
+            longer = best is None or k > best.num_tokens
+            if k <= n and longer and tuple(token_ids[:k]) == prefix.token_ids:
+                best = prefix
+        return PrefixMatch(best) if best is not None else None
+
+    def record_lookup(self, match: PrefixMatch | None) -> None:
+        """Count a request's lookup (prefix fills are not counted)."""
+        self.stats.num_lookups += 1
+        if match is None:
+            return
+        prefix = match.prefix
+        prefix.stats.num_hits += 1
+        prefix.stats.num_cached_tokens += match.num_tokens
+        prefix.stats.last_hit_time = time.time()
+        self.stats.num_hits += 1
+        self.stats.num_cached_tokens += match.num_tokens
+
+    def unchanged(self, spec: PrefixSpec) -> RegisteredPrefix | None:
+        """The live prefix with this name and the very same token ids, if any."""
+        live = self.prefixes.get(spec.name)
+        return live if live is not None and live.token_ids == spec.token_ids else None
+
+    def install(self, prefixes: dict[str, RegisteredPrefix]) -> None:
+        """Swap in a new set atomically; drop the registry's hold on prefixes that left it."""
+        kept = {id(p) for p in prefixes.values()}
+        for old in self.prefixes.values():
+            if id(old) not in kept:
+                release(self.pool, old)
+        self.prefixes = prefixes
+
+    def clear(self) -> None:
+        self.install({})
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len({b for p in self.prefixes.values() for b in p.block_ids})
+
+
+def release(pool: BlockPool, prefix: RegisteredPrefix) -> None:
+    """Give back the registry's pin and reference on a prefix's blocks."""
+    pool.unpin(prefix.block_ids)
+    pool.free(prefix.block_ids)

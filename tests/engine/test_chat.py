@@ -1,0 +1,105 @@
+"""engine.chat: the one path from chat messages or prompt text to token ids."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from engine.chat import chat_prompt_ids, text_prompt_ids
+from engine.errors import InvalidRequestError
+
+MESSAGES = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello there!"},
+)
+# <|im_start|>system\nYou are a helpful assistant.<|im_end|>\n
+MESSAGES_IDS = [1, 85, 459, 410, 201, 398, 296, 260, 488, 427, 415, 295, 447, 453, 86, 16, 2, 201]
+# <|im_start|>user\nHello there!<|im_end|>\n
+MESSAGES_IDS += [1, 87, 85, 271, 201, 388, 266, 81, 363, 3, 2, 201]
+# <|im_start|>assistant\n
+GENERATION_PROMPT_IDS = [1, 401, 447, 453, 86, 201]
+
+
+def _with_template(
+    tokenizer: PreTrainedTokenizerBase, template: str | None
+) -> PreTrainedTokenizerBase:
+    """A copy of the session tokenizer with another chat template (the fixture stays intact)."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_chat_prompt_ids_with_generation_prompt(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = chat_prompt_ids(tiny_tokenizer, MESSAGES)
+    assert ids == MESSAGES_IDS + GENERATION_PROMPT_IDS
+    assert type(ids) is list
+    assert all(type(token_id) is int for token_id in ids)
+
+
+def test_chat_prompt_ids_without_generation_prompt(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    assert chat_prompt_ids(tiny_tokenizer, MESSAGES, add_generation_prompt=False) == MESSAGES_IDS
+
+
+def test_chat_prompt_ids_equal_the_rendered_text_encoded(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    rendered = tiny_tokenizer.apply_chat_template(
+        list(MESSAGES), add_generation_prompt=True, tokenize=False
+    )
+    encoded = tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert chat_prompt_ids(tiny_tokenizer, MESSAGES) == encoded
+
+
+def test_text_prompt_ids(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = text_prompt_ids(tiny_tokenizer, "The model reads the prompt.")
+    assert ids == [285, 324, 375, 85, 264, 383, 16]
+    assert tiny_tokenizer.decode(ids) == "The model reads the prompt."
+
+
+def test_text_prompt_ids_keeps_special_tokens_in_text(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    assert text_prompt_ids(tiny_tokenizer, "<|im_start|>user") == [1, 87, 85, 271]
+
+
+def test_no_chat_template_is_an_invalid_request(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    tokenizer = _with_template(tiny_tokenizer, None)
+    with pytest.raises(InvalidRequestError, match="no chat template") as info:
+        chat_prompt_ids(tokenizer, MESSAGES)
+    assert info.value.param == "messages"
+    assert tiny_tokenizer.chat_template is not None
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        pytest.param(
+            "{{ raise_exception('Conversation roles must alternate user/assistant') }}",
+            "the chat template rejected the messages: "
+            "Conversation roles must alternate user/assistant",
+            id="raise_exception",
+        ),
+        pytest.param(
+            "{% for m in messages %}{{ m['content'].nope() }}{% endfor %}",
+            "the chat template rejected the messages: 'str object' has no attribute 'nope'",
+            id="undefined",
+        ),
+        pytest.param(
+            "{{ messages | no_such_filter }}",
+            "the chat template rejected the messages: No filter named 'no_such_filter'.",
+            id="syntax",
+        ),
+    ],
+)
+def test_template_errors_are_invalid_requests(
+    tiny_tokenizer: PreTrainedTokenizerBase, template: str, message: str
+) -> None:
+    tokenizer = _with_template(tiny_tokenizer, template)
+    with pytest.raises(InvalidRequestError) as info:
+        chat_prompt_ids(tokenizer, MESSAGES)
+    assert info.value.message == message
+    assert info.value.param == "messages"
