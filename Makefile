@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)  ## create .venv and install the project with its dev extras
 
 serve: $(STAMP)  ## serve the embedded model with prefixes.yaml on 127.0.0.1:8000
-	$(BIN)/prefixgate serve $(ARGS)
+	$(BIN)/prefixgate serve --prefixes prefixes.yaml $(ARGS)
 
 test: $(STAMP)  ## run the whole test suite (unit + end-to-end on the real default model)
 	$(BIN)/pytest $(ARGS)

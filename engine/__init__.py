@@ -17,19 +17,23 @@ from engine.errors import (
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, SampleLogprobs, TokenLogprob
 from engine.prefix_loader import PrefixBudgetError
-from engine.registry import PrefixRegistry, RegisteredPrefix, ReloadStatus
+from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
 from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats, PrefixInfo
 
 __all__ = [
     "AsyncEngine",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
+    "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
+    "MatchReport",
     "ModelLoadError",
     "PrefixBudgetError",
+    "PrefixInfo",
     "PrefixRegistry",
     "PrefixSpec",
     "PromptTooLongError",

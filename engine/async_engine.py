@@ -20,14 +20,15 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.registry import ReloadStatus
+from engine.registry import MatchReport, ReloadStatus
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,6 +126,10 @@ class AsyncEngine:
         await self.run_in_engine(lambda e: e.reload_prefix_file(done.set_result))
         return await asyncio.wrap_future(done)
 
+    async def explain_prefix_match(self, token_ids: list[int]) -> MatchReport:
+        """Which registered prefix these ids hit, or where the closest one diverged."""
+        return await self.run_in_engine(lambda e: e.registry.explain(token_ids))
+
     # -- engine thread --------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -217,6 +222,6 @@ class AsyncEngine:
         else:
             stream.put(output)
 
-    def stats(self) -> dict[str, Any]:
-        """A snapshot for metrics; plain int reads, safe from any thread."""
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics and the admin API; safe from any thread."""
         return self.engine.stats()

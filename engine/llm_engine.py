@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
@@ -31,6 +30,7 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import EngineStats, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -340,15 +340,6 @@ class LLMEngine:
                     results[output.request_id].extend(output.token_ids)
         return [results[i] for i in ids]
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_free": self.pool.num_free_blocks,
-            "kv_blocks_pinned": self.pool.num_pinned_blocks,
-            "prefix_lookups": self.registry.stats.num_lookups,
-            "prefix_hits": self.registry.stats.num_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "time": time.time(),
-        }
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics and the admin API; safe to call from another thread."""
+        return snapshot(self.pool, self.scheduler, self.registry, self.prefixes.is_pending)

@@ -66,6 +66,19 @@ class PrefixMatch:
         return self.prefix.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class MatchReport:
+    """Why a prompt did or did not hit: the matched prefix, else where the closest one diverged."""
+
+    num_prompt_tokens: int
+    matched: str | None
+    num_matched_tokens: int
+    closest: str | None = None
+    diverged_at: int | None = None  # first token position where `closest` and the prompt differ
+    prefix_token_id: int | None = None  # the prefix's token there
+    prompt_token_id: int | None = None  # the prompt's token there (None: the prompt ended)
+
+
 @dataclass(slots=True)
 class ReloadStatus:
     """Outcome of the last load/reload, for the admin API."""
@@ -103,6 +116,28 @@ class PrefixRegistry:
                 best = prefix
         return PrefixMatch(best) if best is not None else None
 
+    def explain(self, token_ids: Sequence[int]) -> MatchReport:
+        """The admin view of `match`: also finds the closest prefix that did not match."""
+        match = self.match(token_ids)
+        misses = [p for p in self.prefixes.values() if match is None or p is not match.prefix]
+        misses = [p for p in misses if not _starts_with(token_ids, p.token_ids)]
+        report = MatchReport(
+            len(token_ids), match.prefix.name if match else None, match.num_tokens if match else 0
+        )
+        if not misses:
+            return report
+        closest = max(misses, key=lambda p: _common_length(token_ids, p.token_ids))
+        at = _common_length(token_ids, closest.token_ids)
+        return MatchReport(
+            report.num_prompt_tokens,
+            report.matched,
+            report.num_matched_tokens,
+            closest.name,
+            at,
+            closest.token_ids[at],
+            token_ids[at] if at < len(token_ids) else None,
+        )
+
     def record_lookup(self, match: PrefixMatch | None) -> None:
         """Count a request's lookup (prefix fills are not counted)."""
         self.stats.num_lookups += 1
@@ -134,6 +169,19 @@ class PrefixRegistry:
     @property
     def num_pinned_blocks(self) -> int:
         return len({b for p in self.prefixes.values() for b in p.block_ids})
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _starts_with(token_ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(prefix) <= len(token_ids) and tuple(token_ids[: len(prefix)]) == tuple(prefix)
 
 
 def release(pool: BlockPool, prefix: RegisteredPrefix) -> None:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import time
 import uuid
 from collections.abc import Sequence
 
-from engine import EngineConfig, EngineError, LLMEngine, SamplingParams
+from engine import (
+    EngineConfig,
+    EngineError,
+    LLMEngine,
+    SamplingParams,
+    chat_prompt_ids,
+    text_prompt_ids,
+)
 
 logger = logging.getLogger("prefixgate")
 
@@ -54,6 +62,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--prefixes",
+        dest="prefix_file",
+        default=None,
+        help="prefix registry YAML (watched and hot-reloaded)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -70,6 +84,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=args.enable_prefix_cache,
         num_threads=args.num_threads,
         seed=args.seed,
+        prefix_file=args.prefix_file,
     )
 
 
@@ -77,6 +92,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("PREFIXGATE_API_KEY"),
+        help="required as a Bearer token (default: $PREFIXGATE_API_KEY)",
+    )
+    serve.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("PREFIXGATE_ADMIN_API_KEY"),
+        help="required by the registry admin routes",
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests waiting to start before answering 429",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get after SIGTERM",
+    )
+    serve.add_argument("--served-model-name", default=None)
+    add_engine_args(serve)
     gen = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--system", default=None, help="system message")
@@ -92,13 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     if args.raw:
-        prompt_ids = engine.tokenizer.encode(args.prompt)
+        prompt_ids = text_prompt_ids(engine.tokenizer, args.prompt)
     else:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
-        prompt_ids = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -126,12 +166,54 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Run uvicorn; SIGTERM stops accepting, gives in-flight requests `--shutdown-grace`
+    seconds, then the engine aborts the rest, and the process exits 0."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    config = GatewayConfig(
+        engine=engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_waiting=args.max_waiting,
+        shutdown_grace=args.shutdown_grace,
+        served_model_name=args.served_model_name,
+    )
+    logger.info(
+        "starting prefixgate on http://%s:%d (model %s, device %s, dtype %s)",
+        args.host,
+        args.port,
+        args.model or "embedded SmolLM2-135M-Instruct",
+        args.device,
+        args.dtype,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=args.host,
+            port=args.port,
+            log_config=None,
+            timeout_graceful_shutdown=max(args.shutdown_grace, 0.1),
+            lifespan="on",
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if args.command == "serve":
+            return serve(args)
         if args.command == "generate":
             return generate(args)
     except EngineError as exc:

@@ -413,3 +413,26 @@ def test_async_engine_watches_the_file_and_reloads_on_request(
     finally:
         engine.shutdown()
     _assert_idle(llm)
+
+
+def test_explain_names_the_match_or_the_closest_divergence(
+    tiny_llama_path: Path, prefix_file: Path, prompts: list[list[int]], tiny_tokenizer: Any
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file)
+    sys_len = engine.registry.prefixes["sys"].num_tokens
+    hit = engine.registry.explain(prompts[0])
+    assert (hit.matched, hit.num_matched_tokens, hit.num_prompt_tokens) == (
+        "sys",
+        sys_len,
+        len(prompts[0]),
+    )
+    other = chat_prompt_ids(
+        tiny_tokenizer,
+        [{"role": "system", "content": "You are a cat."}, {"role": "user", "content": "Hi"}],
+    )
+    miss = engine.registry.explain(other)
+    sys_ids = engine.registry.prefixes["sys"].token_ids
+    at = next(i for i, (a, b) in enumerate(zip(other, sys_ids, strict=False)) if a != b)
+    assert (miss.matched, miss.closest, miss.diverged_at) == (None, "sys", at)
+    assert (miss.prefix_token_id, miss.prompt_token_id) == (sys_ids[at], other[at])
+    assert engine.registry.stats.num_lookups == 0  # the admin view counts nothing

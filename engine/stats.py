@@ -1,0 +1,87 @@
+"""Read-only snapshots of engine state for metrics and the admin API.
+
+Built on whatever thread asks (the gateway's event loop): they only read ints and replace-on-
+write containers (the registry swaps its dict, never mutates it), so no lock is needed and a
+snapshot is at worst one step stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockPool
+from engine.registry import PrefixRegistry
+from engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixInfo:
+    name: str
+    description: str
+    kind: str
+    num_tokens: int
+    num_blocks: int
+    is_tail_partial: bool
+    num_hits: int
+    num_cached_tokens: int
+    last_hit_time: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_pinned_kv_blocks: int
+    block_size: int
+    num_preemptions: int
+    prefix_lookups: int
+    prefix_hits: int
+    prefix_cached_tokens: int
+    prefixes: tuple[PrefixInfo, ...]
+    last_reload_time: float | None
+    last_reload_ok: bool | None
+    last_reload_error: str | None
+    is_reload_pending: bool
+
+    @property
+    def kv_cache_usage_ratio(self) -> float:
+        """Share of blocks in use by requests or prefixes (pinned blocks count as used)."""
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
+
+
+def snapshot(
+    pool: BlockPool, scheduler: Scheduler, registry: PrefixRegistry, is_reload_pending: bool
+) -> EngineStats:
+    reload = registry.last_reload
+    return EngineStats(
+        num_requests_running=sum(1 for s in list(scheduler.running) if not s.is_prefix_fill),
+        num_requests_waiting=sum(1 for s in list(scheduler.waiting) if not s.is_prefix_fill),
+        num_kv_blocks=pool.num_blocks,
+        num_free_kv_blocks=pool.num_free_blocks,
+        num_pinned_kv_blocks=pool.num_pinned_blocks,
+        block_size=pool.block_size,
+        num_preemptions=scheduler.num_preemptions,
+        prefix_lookups=registry.stats.num_lookups,
+        prefix_hits=registry.stats.num_hits,
+        prefix_cached_tokens=registry.stats.num_cached_tokens,
+        prefixes=tuple(
+            PrefixInfo(
+                name=p.name,
+                description=p.spec.description,
+                kind=p.spec.kind,
+                num_tokens=p.num_tokens,
+                num_blocks=len(p.block_ids),
+                is_tail_partial=p.is_tail_partial,
+                num_hits=p.stats.num_hits,
+                num_cached_tokens=p.stats.num_cached_tokens,
+                last_hit_time=p.stats.last_hit_time,
+            )
+            for p in registry.prefixes.values()
+        ),
+        last_reload_time=reload.time,
+        last_reload_ok=reload.ok,
+        last_reload_error=reload.error,
+        is_reload_pending=is_reload_pending,
+    )

@@ -1,0 +1,87 @@
+"""create_app(): the Starlette application, its routes and its lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engine import AsyncEngine
+from gateway import errors
+from gateway.config import GatewayConfig
+from gateway.routes.chat import create_chat_completion
+from gateway.routes.completions import create_completion
+from gateway.routes.models import health, list_models, metrics
+from gateway.routes.prefixes import list_prefixes, match_prefix, reload_prefixes
+from gateway.state import Gateway
+
+logger = logging.getLogger(__name__)
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def create_app(
+    config: GatewayConfig,
+    engine: AsyncEngine | None = None,
+    on_fatal: Callable[[], None] | None = None,
+) -> Starlette:
+    """`engine=None` loads the configured model in the background once the server listens,
+    so /health answers 503 meanwhile; if loading fails, `on_fatal` is called (the CLI stops
+    the server and exits non-zero). Tests may pass a ready AsyncEngine instead."""
+    gateway = Gateway(config, engine)
+
+    async def load() -> None:
+        try:
+            await gateway.start()
+        except Exception:
+            if on_fatal is not None:
+                on_fatal()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            gateway.shutdown()
+
+    def counted(route: str, handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except Exception as exc:
+                gateway.metrics.observe_request(route, errors.status_of(exc))
+                raise
+            gateway.metrics.observe_request(route, response.status_code)
+            return response
+
+        return wrapped
+
+    routes = [
+        Route(
+            "/v1/chat/completions",
+            counted("/v1/chat/completions", create_chat_completion),
+            methods=["POST"],
+        ),
+        Route("/v1/completions", counted("/v1/completions", create_completion), methods=["POST"]),
+        Route("/v1/models", counted("/v1/models", list_models), methods=["GET"]),
+        Route("/v1/prefixes", counted("/v1/prefixes", list_prefixes), methods=["GET"]),
+        Route(
+            "/v1/prefixes/reload", counted("/v1/prefixes/reload", reload_prefixes), methods=["POST"]
+        ),
+        Route("/v1/prefixes/match", counted("/v1/prefixes/match", match_prefix), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    errors.install_error_handlers(app)
+    return app

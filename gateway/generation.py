@@ -1,0 +1,164 @@
+"""Running one API request as n engine requests, and turning engine outputs into API pieces.
+
+Shared by the chat and completion routes: fan-out over choices, metrics timing, the waiting
+count used for backpressure, and logprob conversion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine import AsyncEngine, RequestOutput, SampleLogprobs, SamplingParams
+from gateway.state import Gateway
+
+
+@dataclass(slots=True)
+class Choice:
+    """Everything one choice produced, accumulated over the stream."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+
+
+@dataclass(slots=True)
+class Job:
+    """One prompt's engine requests (one per choice) and their timing."""
+
+    gateway: Gateway
+    engine: AsyncEngine
+    request_id: str
+    prompts: list[list[int]]  # per choice (a completion with several prompts fans out too)
+    params: list[SamplingParams]
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    choices: list[Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.choices = [Choice(i) for i in range(len(self.prompts))]
+
+    async def run(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Merge the choices' streams; each output comes with its (updated) Choice."""
+        self.gateway.num_waiting += 1
+        waiting = True
+        try:
+            async for index, out in _merge(self._streams()):
+                if waiting:
+                    self.gateway.num_waiting -= 1
+                    waiting = False
+                    self.first_token = time.perf_counter()
+                choice = self.choices[index]
+                choice.add(out)
+                yield choice, out
+        finally:
+            if waiting:
+                self.gateway.num_waiting -= 1
+            self._observe()
+
+    def _streams(self) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            self.engine.generate(prompt, params, f"{self.request_id}-{i}")
+            for i, (prompt, params) in enumerate(zip(self.prompts, self.params, strict=True))
+        ]
+
+    def _observe(self) -> None:
+        if self.first_token is None or not all(c.finish_reason for c in self.choices):
+            return
+        metrics, end = self.gateway.metrics, time.perf_counter()
+        metrics.observe_ttft(self.first_token - self.started)
+        metrics.observe_e2e(end - self.started)
+        num_out = max(len(c.token_ids) for c in self.choices)
+        if num_out > 1:
+            metrics.observe_tpot((end - self.first_token) / (num_out - 1))
+        metrics.observe_tokens(
+            self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens
+        )
+
+    # -- usage: prompt tokens count once per prompt, as OpenAI does for n > 1 ---------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in _distinct(self.prompts))
+
+    @property
+    def num_cached_tokens(self) -> int:
+        firsts: dict[tuple[int, ...], int] = {}
+        for prompt, choice in zip(self.prompts, self.choices, strict=True):
+            firsts.setdefault(tuple(prompt), choice.num_cached_tokens)
+        return sum(firsts.values())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n choices of one prompt; a seeded request gets seed, seed+1, ... so choices differ."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+
+
+def _distinct(prompts: list[list[int]]) -> list[list[int]]:
+    seen: dict[tuple[int, ...], list[int]] = {}
+    for prompt in prompts:
+        seen.setdefault(tuple(prompt), prompt)
+    return list(seen.values())
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams; closing this closes (and so aborts) every one."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return str(tokenizer.decode([token_id]))

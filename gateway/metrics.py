@@ -1,0 +1,281 @@
+"""Prometheus metrics for the gateway: request metrics it records, engine gauges read per scrape.
+
+`GatewayMetrics` owns its own `CollectorRegistry` (never the process-global one), so several
+apps, or several tests, in one process never share or clash over series.
+
+Two kinds of series:
+- request metrics (`prefixgate_requests_total`, latency histograms, token counters) are pushed
+  by the gateway as requests finish;
+- engine metrics (queue sizes, KV blocks, prefix hits, reload status) are pulled from one
+  `EngineStats` snapshot at scrape time by `_EngineCollector`, so they can never drift from the
+  engine. Before the engine is ready (`stats()` returns None) none of them are emitted.
+
+Every series carries `model_name`, as vLLM's `vllm:` metrics do, so dashboards and the Gateway API
+Inference Extension can select by model. Names follow Prometheus conventions (base units,
+`_total` on counters); see docs/metrics.md for the full table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from engine import EngineStats
+
+# Buckets sized for a CPU engine: prefill of a long prompt takes seconds, a decode step tens of
+# milliseconds, a long completion minutes.
+# fmt: off
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0)
+# fmt: on
+
+_MODEL = "model_name"
+
+
+def time_per_output_token(
+    e2e_seconds: float, ttft_seconds: float, num_completion_tokens: int
+) -> float | None:
+    """Mean inter-token latency of one request, or None when it produced fewer than 2 tokens.
+
+    The first token's latency is TTFT; the remaining `num_completion_tokens - 1` tokens share
+    the rest of the request's time.
+    """
+    if num_completion_tokens < 2:
+        return None
+    return (e2e_seconds - ttft_seconds) / (num_completion_tokens - 1)
+
+
+class GatewayMetrics:
+    """The gateway's metrics: recorded per request, plus engine gauges read at scrape time.
+
+    `stats` is called once per scrape, on the scraping thread (the event loop); it returns None
+    until the engine is ready.
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        self._requests = Counter(
+            "prefixgate_requests",
+            "Finished HTTP requests by route and status code.",
+            [_MODEL, "route", "status"],
+            registry=self.registry,
+        )
+        self._ttft = self._histogram(
+            "prefixgate_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            TTFT_BUCKETS,
+        )
+        self._tpot = self._histogram(
+            "prefixgate_time_per_output_token_seconds",
+            "Mean time per output token after the first, one observation per request.",
+            TPOT_BUCKETS,
+        )
+        self._e2e = self._histogram(
+            "prefixgate_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            E2E_BUCKETS,
+        )
+        self._prompt_tokens = self._counter(
+            "prefixgate_prompt_tokens", "Prompt tokens of finished requests."
+        )
+        self._generation_tokens = self._counter(
+            "prefixgate_generation_tokens", "Generated (completion) tokens of finished requests."
+        )
+        self._cached_tokens = self._counter(
+            "prefixgate_prompt_cached_tokens",
+            "Prompt tokens of finished requests served from cached (prefix) KV blocks.",
+        )
+        self._per_model: tuple[Counter | Histogram, ...] = (
+            self._ttft,
+            self._tpot,
+            self._e2e,
+            self._prompt_tokens,
+            self._generation_tokens,
+            self._cached_tokens,
+        )
+        for family in self._per_model:
+            # Create the one series now so it is exported (at zero) before any request.
+            family.labels(model_name)
+        self._collector = _EngineCollector(stats, model_name)
+        self.registry.register(self._collector)
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        """Relabel every series, e.g. once the engine has loaded and knows its model.
+
+        Meant for start-up, before the engine serves: the latency histograms and token counters
+        move to the new name and restart from zero; `prefixgate_requests_total` series already
+        recorded (such as 503s while loading) keep the old name.
+        """
+        if name == self._model_name:
+            return
+        for family in self._per_model:
+            family.remove(self._model_name)
+            family.labels(name)
+        self._model_name = self._collector.model_name = name
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, [_MODEL], buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return Counter(name, documentation, [_MODEL], registry=self.registry)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self._requests.labels(self._model_name, route, str(status)).inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.labels(self._model_name).observe(seconds)
+
+    def observe_tpot(self, seconds: float) -> None:
+        """One observation per request; compute it with `time_per_output_token`."""
+        self._tpot.labels(self._model_name).observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.labels(self._model_name).observe(seconds)
+
+    def observe_tokens(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> None:
+        self._prompt_tokens.labels(self._model_name).inc(prompt_tokens)
+        self._generation_tokens.labels(self._model_name).inc(completion_tokens)
+        self._cached_tokens.labels(self._model_name).inc(cached_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition (format 0.0.4) and its Content-Type."""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _EngineCollector:
+    """Builds the engine's metric families from one `EngineStats` snapshot per scrape.
+
+    Engine-side totals (prefix hits, preemptions) are exported as counters: they only grow in
+    the engine, and per-prefix ones restart from zero when a reload re-creates the prefix,
+    which Prometheus' `rate()` treats as a counter reset.
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+        self._stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._stats()
+        if snap is None:
+            return
+        yield from self._load(snap)
+        yield from self._kv_cache(snap)
+        yield from self._prefixes(snap)
+        yield from self._reload(snap)
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=[_MODEL])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        # The library appends `_total`: `name` must not end with it.
+        family = CounterMetricFamily(name, documentation, labels=[_MODEL])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _load(self, snap: EngineStats) -> Iterator[Metric]:
+        yield self._gauge(
+            "prefixgate_num_requests_running",
+            "Requests in the running batch (prefill or decode).",
+            snap.num_requests_running,
+        )
+        yield self._gauge(
+            "prefixgate_num_requests_waiting",
+            "Requests queued, waiting to be scheduled.",
+            snap.num_requests_waiting,
+        )
+        yield self._counter(
+            "prefixgate_num_preemptions",
+            "Requests preempted (blocks freed, recomputed later) for lack of KV blocks.",
+            snap.num_preemptions,
+        )
+
+    def _kv_cache(self, snap: EngineStats) -> Iterator[Metric]:
+        yield self._gauge(
+            "prefixgate_kv_blocks_total", "KV cache blocks in the pool.", snap.num_kv_blocks
+        )
+        yield self._gauge(
+            "prefixgate_kv_blocks_free", "KV cache blocks free.", snap.num_free_kv_blocks
+        )
+        yield self._gauge(
+            "prefixgate_kv_blocks_pinned",
+            "KV cache blocks pinned by registered prefixes.",
+            snap.num_pinned_kv_blocks,
+        )
+        yield self._gauge(
+            "prefixgate_kv_cache_usage_ratio",
+            "Share of KV cache blocks in use, pinned prefix blocks included (0 to 1).",
+            snap.kv_cache_usage_ratio,
+        )
+        yield InfoMetricFamily(
+            "prefixgate_cache_config",
+            "KV cache configuration.",
+            value={
+                _MODEL: self.model_name,
+                "block_size": str(snap.block_size),
+                "num_blocks": str(snap.num_kv_blocks),
+            },
+        )
+
+    def _prefixes(self, snap: EngineStats) -> Iterator[Metric]:
+        yield self._counter(
+            "prefixgate_prefix_lookups",
+            "Prompts checked against the prefix registry.",
+            snap.prefix_lookups,
+        )
+        yield self._counter(
+            "prefixgate_prefix_cache_hits",
+            "Prompts that started with a registered prefix.",
+            snap.prefix_hits,
+        )
+        hits = CounterMetricFamily(
+            "prefixgate_prefix_hits",
+            "Prompts that matched this registered prefix.",
+            labels=[_MODEL, "prefix"],
+        )
+        cached = CounterMetricFamily(
+            "prefixgate_prefix_cached_tokens",
+            "Prompt tokens served from this prefix's pinned KV blocks.",
+            labels=[_MODEL, "prefix"],
+        )
+        # Only prefixes in this snapshot: a prefix removed by a reload drops out of the scrape.
+        for prefix in snap.prefixes:
+            hits.add_metric([self.model_name, prefix.name], prefix.num_hits)
+            cached.add_metric([self.model_name, prefix.name], prefix.num_cached_tokens)
+        yield hits
+        yield cached
+
+    def _reload(self, snap: EngineStats) -> Iterator[Metric]:
+        # Absent, not 0, before the first load: "never reloaded" is not "reload failed".
+        if snap.last_reload_ok is not None:
+            yield self._gauge(
+                "prefixgate_prefix_registry_last_reload_success",
+                "1 if the last prefix registry load or reload succeeded, else 0.",
+                1.0 if snap.last_reload_ok else 0.0,
+            )
+        if snap.last_reload_time is not None:
+            yield self._gauge(
+                "prefixgate_prefix_registry_last_reload_timestamp_seconds",
+                "Unix time of the last prefix registry load or reload.",
+                snap.last_reload_time,
+            )

@@ -1,0 +1,612 @@
+"""The OpenAI wire protocol as pydantic v2 models: requests validated, responses serialised.
+
+Requests are strict (JSON types only: "0.5" is not a number, `true` is not an integer), accept
+unknown fields (logged at DEBUG and ignored: clients send `prompt_cache_key`, `store`,
+`metadata`, ...) and reject features this server lacks with a clear error instead of ignoring
+them. Validators raise `PydanticCustomError` whose type is the OpenAI error code
+("invalid_value", "unsupported_parameter", "unsupported_value"); `gateway.errors` turns the
+first error into the OpenAI error body, with `param` taken from the error's location.
+
+Responses are serialised with a plain `model_dump(mode="json")` / `model_dump_json()`: nulls are
+kept as OpenAI sends them (`"logprobs": null`, `"finish_reason": null` in chunks, `"param": null`
+in errors); only `DeltaMessage` drops its unset fields, so `role` appears in the first chunk only.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from engine import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
+
+FinishReason = Literal["stop", "length"]
+
+
+def random_id(prefix: str) -> str:
+    """`random_id("chatcmpl")` -> "chatcmpl-" + 24 hex chars, like OpenAI's ids."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def api_finish_reason(reason: str | None) -> FinishReason | None:
+    """Map the engine's "stop" | "length" | "abort" | None onto what OpenAI clients accept.
+
+    The engine aborts a request when its client went away or the gateway cancelled it, so an
+    "abort" should never reach a reader; if one does, it ends the choice as "stop" (OpenAI's
+    types have no "abort") and is logged.
+    """
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        logger.warning("an aborted request reached a client; reporting finish_reason 'stop'")
+    else:
+        assert reason == "stop", reason
+    return "stop"
+
+
+def _unsupported() -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", "is not supported by this server")
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+class _RequestModel(BaseModel):
+    """Strict JSON types; unknown fields are allowed, logged at DEBUG and otherwise ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> _RequestModel:
+        if self.model_extra:
+            logger.debug(
+                "ignoring unknown fields of %s: %s", type(self).__name__, sorted(self.model_extra)
+            )
+        return self
+
+
+class TextContentPart(_RequestModel):
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, data: Any) -> Any:
+        part_type = data.get("type", "text") if isinstance(data, dict) else "text"
+        if part_type != "text":
+            raise PydanticCustomError(
+                "unsupported_value",
+                "has type '{part_type}'; {part_type} content parts are not supported by this "
+                "server (send 'text' parts only)",
+                {"part_type": str(part_type)},
+            )
+        return data
+
+
+def _content_as_parts(value: Any) -> Any:
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise PydanticCustomError(
+            "invalid_type",
+            "expected a string or an array of content parts, but got {got} instead",
+            {"got": json_type_name(value)},
+        )
+    return value
+
+
+# Content is a string or a list of parts; both are stored as parts so that validation errors
+# carry their index ("messages[0].content[1]") instead of a union branch name.
+MessageContent = Annotated[
+    list[TextContentPart],
+    BeforeValidator(_content_as_parts, json_schema_input_type=str | list[TextContentPart]),
+]
+
+
+class ChatMessage(_RequestModel):
+    """One input message. "developer" is treated as "system"; `content` may be null only for
+    "assistant" messages (it then counts as empty text)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: MessageContent | None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_roles(cls, value: Any) -> Any:
+        if value in ("tool", "function"):
+            raise PydanticCustomError(
+                "unsupported_value",
+                "is '{role}'; {role} messages are not supported by this server",
+                {"role": value},
+            )
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(
+        cls, value: list[TextContentPart] | None, info: ValidationInfo
+    ) -> list[TextContentPart] | None:
+        role = info.data.get("role")
+        if value is None and role not in (None, "assistant"):
+            raise PydanticCustomError(
+                "invalid_value", "must not be null for role '{role}'", {"role": role}
+            )
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise _unsupported()
+        return value
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or ())
+
+
+def _stop_as_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [value]
+    if value is not None and not isinstance(value, list):
+        raise PydanticCustomError(
+            "invalid_type",
+            "expected a string or an array of strings, but got {got} instead",
+            {"got": json_type_name(value)},
+        )
+    return value
+
+
+StopStrings = Annotated[
+    list[Annotated[str, Field(min_length=1)]],
+    Field(max_length=MAX_STOP_STRINGS),
+    BeforeValidator(_stop_as_list, json_schema_input_type=str | list[str] | None),
+]
+
+
+class StreamOptions(_RequestModel):
+    include_usage: bool | None = None
+
+
+class _GenerationRequest(_RequestModel):
+    """Fields shared by chat and completions. Declaration order matters: a validator reads
+    the fields declared before it from `info.data` (`stream` before `stream_options`, `n`
+    before `best_of`)."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, description="extension; -1 or 0: disabled")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="extension")
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: StopStrings | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, description="extension")
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(default=False, description="extension")
+    skip_special_tokens: bool = Field(default=True, description="extension")
+
+    @field_validator("n", "stream", "ignore_eos", "skip_special_tokens", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise _unsupported()
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is False:
+            raise PydanticCustomError("invalid_value", "only allowed when 'stream' is true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Features this server does not have: accepted only in their "off" form.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_logprobs(cls, value: Any) -> Any:
+        return False if value is None else value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("logprobs") is False:
+            raise PydanticCustomError("invalid_value", "only allowed when 'logprobs' is true")
+        return value
+
+    @field_validator("tools", "functions", "audio", "prediction")
+    @classmethod
+    def _unsupported_feature(cls, value: Any) -> Any:
+        if value:
+            raise _unsupported()
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value is not None and value != "none":
+            raise PydanticCustomError(
+                "unsupported_value",
+                "must be 'none': tool and function calling are not supported by this server",
+            )
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise PydanticCustomError(
+                "unsupported_value",
+                "type '{type}' is not supported by this server; only 'text' is",
+                {"type": str(value.get("type"))},
+            )
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise PydanticCustomError(
+                "unsupported_value",
+                "must be ['text']: other output modalities are not supported by this server",
+            )
+        return value
+
+    def flat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template wants them: role and plain-text content."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            for m in self.messages
+        ]
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """`max_completion_tokens` wins over `max_tokens`; neither set -> `default_max_tokens`."""
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+def _check_prompt(value: Any) -> Any:
+    # Checked here, not by the union below, so that errors name "prompt", not a union branch.
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError(
+            "invalid_type",
+            "expected a string or an array, but got {got} instead",
+            {"got": json_type_name(value)},
+        )
+    if not value:
+        raise PydanticCustomError("invalid_value", "must not be an empty array")
+    if all(isinstance(item, str) for item in value):
+        return value
+    batches = value if all(isinstance(item, list) for item in value) else [value]
+    if not all(_is_token_ids(ids) for ids in batches):
+        raise PydanticCustomError(
+            "invalid_value",
+            "must be a string, an array of strings, an array of token ids or an array of "
+            "non-empty arrays of token ids (token ids are non-negative integers)",
+        )
+    return value
+
+
+def _is_token_ids(ids: list[Any]) -> bool:
+    return bool(ids) and all(type(token_id) is int and token_id >= 0 for token_id in ids)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _no_echo(cls, value: Any) -> Any:
+        if value is True:
+            raise _unsupported()
+        return False if value is None else value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise _unsupported()
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n")
+        if value is not None and n is not None and value != n:
+            raise PydanticCustomError(
+                "unsupported_value",
+                "must equal 'n' ({n}): a best_of other than n is not supported by this server",
+                {"n": n},
+            )
+        return value
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """One entry per prompt: strings, or token id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return prompt
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """`max_tokens` defaults to 16 like OpenAI; an explicit null -> `default_max_tokens`."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def _clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+Logprob = Annotated[float, AfterValidator(_clamp_logprob)]
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def from_counts(
+        cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+    ) -> UsageInfo:
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogprobs(BaseModel):
+    content: list[ChatCompletionTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: FinishReason
+    logprobs: ChatCompletionLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A chunk's delta. Serialises without its unset fields: `{"role": "assistant",
+    "content": ""}` first, then `{"content": "..."}`, and `{}` on the finishing chunk."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: FinishReason | None = None
+    logprobs: ChatCompletionLogprobs | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk. With `stream_options.include_usage`, the last chunk has no choices and
+    carries the usage; every other chunk has `"usage": null`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Logprob] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "prefixgate"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def json_type_name(value: object) -> str:
+    """How OpenAI names a JSON value's type in error messages: "a string", "an array", ..."""
+    if value is None:
+        return "null"
+    for kind, name in _JSON_TYPE_NAMES:
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+_JSON_TYPE_NAMES: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a decimal"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
+)

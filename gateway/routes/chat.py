@@ -1,0 +1,116 @@
+"""POST /v1/chat/completions: render the chat template once, stream or collect the choices."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine import chat_prompt_ids
+from gateway import errors
+from gateway.generation import Choice, Job, fan_out
+from gateway.logprobs import chat_logprobs
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    DeltaMessage,
+    UsageInfo,
+    api_finish_reason,
+    random_id,
+)
+from gateway.routes.common import SSE_DONE, gateway_of, sse_response, usage_of
+
+
+async def create_chat_completion(request: Request) -> Response:
+    gateway = gateway_of(request)
+    gateway.check_auth(request)
+    body = await errors.parse_body(request, ChatCompletionRequest)
+    engine = gateway.ready_engine()
+    gateway.check_model(body.model)
+    prompt_ids = chat_prompt_ids(gateway.tokenizer, body.flat_messages())
+    params = body.to_sampling_params(default_max_tokens=None)
+    engine.engine.validate_request(prompt_ids, params)
+    gateway.check_capacity()
+    job = Job(
+        gateway, engine, random_id("chatcmpl"), [prompt_ids] * body.n, fan_out(params, body.n)
+    )
+    if body.stream:
+        return sse_response(_stream(job, gateway.model_name, body.logprobs, body.include_usage))
+    return await _complete(job, gateway.model_name, body.logprobs)
+
+
+async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:
+    tokenizer = job.gateway.tokenizer
+    async for _ in job.run():
+        pass
+    response = ChatCompletionResponse(
+        id=job.request_id,
+        created=int(time.time()),
+        model=model,
+        choices=[_final_choice(c, tokenizer, want_logprobs) for c in job.choices],
+        usage=usage_of(job),
+    )
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+def _final_choice(
+    choice: Choice, tokenizer: object, want_logprobs: bool
+) -> ChatCompletionResponseChoice:
+    return ChatCompletionResponseChoice(
+        index=choice.index,
+        message=ChatMessageOut(role="assistant", content=choice.text),
+        finish_reason=api_finish_reason(choice.finish_reason) or "stop",
+        logprobs=chat_logprobs(tokenizer, choice.logprobs) if want_logprobs else None,
+    )
+
+
+async def _stream(
+    job: Job, model: str, want_logprobs: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    tokenizer = job.gateway.tokenizer
+    created = int(time.time())
+
+    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        body = ChatCompletionStreamResponse(
+            id=job.request_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return json.dumps(body.model_dump(mode="json", exclude_none=True))
+
+    for choice in job.choices:  # the first delta of each choice carries the role
+        yield chunk(
+            [
+                ChatCompletionStreamChoice(
+                    index=choice.index, delta=DeltaMessage(role="assistant", content="")
+                )
+            ]
+        )
+    async for choice, out in job.run():
+        logprobs = chat_logprobs(tokenizer, out.logprobs or []) if want_logprobs else None
+        if out.text or logprobs is not None:
+            yield chunk(
+                [
+                    ChatCompletionStreamChoice(
+                        index=choice.index, delta=DeltaMessage(content=out.text), logprobs=logprobs
+                    )
+                ]
+            )
+        if out.finished:
+            yield chunk(
+                [
+                    ChatCompletionStreamChoice(
+                        index=choice.index,
+                        delta=DeltaMessage(),
+                        finish_reason=api_finish_reason(out.finish_reason),
+                    )
+                ]
+            )
+    if include_usage:
+        yield chunk([], usage=usage_of(job))
+    yield SSE_DONE

@@ -1,0 +1,47 @@
+"""Pieces every route uses: the Gateway from app state, usage objects, SSE responses."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+
+from engine import EngineError
+from gateway import errors
+from gateway.generation import Job
+from gateway.protocol import UsageInfo
+from gateway.state import Gateway
+
+logger = logging.getLogger(__name__)
+SSE_DONE = "[DONE]"
+
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def usage_of(job: Job) -> UsageInfo:
+    return UsageInfo.from_counts(
+        job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens
+    )
+
+
+def sse_response(events: AsyncIterator[str]) -> EventSourceResponse:
+    """`data: ...` lines separated by blank lines, as OpenAI streams. A failure after the
+    stream started can no longer change the status: it is sent as an error event."""
+
+    async def guarded() -> AsyncIterator[dict[str, str]]:
+        try:
+            async for data in events:
+                yield {"data": data}
+        except EngineError as exc:
+            logger.warning("stream failed: %s", exc)
+            error = errors.from_engine_error(exc)
+            yield {"data": json.dumps(error.body())}
+            yield {"data": SSE_DONE}
+
+    return EventSourceResponse(guarded(), sep="\n", ping=15)

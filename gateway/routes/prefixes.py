@@ -1,0 +1,102 @@
+"""Registry admin: list prefixes with stats, reload the file, explain a (non-)match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine import MatchReport, chat_prompt_ids, text_prompt_ids
+from gateway import errors
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.routes.common import gateway_of
+
+
+async def list_prefixes(request: Request) -> Response:
+    gateway = gateway_of(request)
+    gateway.check_auth(request, admin=True)
+    stats = gateway.ready_engine().stats()
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "name": p.name,
+                    "description": p.description,
+                    "kind": p.kind,
+                    "tokens": p.num_tokens,
+                    "blocks": p.num_blocks,
+                    "partial_tail_block": p.is_tail_partial,
+                    "hits": p.num_hits,
+                    "cached_tokens": p.num_cached_tokens,
+                    "last_hit": p.last_hit_time,
+                }
+                for p in stats.prefixes
+            ],
+            "enabled": gateway.config.engine.enable_prefix_cache,
+            "lookups": stats.prefix_lookups,
+            "hits": stats.prefix_hits,
+            "cached_tokens": stats.prefix_cached_tokens,
+            "last_reload": {
+                "time": stats.last_reload_time,
+                "ok": stats.last_reload_ok,
+                "error": stats.last_reload_error,
+                "pending": stats.is_reload_pending,
+            },
+        }
+    )
+
+
+async def reload_prefixes(request: Request) -> Response:
+    gateway = gateway_of(request)
+    gateway.check_auth(request, admin=True)
+    status = await gateway.ready_engine().reload_prefixes()
+    if not status.ok:
+        raise errors.OpenAIError(
+            400,
+            f"reload failed, the previous registry keeps serving: {status.error}",
+            "invalid_request_error",
+            None,
+            "prefix_reload_failed",
+        )
+    return JSONResponse({"ok": True, "time": status.time, "prefixes": status.num_prefixes})
+
+
+async def match_prefix(request: Request) -> Response:
+    """Body: a chat (`messages`) or completion (`prompt`) request, as a client would send it."""
+    gateway = gateway_of(request)
+    gateway.check_auth(request, admin=True)
+    engine = gateway.ready_engine()
+    raw = await errors.parse_json(request)
+    tokenizer = gateway.tokenizer
+    if "messages" in raw:
+        chat = errors.validate(ChatCompletionRequest, raw)
+        ids = chat_prompt_ids(tokenizer, chat.flat_messages())
+    else:
+        completion = errors.validate(CompletionRequest, raw)
+        first = completion.prompts()[0]
+        ids = first if isinstance(first, list) else text_prompt_ids(tokenizer, first)
+    report = await engine.explain_prefix_match(ids)
+    return JSONResponse(_describe(report, tokenizer))
+
+
+def _describe(report: MatchReport, tokenizer: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": report.num_prompt_tokens,
+        "matched": report.matched,
+        "matched_tokens": report.num_matched_tokens,
+        "closest": None,
+    }
+    if report.closest is not None and report.diverged_at is not None:
+        body["closest"] = {
+            "name": report.closest,
+            "diverged_at": report.diverged_at,
+            "prefix_token": _text(tokenizer, report.prefix_token_id),
+            "prompt_token": _text(tokenizer, report.prompt_token_id),
+        }
+    return body
+
+
+def _text(tokenizer: Any, token_id: int | None) -> str | None:
+    return None if token_id is None else str(tokenizer.decode([token_id]))
