@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
 from gateway.routes.models import health, list_models, metrics
+from gateway.routes.openapi import get_openapi
 from gateway.routes.prefixes import list_prefixes, match_prefix, reload_prefixes
 from gateway.state import Gateway
 
@@ -80,6 +81,7 @@ def create_app(
         Route("/v1/prefixes/match", counted("/v1/prefixes/match", match_prefix), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", get_openapi, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gateway

@@ -771,3 +771,15 @@ def test_models_parse_with_the_sdk() -> None:
         ],
     }
     assert openai.types.Model.model_validate(data["data"][0]).owned_by == "prefixgate"
+
+
+def test_openapi_schema_describes_the_routes_with_the_validating_models() -> None:
+    from gateway.routes.openapi import openapi_schema
+
+    schema = openapi_schema()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref == "#/components/schemas/ChatCompletionRequest"
+    properties = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "model", "stream", "temperature"} <= set(properties)
+    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models"}
