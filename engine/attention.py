@@ -7,6 +7,11 @@ prefix blocks included) plus themselves.
 
 GQA never repeats K/V: prefill spans use SDPA's `enable_gqa`; decodes fold the `group` query
 heads that share a KV head into the query axis (`[B, kv_heads, group, head_dim]`).
+
+Decodes that share a registry prefix's blocks are attended as a cascade: the shared prefix
+once for the whole group (one gather, one batched matmul), each sequence's private suffix on
+its own, and the two partial softmaxes merged by their log-sum-exp. Without it every
+sequence re-gathers the same ~1000 prefix tokens at every step.
 """
 
 from __future__ import annotations
@@ -29,6 +34,16 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decoding sequences attended together; with `prefix_block_ids`, as a cascade."""
+
+    rows: torch.Tensor  # [G] long: positions among the step's decode rows
+    prefix_block_ids: torch.Tensor | None  # [k] long: shared leading blocks (None: plain)
+    block_tables: torch.Tensor  # [G, max_blocks] long: each sequence's blocks after the prefix
+    mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size] bool: valid key slots
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """Everything one model forward needs besides the weights; built once per step."""
 
@@ -37,8 +52,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup]  # every decode row in exactly one group
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
 
 
@@ -76,11 +90,15 @@ def paged_attention(
             span_k = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx]
             span_v = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx]
         out[rows] = _span_attention(q[rows], span_k, span_v, span.mask, scale)
-    if batch.decode_block_tables is not None:
+    if batch.decode_groups:
         start = batch.num_prefill_tokens
-        out[start:] = _decode_attention(
-            q[start:], k_cache, v_cache, batch.decode_block_tables, batch.decode_mask, scale
-        )
+        decode_q, decode_out = q[start:], out[start:]
+        for group in batch.decode_groups:
+            if len(batch.decode_groups) == 1:  # common case: no row shuffling
+                decode_out[:] = _group_attention(decode_q, k_cache, v_cache, group, scale)
+            else:
+                idx = group.rows
+                decode_out[idx] = _group_attention(decode_q[idx], k_cache, v_cache, group, scale)
     return out
 
 
@@ -103,6 +121,50 @@ def _span_attention(
         enable_gqa=True,
     )  # [1, num_heads, n, head_dim]
     return o[0].transpose(0, 1)
+
+
+def _group_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
+    if group.prefix_block_ids is None:
+        return _decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
+    return _cascade_attention(q, k_cache, v_cache, group, scale)
+
+
+def _cascade_attention(
+    q: torch.Tensor,  # [G, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    assert group.prefix_block_ids is not None
+    g, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
+    # Shared prefix, once: every query row of the group against the same keys.
+    kp = k_cache[group.prefix_block_ids].flatten(0, 1)  # [P, kv, d]
+    vp = v_cache[group.prefix_block_ids].flatten(0, 1)
+    qp = q.view(g, num_kv_heads, per_kv, head_dim).permute(1, 0, 2, 3)
+    qp = qp.reshape(num_kv_heads, g * per_kv, head_dim)  # [kv, G * per_kv, d]
+    scores = torch.bmm(qp, kp.permute(1, 2, 0)).float() * scale  # [kv, G * per_kv, P]
+    lse_p = torch.logsumexp(scores, -1)  # [kv, G * per_kv]
+    o_p = torch.bmm(torch.softmax(scores, -1).to(q.dtype), vp.transpose(0, 1))
+    lse_p = lse_p.view(num_kv_heads, g, per_kv).permute(1, 0, 2)  # [G, kv, per_kv]
+    o_p = o_p.view(num_kv_heads, g, per_kv, head_dim).permute(1, 0, 2, 3)  # [G, kv, per_kv, d]
+    # Private suffixes, per sequence (padded, masked).
+    ks = k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)  # [G, kv, L, d]
+    vs = v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+    qs = q.view(g, num_kv_heads, per_kv, head_dim)
+    scores = torch.matmul(qs, ks.transpose(-1, -2)).float() * scale  # [G, kv, per_kv, L]
+    scores = scores.masked_fill(~group.mask, float("-inf"))
+    lse_s = torch.logsumexp(scores, -1)  # [G, kv, per_kv]
+    o_s = torch.matmul(torch.softmax(scores, -1).to(q.dtype), vs)  # [G, kv, per_kv, d]
+    # Merge the two partial softmaxes by their log-sum-exp.
+    lse = torch.logaddexp(lse_p, lse_s)
+    w_p, w_s = torch.exp(lse_p - lse)[..., None], torch.exp(lse_s - lse)[..., None]
+    o = o_p.float() * w_p + o_s.float() * w_s
+    return o.to(q.dtype).reshape(g, num_heads, head_dim)
 
 
 def _decode_attention(

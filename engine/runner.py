@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import ForwardBatch, PrefillSpan, decode_mask, prefill_mask
+from engine.attention import DecodeGroup, ForwardBatch, PrefillSpan, decode_mask, prefill_mask
 from engine.kv_cache import BlockPool
 from engine.models import CausalLM
 from engine.outputs import SampleLogprobs
@@ -116,15 +116,13 @@ class ModelRunner:
             if n > 1:
                 spans.append(self._span(seq, token_start, n))
         num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
-        tables, mask = self._decode_tables(decodes)
         return ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
-            decode_block_tables=tables,
-            decode_mask=mask,
+            decode_groups=self._decode_groups([d.seq for d in decodes]),
             logits_indices=self._tensor(logits_indices),
         )
 
@@ -140,23 +138,34 @@ class ModelRunner:
             mask=mask,
         )
 
-    def _decode_tables(
-        self, decodes: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not decodes:
-            return None, None
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Decodes sharing a registry prefix's blocks form a cascade group (2+ members);
+        everything else is one plain group."""
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
+        for row, seq in enumerate(seqs):
+            key = tuple(seq.block_table[: seq.num_shared_blocks])
+            by_prefix.setdefault(key, []).append(row)
+        plain = by_prefix.pop((), [])
+        for key in [k for k, rows in by_prefix.items() if len(rows) == 1]:
+            plain += by_prefix.pop(key)
+        groups = [self._group(seqs, sorted(plain), 0)] if plain else []
+        groups += [self._group(seqs, rows, len(key)) for key, rows in by_prefix.items()]
+        return groups
+
+    def _group(self, seqs: list[Sequence], rows: list[int], num_shared: int) -> DecodeGroup:
         block_size = self.pool.block_size
-        lens = [d.seq.num_computed_tokens + 1 for d in decodes]
+        tables = [seqs[r].block_table[num_shared:] for r in rows]
+        lens = [seqs[r].num_computed_tokens + 1 - num_shared * block_size for r in rows]
         max_blocks = -(-max(lens) // block_size)
         # Pad with block 0: padded key slots are masked out, whatever they hold.
-        rows = [
-            d.seq.block_table[:max_blocks]
-            + [0] * (max_blocks - len(d.seq.block_table[:max_blocks]))
-            for d in decodes
-        ]
-        tables = self._tensor(rows)  # [num_decodes, max_blocks]
-        mask = decode_mask(self._tensor(lens), max_blocks * block_size)
-        return tables, mask
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+        prefix = seqs[rows[0]].block_table[:num_shared]
+        return DecodeGroup(
+            rows=self._tensor(rows),
+            prefix_block_ids=self._tensor(prefix) if num_shared else None,
+            block_tables=self._tensor(padded),  # [G, max_blocks]
+            mask=decode_mask(self._tensor(lens), max_blocks * block_size),
+        )
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

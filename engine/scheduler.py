@@ -200,6 +200,7 @@ class Scheduler:
             self.pool.copy_block(prefix.block_ids[-1], tail)
             seq.block_table.append(tail)
         seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
+        seq.num_shared_blocks = prefix.num_full_blocks
         return match
 
     def _admit_duplicate(
@@ -219,6 +220,7 @@ class Scheduler:
             seq.block_table.append(tail)
             out.block_copies.append((leader.block_table[num_full], tail))
         seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        seq.num_shared_blocks = leader.num_shared_blocks  # the registry part, as the leader's
         return ScheduledSequence(seq, 0, leader=leader)
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
@@ -258,3 +260,4 @@ class Scheduler:
     def _release_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.num_shared_blocks = 0

@@ -41,6 +41,9 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     prefix_spec: PrefixSpec | None = None  # set: this sequence fills a registry prefix
+    # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
+    # attend to them once per step as a group (cascade attention).
+    num_shared_blocks: int = 0
 
     @property
     def is_prefix_fill(self) -> bool:
