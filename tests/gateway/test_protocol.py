@@ -484,10 +484,10 @@ def test_unknown_fields_are_accepted_and_logged(
 ) -> None:
     message = {"role": "user", "content": [{**TEXT, "cache_control": {}}], "refusal": None}
     body = chat(messages=[message], prompt_cache_key="k", store=True, metadata={"a": "b"})
-    with caplog.at_level(logging.DEBUG, logger="gateway.protocol"):
+    with caplog.at_level(logging.DEBUG, logger="gateway.protocol.requests"):
         response = client.post("/chat", json=body)
     assert response.status_code == 200
-    assert [r.getMessage() for r in caplog.records if r.name == "gateway.protocol"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "gateway.protocol.requests"] == [
         "ignoring unknown fields of TextContentPart: ['cache_control']",
         "ignoring unknown fields of ChatMessage: ['refusal']",
         "ignoring unknown fields of ChatCompletionRequest: ['metadata', 'prompt_cache_key', "

@@ -1,71 +1,26 @@
-"""The OpenAI wire protocol as pydantic v2 models: requests validated, responses serialised.
-
-Requests are strict (JSON types only: "0.5" is not a number, `true` is not an integer), accept
-unknown fields (logged at DEBUG and ignored: clients send `prompt_cache_key`, `store`,
-`metadata`, ...) and reject features this server lacks with a clear error instead of ignoring
-them. Validators raise `PydanticCustomError` whose type is the OpenAI error code
-("invalid_value", "unsupported_parameter", "unsupported_value"); `gateway.errors` turns the
-first error into the OpenAI error body, with `param` taken from the error's location.
-
-Responses are serialised with a plain `model_dump(mode="json")` / `model_dump_json()`: nulls are
-kept as OpenAI sends them (`"logprobs": null`, `"finish_reason": null` in chunks, `"param": null`
-in errors); only `DeltaMessage` drops its unset fields, so `role` appears in the first chunk only.
-"""
+"""OpenAI request bodies: strict JSON types, unknown fields logged and ignored, features this
+server lacks rejected with a clear error."""
 
 from __future__ import annotations
 
 import logging
-import secrets
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from engine import SamplingParams
+from gateway.protocol.common import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, json_type_name
 
 logger = logging.getLogger(__name__)
-
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
-
-FinishReason = Literal["stop", "length"]
-
-
-def random_id(prefix: str) -> str:
-    """`random_id("chatcmpl")` -> "chatcmpl-" + 24 hex chars, like OpenAI's ids."""
-    return f"{prefix}-{secrets.token_hex(12)}"
-
-
-def api_finish_reason(reason: str | None) -> FinishReason | None:
-    """Map the engine's "stop" | "length" | "abort" | None onto what OpenAI clients accept.
-
-    The engine aborts a request when its client went away or the gateway cancelled it, so an
-    "abort" should never reach a reader; if one does, it ends the choice as "stop" (OpenAI's
-    types have no "abort") and is logged.
-    """
-    if reason is None:
-        return None
-    if reason == "length":
-        return "length"
-    if reason == "abort":
-        logger.warning("an aborted request reached a client; reporting finish_reason 'stop'")
-    else:
-        assert reason == "stop", reason
-    return "stop"
 
 
 def _unsupported() -> PydanticCustomError:
@@ -418,195 +373,3 @@ class CompletionRequest(_GenerationRequest):
         """`max_tokens` defaults to 16 like OpenAI; an explicit null -> `default_max_tokens`."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return self._sampling_params(max_tokens, self.logprobs)
-
-
-# -- responses ------------------------------------------------------------------------------
-
-
-def _clamp_logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
-
-
-Logprob = Annotated[float, AfterValidator(_clamp_logprob)]
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def from_counts(
-        cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
-    ) -> UsageInfo:
-        return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
-        )
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: Logprob
-    bytes: list[int] | None = None
-
-
-class ChatCompletionTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatCompletionLogprobs(BaseModel):
-    content: list[ChatCompletionTokenLogprob] | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    finish_reason: FinishReason
-    logprobs: ChatCompletionLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    """A chunk's delta. Serialises without its unset fields: `{"role": "assistant",
-    "content": ""}` first, then `{"content": "..."}`, and `{}` on the finishing chunk."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {key: value for key, value in data.items() if value is not None}
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    finish_reason: FinishReason | None = None
-    logprobs: ChatCompletionLogprobs | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    """One SSE chunk. With `stream_options.include_usage`, the last chunk has no choices and
-    carries the usage; every other chunk has `"usage": null`."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Logprob] = Field(default_factory=list)
-    top_logprobs: list[dict[str, Logprob]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: FinishReason
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-
-
-class CompletionStreamChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: FinishReason | None = None
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "prefixgate"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-def json_type_name(value: object) -> str:
-    """How OpenAI names a JSON value's type in error messages: "a string", "an array", ..."""
-    if value is None:
-        return "null"
-    for kind, name in _JSON_TYPE_NAMES:
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
-
-
-_JSON_TYPE_NAMES: tuple[tuple[type, str], ...] = (
-    (bool, "a boolean"),
-    (int, "an integer"),
-    (float, "a decimal"),
-    (str, "a string"),
-    (list, "an array"),
-    (dict, "an object"),
-)

@@ -1,0 +1,59 @@
+"""Constants and helpers shared by the request and response models."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
+
+FinishReason = Literal["stop", "length"]
+
+
+def random_id(prefix: str) -> str:
+    """`random_id("chatcmpl")` -> "chatcmpl-" + 24 hex chars, like OpenAI's ids."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def api_finish_reason(reason: str | None) -> FinishReason | None:
+    """Map the engine's "stop" | "length" | "abort" | None onto what OpenAI clients accept.
+
+    The engine aborts a request when its client went away or the gateway cancelled it, so an
+    "abort" should never reach a reader; if one does, it ends the choice as "stop" (OpenAI's
+    types have no "abort") and is logged.
+    """
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        logger.warning("an aborted request reached a client; reporting finish_reason 'stop'")
+    else:
+        assert reason == "stop", reason
+    return "stop"
+
+
+def json_type_name(value: object) -> str:
+    """How OpenAI names a JSON value's type in error messages: "a string", "an array", ..."""
+    if value is None:
+        return "null"
+    for kind, name in _JSON_TYPE_NAMES:
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+_JSON_TYPE_NAMES: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a decimal"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
+)
