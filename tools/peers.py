@@ -15,7 +15,7 @@ Peers (see tools/peers.md for versions, timings and how prompt caching is toggle
   the float32 folder prefixgate converted from that GGUF under ~/.cache/prefixgate. It
   accepts only that folder's path as `model` (or no `model` at all).
 
-Only the standard library is used, so any Python 3.9+ runs this file. Every server is bound to
+Only the standard library is used, so any Python 3.11 runs this file. Every server is bound to
 127.0.0.1, started in its own session, and stopped by the PID recorded when it was started
 (after checking that PID still runs the command that was recorded).
 """
@@ -23,6 +23,7 @@ Only the standard library is used, so any Python 3.9+ runs this file. Every serv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -36,6 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +142,7 @@ def _existing(path: Path, what: str) -> Path:
 # --------------------------------------------------------------------------- builds
 
 
-def _run(cmd: list[str], **kw) -> None:
+def _run(cmd: list[str], **kw: Any) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, **kw)
 
@@ -162,13 +164,15 @@ def build_llama_cpp(jobs: int, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
             (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
             with tarfile.open(sdist) as tar:
                 members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
-                tar.extractall(tmp, members=members)  # noqa: S202 - a PyPI sdist we just fetched
+                tar.extractall(tmp, members=members, filter="data")
             (vendored,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
             LLAMA_SRC.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(vendored, LLAMA_SRC, symlinks=True)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     if not (LLAMA_BUILD / "CMakeCache.txt").is_file():
-        _run(["cmake", "-S", str(LLAMA_SRC), "-B", str(LLAMA_BUILD), *generator, *LLAMA_CMAKE_FLAGS])
+        _run(
+            ["cmake", "-S", str(LLAMA_SRC), "-B", str(LLAMA_BUILD), *generator, *LLAMA_CMAKE_FLAGS]
+        )
     _run(["cmake", "--build", str(LLAMA_BUILD), "--target", "llama-server", f"-j{jobs}"])
     print(f"built {LLAMA_SERVER} in {time.monotonic() - t0:.0f} s")
     return LLAMA_SERVER
@@ -197,9 +201,10 @@ def _state_file(name: str) -> Path:
     return STATE_DIR / f"{name}.json"
 
 
-def _read_state(name: str) -> dict | None:
+def _read_state(name: str) -> dict[str, Any] | None:
     try:
-        return json.loads(_state_file(name).read_text())
+        state: dict[str, Any] = json.loads(_state_file(name).read_text())
+        return state
     except (OSError, ValueError):
         return None
 
@@ -212,7 +217,7 @@ def _cmdline(pid: int) -> list[str] | None:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def _alive(state: dict) -> bool:
+def _alive(state: dict[str, Any]) -> bool:
     """The recorded PID still runs the recorded program (guards against PID reuse)."""
     argv = _cmdline(int(state["pid"]))
     if not argv:
@@ -225,12 +230,12 @@ def _alive(state: dict) -> bool:
         return False
     # A script started through its shebang shows up as [interpreter, script, args...].
     recorded = state["argv"]
-    return argv[-len(recorded) :] == recorded
+    return bool(argv[-len(recorded) :] == recorded)
 
 
 def _get(url: str, timeout: float = 3.0) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
@@ -238,7 +243,7 @@ def _get(url: str, timeout: float = 3.0) -> tuple[int, str]:
         return 0, ""
 
 
-def _post_stream(url: str, body: dict, timeout: float) -> tuple[float | None, float, int]:
+def _post_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[float | None, float, int]:
     """One streaming chat request: (time to first content chunk, total time, content chunks)."""
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"content-type": "application/json"}, method="POST"
@@ -246,7 +251,7 @@ def _post_stream(url: str, body: dict, timeout: float) -> tuple[float | None, fl
     t0 = time.monotonic()
     ttft = None
     chunks = 0
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
             line = raw.decode(errors="replace").strip()
             if not line.startswith("data:") or line == "data: [DONE]":
@@ -266,7 +271,7 @@ def _post_stream(url: str, body: dict, timeout: float) -> tuple[float | None, fl
 # --------------------------------------------------------------------------- start / stop
 
 
-def _llama_cpp_command(args: argparse.Namespace) -> tuple[list[str], str, dict]:
+def _llama_cpp_command(args: argparse.Namespace) -> tuple[list[str], str, dict[str, str]]:
     server = LLAMA_SERVER
     if not server.exists():
         if args.no_build:
@@ -296,7 +301,7 @@ def _llama_cpp_command(args: argparse.Namespace) -> tuple[list[str], str, dict]:
     return argv, MODEL_NAME, {"model_file": str(gguf)}
 
 
-def _transformers_command(args: argparse.Namespace) -> tuple[list[str], str, dict]:
+def _transformers_command(args: argparse.Namespace) -> tuple[list[str], str, dict[str, str]]:
     exe = PEERS_VENV / "bin" / "transformers"
     if not exe.exists():
         if args.no_build:
@@ -422,7 +427,7 @@ def start(args: argparse.Namespace) -> int:
     return 0
 
 
-def _terminate(state: dict, grace: float = 15.0) -> bool:
+def _terminate(state: dict[str, Any], grace: float = 15.0) -> bool:
     pid = int(state["pid"])
     if not _alive(state):
         return False
@@ -435,10 +440,8 @@ def _terminate(state: dict, grace: float = 15.0) -> bool:
     else:
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
-    try:  # reap it if this process is its parent (only when start failed)
+    with contextlib.suppress(ChildProcessError):  # reap it if start() is its parent
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
     _state_file(state["name"]).unlink(missing_ok=True)
     return True
 
