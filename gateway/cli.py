@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -192,9 +193,16 @@ def serve(args: argparse.Namespace) -> int:
         args.device,
         args.dtype,
     )
+    failed = False
+
+    def stop_on_failure() -> None:
+        nonlocal failed
+        failed = True
+        server.should_exit = True
+
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config),
+            create_app(config, on_fatal=stop_on_failure),
             host=args.host,
             port=args.port,
             log_config=None,
@@ -202,8 +210,12 @@ def serve(args: argparse.Namespace) -> int:
             lifespan="on",
         )
     )
+    # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is over, so with the
+    # default disposition the process would die of the signal (status 143) after a clean stop.
+    # A no-op handler is what uvicorn restores and re-raises into: we return 0 instead.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
-    return 0 if server.started else 1
+    return 1 if failed or not server.started else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

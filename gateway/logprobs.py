@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 from engine import SampleLogprobs
@@ -14,24 +16,66 @@ from gateway.protocol import (
 
 
 def _piece(tokenizer: Any, token_id: int) -> str:
-    return str(tokenizer.decode([token_id]))
+    """The token as text; a token holding part of a multi-byte character is written as its
+    bytes, OpenAI style ("bytes:\\xe6\\x97"), so distinct tokens never share a key."""
+    text = str(tokenizer.decode([token_id]))
+    if "\ufffd" not in text:
+        return text
+    raw = token_bytes(tokenizer, token_id)
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The exact bytes a token stands for (byte-level BPE, SentencePiece byte fallback, or
+    plain text), which clients join to rebuild text that tokens split mid-character."""
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    fallback = _BYTE_FALLBACK.fullmatch(token)
+    if fallback:
+        return bytes([int(fallback.group(1), 16)])
+    decoder = _byte_level_decoder()
+    if all(ch in decoder for ch in token):
+        return bytes(decoder[ch] for ch in token)
+    return str(token).replace("\u2581", " ").encode()
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table, inverted."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 def chat_logprobs(tokenizer: Any, samples: list[SampleLogprobs]) -> ChatCompletionLogprobs:
     content = []
     for sample in samples:
-        token = _piece(tokenizer, sample.token_id)
         top = [
             TopLogprob(
-                token=(t := _piece(tokenizer, alt.token_id)),
+                token=_piece(tokenizer, alt.token_id),
                 logprob=alt.logprob,
-                bytes=list(t.encode()),
+                bytes=list(token_bytes(tokenizer, alt.token_id)),
             )
             for alt in sample.top
         ]
         content.append(
             ChatCompletionTokenLogprob(
-                token=token, logprob=sample.logprob, bytes=list(token.encode()), top_logprobs=top
+                token=_piece(tokenizer, sample.token_id),
+                logprob=sample.logprob,
+                bytes=list(token_bytes(tokenizer, sample.token_id)),
+                top_logprobs=top,
             )
         )
     return ChatCompletionLogprobs(content=content)
@@ -40,15 +84,16 @@ def chat_logprobs(tokenizer: Any, samples: list[SampleLogprobs]) -> ChatCompleti
 def completion_logprobs(
     tokenizer: Any, samples: list[SampleLogprobs], text_offset: int = 0
 ) -> CompletionLogprobs:
+    """`text_offset` of a token: characters of completed text before it (a token that ends
+    mid-character adds nothing until the character is complete)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = text_offset
+    emitted = b""
     for sample in samples:
-        token = _piece(tokenizer, sample.token_id)
-        tokens.append(token)
+        tokens.append(_piece(tokenizer, sample.token_id))
         token_logprobs.append(sample.logprob)
         tops.append({_piece(tokenizer, alt.token_id): alt.logprob for alt in sample.top})
-        offsets.append(offset)
-        offset += len(token)
+        offsets.append(text_offset + len(emitted.decode("utf-8", errors="ignore")))
+        emitted += token_bytes(tokenizer, sample.token_id)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
     )

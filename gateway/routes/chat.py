@@ -42,7 +42,8 @@ async def create_chat_completion(request: Request) -> Response:
         gateway, engine, random_id("chatcmpl"), [prompt_ids] * body.n, fan_out(params, body.n)
     )
     if body.stream:
-        return sse_response(_stream(job, gateway.model_name, body.logprobs, body.include_usage))
+        events = _stream(job, gateway.model_name, body.logprobs, body.include_usage)
+        return sse_response(events, gateway.config.shutdown_grace)
     return await _complete(job, gateway.model_name, body.logprobs)
 
 
@@ -81,7 +82,7 @@ async def _stream(
         body = ChatCompletionStreamResponse(
             id=job.request_id, created=created, model=model, choices=choices, usage=usage
         )
-        return json.dumps(body.model_dump(mode="json", exclude_none=True))
+        return json.dumps(body.model_dump(mode="json"))
 
     for choice in job.choices:  # the first delta of each choice carries the role
         yield chunk(

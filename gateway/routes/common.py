@@ -30,9 +30,11 @@ def usage_of(job: Job) -> UsageInfo:
     )
 
 
-def sse_response(events: AsyncIterator[str]) -> EventSourceResponse:
+def sse_response(events: AsyncIterator[str], shutdown_grace: float) -> EventSourceResponse:
     """`data: ...` lines separated by blank lines, as OpenAI streams. A failure after the
-    stream started can no longer change the status: it is sent as an error event."""
+    stream started can no longer change the status: it is sent as an error event. On SIGTERM
+    the stream gets `shutdown_grace` seconds to finish before it is cut (sse-starlette would
+    otherwise drain every open stream at once)."""
 
     async def guarded() -> AsyncIterator[dict[str, str]]:
         try:
@@ -44,4 +46,4 @@ def sse_response(events: AsyncIterator[str]) -> EventSourceResponse:
             yield {"data": json.dumps(error.body())}
             yield {"data": SSE_DONE}
 
-    return EventSourceResponse(guarded(), sep="\n", ping=15)
+    return EventSourceResponse(guarded(), sep="\n", ping=15, shutdown_grace_period=shutdown_grace)

@@ -53,7 +53,8 @@ async def create_completion(request: Request) -> Response:
     )
     want_logprobs = body.logprobs is not None
     if body.stream:
-        return sse_response(_stream(job, gateway.model_name, want_logprobs, body.include_usage))
+        events = _stream(job, gateway.model_name, want_logprobs, body.include_usage)
+        return sse_response(events, gateway.config.shutdown_grace)
     async for _ in job.run():
         pass
     tokenizer = gateway.tokenizer
@@ -85,7 +86,7 @@ async def _stream(
         body = CompletionStreamResponse(
             id=job.request_id, created=created, model=model, choices=choices, usage=usage
         )
-        return json.dumps(body.model_dump(mode="json", exclude_none=True))
+        return json.dumps(body.model_dump(mode="json"))
 
     offsets = [0] * len(job.choices)
     async for choice, out in job.run():

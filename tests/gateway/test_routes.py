@@ -1,0 +1,391 @@
+"""The routes in-process (Starlette's TestClient, lifespan on) over a ready tiny-Llama engine:
+exact response bodies, logprobs, stop strings, accepted and refused fields, errors.
+
+TestClient buffers whole responses, so only finite bodies are read here (a short stream is
+finite); disconnects and long streams are tested against a real uvicorn in test_server.py.
+Expected texts and logprobs come from a second, in-process engine on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tests.gateway.server_harness import Reference, greedy
+
+MODEL = "tiny-llama"
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 512
+MAX_MODEL_LEN = 256
+NUM_TOKENS = 8
+SYSTEM = "You are a helpful assistant. Answer the question briefly and politely."
+MESSAGES = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+PROMPT = "The quick brown fox jumps over the lazy dog."
+CHAT = {
+    "model": MODEL,
+    "messages": MESSAGES,
+    "temperature": 0,
+    "max_tokens": NUM_TOKENS,
+    "ignore_eos": True,
+}
+COMPLETION = {
+    "model": MODEL,
+    "prompt": PROMPT,
+    "temperature": 0,
+    "max_tokens": NUM_TOKENS,
+    "ignore_eos": True,
+}
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_llama_path: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(tiny_llama_path),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        debug_check_integrity=True,  # the pool's invariants after every step
+    )
+
+
+@pytest.fixture(scope="module")
+def app(engine_config: EngineConfig) -> Starlette:
+    engine = AsyncEngine(engine_config, engine=LLMEngine(engine_config))
+    return create_app(GatewayConfig(engine=engine_config), engine=engine)
+
+
+@pytest.fixture(scope="module")
+def module_client(app: Starlette) -> Iterator[TestClient]:
+    with TestClient(app) as client:  # runs the lifespan: the engine thread stops at the end
+        yield client
+
+
+@pytest.fixture
+def client(module_client: TestClient, app: Starlette) -> Iterator[TestClient]:
+    """After each test: every block is free again and each block's ref_cnt equals its holders."""
+    yield module_client
+    engine: AsyncEngine = app.state.gateway.engine
+    asyncio.run(engine.run_in_engine(lambda e: e.check_integrity()))
+    stats = engine.stats()
+    assert (stats.num_requests_running, stats.num_requests_waiting) == (0, 0)
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks == NUM_KV_BLOCKS
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path: Path) -> Reference:
+    return Reference(tiny_llama_path, BLOCK_SIZE, NUM_KV_BLOCKS, MAX_MODEL_LEN)
+
+
+def _post(client: TestClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def _samples(reference: Reference, prompt_ids: list[int], top: int) -> list[SampleLogprobs]:
+    outputs = reference.run(prompt_ids, greedy(NUM_TOKENS, logprobs=top))
+    return [s for o in outputs for s in o.logprobs or []]
+
+
+# -- exact shapes ------------------------------------------------------------------------------
+
+
+def test_chat_completion_body(client: TestClient, reference: Reference) -> None:
+    body = _post(client, "/v1/chat/completions", CHAT)
+    num_prompt = len(reference.chat_ids(MESSAGES))
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", body.pop("id"))
+    assert isinstance(body.pop("created"), int)
+    assert body == {
+        "object": "chat.completion",
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": reference.chat(MESSAGES, NUM_TOKENS)},
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": NUM_TOKENS,
+            "total_tokens": num_prompt + NUM_TOKENS,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+        "system_fingerprint": None,
+    }
+
+
+def test_completion_body(client: TestClient, reference: Reference) -> None:
+    body = _post(client, "/v1/completions", COMPLETION)
+    num_prompt = len(reference.text_ids(PROMPT))
+    assert re.fullmatch(r"cmpl-[0-9a-f]{24}", body.pop("id"))
+    assert isinstance(body.pop("created"), int)
+    assert body == {
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "text": reference.completion(PROMPT, NUM_TOKENS),
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": NUM_TOKENS,
+            "total_tokens": num_prompt + NUM_TOKENS,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+        "system_fingerprint": None,
+    }
+
+
+def _sse_events(text: str) -> list[str]:
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e.removeprefix("data: ") for e in events]
+
+
+def test_chat_stream_chunk_order(client: TestClient, reference: Reference) -> None:
+    """A finite stream: role chunk, content chunks, finish chunk, usage chunk, [DONE]."""
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    *events, done = _sse_events(response.text)
+    assert done == "[DONE]"
+    chunks = [json.loads(e) for e in events]
+    assert len({c["id"] for c in chunks}) == 1
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    first, *content, finish, usage = chunks
+    assert first["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+            "logprobs": None,
+        }
+    ]
+    assert first["usage"] is None  # nulls are kept, as OpenAI sends them
+    assert all(list(c["choices"][0]["delta"]) == ["content"] for c in content)
+    text = "".join(c["choices"][0]["delta"]["content"] for c in content)
+    assert text == reference.chat(MESSAGES, NUM_TOKENS)
+    assert finish["choices"] == [
+        {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+    ]
+    num_prompt = len(reference.chat_ids(MESSAGES))
+    assert usage["choices"] == []
+    assert usage["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": NUM_TOKENS,
+        "total_tokens": num_prompt + NUM_TOKENS,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_chunks_keep_nulls_like_openai(client: TestClient, route: str) -> None:
+    base = CHAT if route == "/v1/chat/completions" else COMPLETION
+    body = {**base, "stream": True, "stream_options": {"include_usage": True}}
+    response = client.post(route, json=body)
+    assert response.status_code == 200
+    chunks = [json.loads(e) for e in _sse_events(response.text)[:-1]]
+    *with_choices, _ = chunks
+    for chunk in with_choices:
+        assert chunk["usage"] is None
+        [choice] = chunk["choices"]
+        assert "finish_reason" in choice and "logprobs" in choice
+        assert choice["logprobs"] is None
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+
+def _expected_piece(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    """(token, bytes) as OpenAI reports them: the token's text, or `bytes:\\x..` when the
+    token holds only part of a character; bytes are the token's own bytes."""
+    raw = [_byte_decoder()[c] for c in tokenizer.convert_ids_to_tokens(token_id)]
+    text = tokenizer.decode([token_id])
+    if "\ufffd" in text:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, raw
+
+
+def test_chat_logprobs(client: TestClient, reference: Reference) -> None:
+    body = _post(client, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3})
+    content = body["choices"][0]["logprobs"]["content"]
+    samples = _samples(reference, reference.chat_ids(MESSAGES), 3)
+    tok = reference.tokenizer
+    assert len(content) == len(samples) == NUM_TOKENS
+    for entry, sample in zip(content, samples, strict=True):
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        token, raw = _expected_piece(tok, sample.token_id)
+        assert (entry["token"], entry["bytes"], entry["logprob"]) == (token, raw, sample.logprob)
+        assert [(t["token"], t["bytes"], t["logprob"]) for t in entry["top_logprobs"]] == [
+            (*_expected_piece(tok, alt.token_id), alt.logprob) for alt in sample.top
+        ]
+        assert len(entry["top_logprobs"]) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry["logprob"] == entry["top_logprobs"][0]["logprob"] <= 0
+    joined = b"".join(bytes(e["bytes"]) for e in content).decode(errors="replace")
+    assert joined == body["choices"][0]["message"]["content"]
+
+
+def test_completion_logprobs(client: TestClient, reference: Reference) -> None:
+    body = _post(client, "/v1/completions", {**COMPLETION, "logprobs": 2})
+    choice = body["choices"][0]
+    logprobs = choice["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    samples = _samples(reference, reference.text_ids(PROMPT), 2)
+    tok = reference.tokenizer
+    pieces = [_expected_piece(tok, s.token_id) for s in samples]
+    assert logprobs["tokens"] == [token for token, _ in pieces]
+    assert logprobs["token_logprobs"] == [s.logprob for s in samples]
+    assert logprobs["top_logprobs"] == [
+        {_expected_piece(tok, alt.token_id)[0]: alt.logprob for alt in s.top} for s in samples
+    ]
+    prefix_bytes = [b"".join(bytes(raw) for _, raw in pieces[:i]) for i in range(len(pieces))]
+    assert logprobs["text_offset"] == [len(b.decode(errors="ignore")) for b in prefix_bytes]
+    assert {len(v) for v in logprobs.values()} == {NUM_TOKENS}
+    assert b"".join(bytes(raw) for _, raw in pieces).decode(errors="replace") == choice["text"]
+
+
+def test_completion_top_logprobs_keep_every_alternative(client: TestClient) -> None:
+    body = _post(client, "/v1/completions", {**COMPLETION, "logprobs": 2})
+    tops = body["choices"][0]["logprobs"]["top_logprobs"]
+    assert [len(top) for top in tops] == [2] * NUM_TOKENS
+
+
+def _is_utf8(raw: list[int]) -> bool:
+    try:
+        bytes(raw).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: each character of a BPE token is one byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
+    return dict(zip(chars, printable + others, strict=True))
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(
+    client: TestClient, reference: Reference
+) -> None:
+    body = _post(client, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3})
+    samples = _samples(reference, reference.chat_ids(MESSAGES), 3)
+    to_byte = _byte_decoder()
+    tokenizer = reference.tokenizer
+
+    def raw(token_id: int) -> list[int]:
+        return [to_byte[c] for c in tokenizer.convert_ids_to_tokens(token_id)]
+
+    expected = [[raw(s.token_id), *(raw(a.token_id) for a in s.top)] for s in samples]
+    # This seeded model does propose tokens that hold part of a character.
+    assert not all(_is_utf8(b) for row in expected for b in row)
+    content = body["choices"][0]["logprobs"]["content"]
+    got = [[e["bytes"], *(t["bytes"] for t in e["top_logprobs"])] for e in content]
+    assert got == expected
+
+
+# -- stop strings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_stop_string_ends_the_text_before_it(
+    client: TestClient, reference: Reference, route: str
+) -> None:
+    is_chat = route == "/v1/chat/completions"
+    base = {**(CHAT if is_chat else COMPLETION), "max_tokens": 16}
+    full = reference.chat(MESSAGES, 16) if is_chat else reference.completion(PROMPT, 16)
+    stop = full[6:9]
+    assert stop.strip() and len(full) > 9
+    cut = full.index(stop)
+    body = _post(client, route, {**base, "stop": [stop, "never appears"]})
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if is_chat else choice["text"]
+    assert text == full[:cut]
+    assert stop not in text
+    assert choice["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 16
+
+
+# -- accepted and refused fields ---------------------------------------------------------------
+
+
+def test_unknown_fields_are_accepted_and_ignored(client: TestClient, reference: Reference) -> None:
+    extra = {"prompt_cache_key": "user-42", "store": False, "metadata": {"team": "search"}}
+    body = _post(client, "/v1/chat/completions", {**CHAT, **extra})
+    assert body["choices"][0]["message"]["content"] == reference.chat(MESSAGES, NUM_TOKENS)
+    completion = _post(client, "/v1/completions", {**COMPLETION, **extra})
+    assert completion["choices"][0]["text"] == reference.completion(PROMPT, NUM_TOKENS)
+
+
+def test_tools_are_refused(client: TestClient) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    response = client.post("/v1/chat/completions", json={**CHAT, "tools": [tool]})
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": "Unsupported parameter: 'tools' is not supported by this server.",
+            "type": "invalid_request_error",
+            "param": "tools",
+            "code": "unsupported_parameter",
+        }
+    }
+
+
+# -- health, unknown routes --------------------------------------------------------------------
+
+
+def test_health(client: TestClient) -> None:
+    response = client.get("/health")
+    assert (response.status_code, response.json()) == (200, {"status": "ok", "model": MODEL})
+
+
+def test_unknown_route_is_an_openai_404(client: TestClient) -> None:
+    response = client.get("/v1/does-not-exist")
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "Invalid URL (GET /v1/does-not-exist)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+def test_wrong_method_is_an_openai_405(client: TestClient) -> None:
+    response = client.get("/v1/chat/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json() == {
+        "error": {
+            "message": "Method GET is not allowed for /v1/chat/completions.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "method_not_allowed",
+        }
+    }

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Side-by-side serving comparison on this machine, one server at a time (they share 2 cores):
+# prefixgate with its registry and with --no-prefix-cache, llama.cpp server with its prompt
+# cache on and off, transformers serve with continuous batching.
+#   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode"
+# Every server is started on 127.0.0.1 and stopped by PID; every load run is bounded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-results}
+MODES=${2:-"seq c8"}
+DTYPE=${DTYPE:-bfloat16}
+SWEEP=${SWEEP:-0.25,0.5,1,2,3,4}
+PY=.venv/bin/python
+mkdir -p "$OUT"
+PORT=8090
+
+bench() {  # label extra-args...
+  local label=$1; shift
+  for mode in $MODES; do
+    case $mode in
+      seq) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 1 \
+             --num-requests 20 --warmup 2 --max-duration 600 --out "$OUT/$label-seq.json" "$@" ;;
+      c8) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 8 \
+             --num-requests 64 --warmup 2 --max-duration 600 --out "$OUT/$label-c8.json" "$@" ;;
+      sweep) $PY tools/bench_serving.py --label "$label" --workload intent --sweep-qps "$SWEEP" \
+             --num-requests 40 --max-duration 120 --arrival poisson --submit-schedule absolute \
+             --out "$OUT/$label-sweep.json" "$@" ;;
+      decode) $PY tools/bench_serving.py --label "$label" --workload decode-heavy \
+             --concurrency 32 --num-requests 64 --max-duration 600 \
+             --out "$OUT/$label-decode.json" "$@" ;;
+    esac
+  done
+}
+
+prefixgate() {  # label flags...
+  local label=$1; shift
+  .venv/bin/prefixgate serve --port $PORT --prefixes prefixes.yaml --dtype "$DTYPE" "$@" \
+    > "$OUT/$label.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+  bench "$label" --base-url "http://127.0.0.1:$PORT/v1"
+  kill -TERM "$pid"; wait "$pid" || true
+}
+
+prefixgate "prefixgate-registry-$DTYPE"
+prefixgate "prefixgate-nocache-$DTYPE" --no-prefix-cache
+
+$PY tools/peers.py start llama-cpp --port 8081 --no-build
+bench llama.cpp-cache-on --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": true}'
+bench llama.cpp-cache-off --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": false}'
+$PY tools/peers.py stop llama-cpp
+
+if [ "${SKIP_TRANSFORMERS:-0}" != 1 ]; then
+  MODEL_DIR=$(ls -d ~/.cache/prefixgate/SmolLM2-135M-Instruct.Q4_1-* | head -1)
+  $PY tools/peers.py start transformers --port 8082 --continuous-batching --no-build
+  bench transformers-serve-cb --base-url http://127.0.0.1:8082/v1 --model "$MODEL_DIR" \
+    --no-ignore-eos
+  $PY tools/peers.py stop transformers
+fi
