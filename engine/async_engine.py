@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineError, RequestFailedError
@@ -75,6 +75,23 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
+
+    # -- facts the gateway needs (read-only, set once at load) -----------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise the typed error `generate` would, before any response has started."""
+        self.engine.validate_request(prompt_token_ids, params)
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(

@@ -73,15 +73,15 @@ class Gateway:
     def model_name(self) -> str:
         if self.config.served_model_name:
             return self.config.served_model_name
-        return self.engine.engine.model_name if self.engine is not None else "loading"
+        return self.engine.model_name if self.engine is not None else "loading"
 
     @property
     def tokenizer(self) -> Any:
-        return self.ready_engine().engine.tokenizer
+        return self.ready_engine().tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.ready_engine().engine.max_model_len
+        return self.ready_engine().max_model_len
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

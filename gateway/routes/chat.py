@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import chat_prompt_ids
-from gateway import errors
 from gateway.generation import Choice, Job, fan_out
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import (
@@ -25,18 +24,14 @@ from gateway.protocol import (
     api_finish_reason,
     random_id,
 )
-from gateway.routes.common import SSE_DONE, gateway_of, sse_response, usage_of
+from gateway.routes.common import SSE_DONE, admit, sse_response, usage_of
 
 
 async def create_chat_completion(request: Request) -> Response:
-    gateway = gateway_of(request)
-    gateway.check_auth(request)
-    body = await errors.parse_body(request, ChatCompletionRequest)
-    engine = gateway.ready_engine()
-    gateway.check_model(body.model)
+    gateway, body, engine = await admit(request, ChatCompletionRequest)
     prompt_ids = chat_prompt_ids(gateway.tokenizer, body.flat_messages())
     params = body.to_sampling_params(default_max_tokens=None)
-    engine.engine.validate_request(prompt_ids, params)
+    engine.validate_request(prompt_ids, params)
     gateway.check_capacity()
     job = Job(
         gateway, engine, random_id("chatcmpl"), [prompt_ids] * body.n, fan_out(params, body.n)

@@ -5,18 +5,34 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from engine import EngineError
+from engine import AsyncEngine, EngineError
 from gateway import errors
 from gateway.generation import Job
-from gateway.protocol import UsageInfo
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "[DONE]"
+
+
+GenerationRequest = TypeVar("GenerationRequest", ChatCompletionRequest, CompletionRequest)
+
+
+async def admit(
+    request: Request, body_type: type[GenerationRequest]
+) -> tuple[Gateway, GenerationRequest, AsyncEngine]:
+    """What every generation route starts with: key, body, readiness, model name."""
+    gateway = gateway_of(request)
+    gateway.check_auth(request)
+    body = await errors.parse_body(request, body_type)
+    engine = gateway.ready_engine()
+    gateway.check_model(body.model)
+    return gateway, body, engine
 
 
 def gateway_of(request: Request) -> Gateway:

@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import PromptTooLongError, text_prompt_ids
-from gateway import errors
 from gateway.generation import Job, fan_out
 from gateway.logprobs import completion_logprobs
 from gateway.protocol import (
@@ -23,22 +22,18 @@ from gateway.protocol import (
     api_finish_reason,
     random_id,
 )
-from gateway.routes.common import SSE_DONE, gateway_of, sse_response, usage_of
+from gateway.routes.common import SSE_DONE, admit, sse_response, usage_of
 
 
 async def create_completion(request: Request) -> Response:
-    gateway = gateway_of(request)
-    gateway.check_auth(request)
-    body = await errors.parse_body(request, CompletionRequest)
-    engine = gateway.ready_engine()
-    gateway.check_model(body.model)
+    gateway, body, engine = await admit(request, CompletionRequest)
     prompts = [
         p if isinstance(p, list) else text_prompt_ids(gateway.tokenizer, p) for p in body.prompts()
     ]
     params = body.to_sampling_params(default_max_tokens=16)
     for prompt in prompts:
         try:
-            engine.engine.validate_request(prompt, params)
+            engine.validate_request(prompt, params)
         except PromptTooLongError as exc:
             exc.param = "prompt"  # the engine speaks of messages; here the field is `prompt`
             raise
