@@ -182,46 +182,53 @@ class Scheduler:
         return ScheduledSequence(seq, num_new, exact_logits)
 
     def _attach_prefix(self, seq: Sequence) -> PrefixMatch | None:
-        """Share the longest matching prefix's blocks; copy its partial tail block."""
+        """Share the longest matching registry prefix's blocks (its KV is already there)."""
         assert self.registry is not None
         match = self.registry.match(seq.token_ids)
         if match is None:
             return None
-        prefix = match.prefix
-        if prefix.is_tail_partial and not self.pool.can_allocate(1):
+        if not self._has_room_for_tail(match.num_tokens):
             return None
-        shared = prefix.block_ids[: prefix.num_full_blocks]
-        self.pool.share(shared)
-        seq.block_table = list(shared)
-        if prefix.is_tail_partial:
-            # Copy on write, up front: the request writes its own tokens right after the
-            # prefix, inside this block, so it must never be the registry's block.
-            [tail] = self.pool.allocate(1)
-            self.pool.copy_block(prefix.block_ids[-1], tail)
-            seq.block_table.append(tail)
-        seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
-        seq.num_shared_blocks = prefix.num_full_blocks
+        tail_copy = self._share_blocks(seq, match.prefix.block_ids, match.num_tokens)
+        if tail_copy is not None:
+            self.pool.copy_block(*tail_copy)
+        seq.num_shared_blocks = match.prefix.num_full_blocks
         return match
 
     def _admit_duplicate(
         self, seq: Sequence, leader: Sequence, out: SchedulerOutput
     ) -> ScheduledSequence | None:
-        """Same prompt as a sequence prefilled in this very step: share its work."""
-        num_tokens = leader.num_tokens
-        num_full = num_tokens // self.pool.block_size
-        is_tail_partial = num_tokens % self.pool.block_size != 0
-        if is_tail_partial and not self.pool.can_allocate(1):
+        """Same prompt as a sequence prefilled in this very step: share its work. Its tail
+        block is copied after the forward that fills it."""
+        if not self._has_room_for_tail(leader.num_tokens):
             return None
-        shared = leader.block_table[:num_full]
-        self.pool.share(shared)
-        seq.block_table = list(shared)
-        if is_tail_partial:
-            [tail] = self.pool.allocate(1)
-            seq.block_table.append(tail)
-            out.block_copies.append((leader.block_table[num_full], tail))
-        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        tail_copy = self._share_blocks(seq, leader.block_table, leader.num_tokens)
+        if tail_copy is not None:
+            out.block_copies.append(tail_copy)
         seq.num_shared_blocks = leader.num_shared_blocks  # the registry part, as the leader's
         return ScheduledSequence(seq, 0, leader=leader)
+
+    def _has_room_for_tail(self, num_tokens: int) -> bool:
+        """A partial last block needs one free block for its private copy."""
+        return num_tokens % self.pool.block_size == 0 or self.pool.can_allocate(1)
+
+    def _share_blocks(
+        self, seq: Sequence, source: list[int], num_tokens: int
+    ) -> tuple[int, int] | None:
+        """Give `seq` the first `num_tokens` of `source`: full blocks by reference (zero copy),
+        a partial last block as a fresh private block (copy on write: the sequence writes its
+        own tokens right after, inside that block, so it must never be the shared one).
+        Precondition: `_has_room_for_tail`. Returns the (src, dst) copy still to be made.
+        """
+        num_full, partial = divmod(num_tokens, self.pool.block_size)
+        self.pool.share(source[:num_full])
+        seq.block_table = list(source[:num_full])
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        if not partial:
+            return None
+        [tail] = self.pool.allocate(1)
+        seq.block_table.append(tail)
+        return source[num_full], tail
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Reserve blocks for `num_new` more tokens, preempting newer sequences if needed.
