@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import ForwardBatch
 from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.layers import can_pack_linears, pack_linears
 from engine.models.llama import LlamaForCausalLM
 
 
@@ -45,7 +46,8 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> CausalLM:
-    """Instantiate the model for `hf_config.model_type`, load weights, cast, move, eval.
+    """Instantiate the model for `hf_config.model_type`, load weights, cast, move, eval;
+    on CPU, pack the linear weights for oneDNN (see `PackedLinear`).
 
     Built on the meta device so no time goes into a random init that the weights overwrite.
     """
@@ -57,4 +59,6 @@ def build_model(
     model.load_weights(state_dict)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    if can_pack_linears(device, dtype):
+        pack_linears(model)
     return model
