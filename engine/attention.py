@@ -9,9 +9,11 @@ GQA never repeats K/V: prefill spans use SDPA's `enable_gqa`; decodes fold the `
 heads that share a KV head into the query axis (`[B, kv_heads, group, head_dim]`).
 
 Decodes that share a registry prefix's blocks are attended as a cascade: the shared prefix
-once for the whole group (one gather, one batched matmul), each sequence's private suffix on
-its own, and the two partial softmaxes merged by their log-sum-exp. Without it every
-sequence re-gathers the same ~1000 prefix tokens at every step.
+once for the whole group (all the group's queries in one attention call), each sequence's
+private suffix on its own, and the two partial softmaxes merged by their log-sum-exp. Without
+it every sequence re-gathers the same ~1000 prefix tokens at every step. A registry prefix
+filled into consecutive blocks (the usual case: the pool hands out fresh blocks in id order)
+is read in place, without a gather.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decoding sequences attended together; with `prefix_block_ids`, as a cascade."""
+    """Decoding sequences attended together; with `prefix_blocks`, as a cascade."""
 
     rows: torch.Tensor  # [G] long: positions among the step's decode rows
-    prefix_block_ids: torch.Tensor | None  # [k] long: shared leading blocks (None: plain)
+    # shared leading blocks: a slice when consecutive (read in place), else [k] long ids;
+    # None: a plain group
+    prefix_blocks: slice | torch.Tensor | None
     block_tables: torch.Tensor  # [G, max_blocks] long: each sequence's blocks after the prefix
-    mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size] bool: valid key slots
+    mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding
 
 
 @dataclass(slots=True)
@@ -63,9 +67,13 @@ def prefill_mask(num_cached: int, num_new: int, device: torch.device) -> torch.T
     return k_pos[None, :] <= q_pos[:, None]  # [num_new, ctx]
 
 
-def decode_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (0 for a sequence's keys, -inf for padding): the CPU flash kernel that
+    returns the log-sum-exp only takes masks in the query's dtype."""
     keys = torch.arange(max_len, device=context_lens.device)
-    return (keys[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_len]
+    valid = (keys[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_len]
+    zeros = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    return zeros.masked_fill_(~valid, float("-inf"))
 
 
 def paged_attention(
@@ -126,7 +134,7 @@ def _span_attention(
 def _group_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    if group.prefix_block_ids is None:
+    if group.prefix_blocks is None:
         return _decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
     return _cascade_attention(q, k_cache, v_cache, group, scale)
 
@@ -138,26 +146,26 @@ def _cascade_attention(
     group: DecodeGroup,
     scale: float,
 ) -> torch.Tensor:
-    assert group.prefix_block_ids is not None
+    assert group.prefix_blocks is not None
     g, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
     # Shared prefix, once: every query row of the group against the same keys.
-    kp = k_cache[group.prefix_block_ids].flatten(0, 1)  # [P, kv, d]
-    vp = v_cache[group.prefix_block_ids].flatten(0, 1)
-    qp = q.view(g, num_kv_heads, per_kv, head_dim).permute(1, 0, 2, 3)
-    qp = qp.reshape(num_kv_heads, g * per_kv, head_dim)  # [kv, G * per_kv, d]
-    scores = torch.bmm(qp, kp.permute(1, 2, 0)).float() * scale  # [kv, G * per_kv, P]
-    lse_p = torch.logsumexp(scores, -1)  # [kv, G * per_kv]
-    o_p = torch.bmm(torch.softmax(scores, -1).to(q.dtype), vp.transpose(0, 1))
-    lse_p = lse_p.view(num_kv_heads, g, per_kv).permute(1, 0, 2)  # [G, kv, per_kv]
-    o_p = o_p.view(num_kv_heads, g, per_kv, head_dim).permute(1, 0, 2, 3)  # [G, kv, per_kv, d]
+    kp = k_cache[group.prefix_blocks].flatten(0, 1).transpose(0, 1)[None]  # [1, kv, P, d]
+    vp = v_cache[group.prefix_blocks].flatten(0, 1).transpose(0, 1)[None]
+    qp = q.view(g, num_kv_heads, per_kv, head_dim).transpose(0, 1)
+    qp = qp.reshape(1, num_kv_heads, g * per_kv, head_dim)  # [1, kv, G * per_kv, d]
+    o_p, lse_p = attention_with_lse(qp, kp, vp, None, scale)
+    o_p = o_p.view(num_kv_heads, g, per_kv, head_dim).transpose(0, 1)  # [G, kv, per_kv, d]
+    lse_p = lse_p.view(num_kv_heads, g, per_kv).transpose(0, 1)  # [G, kv, per_kv]
     # Private suffixes, per sequence (padded, masked).
-    o_s, lse_s = _gathered_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
-    # Merge the two partial softmaxes by their log-sum-exp.
-    lse = torch.logaddexp(lse_p, lse_s)
-    w_p, w_s = torch.exp(lse_p - lse)[..., None], torch.exp(lse_s - lse)[..., None]
-    o = o_p.float() * w_p + o_s.float() * w_s
+    keys, values = _gather(k_cache, v_cache, group.block_tables)
+    qg = q.view(g, num_kv_heads, per_kv, head_dim)
+    o_s, lse_s = attention_with_lse(qg, keys, values, group.mask, scale)
+    # Merge the two partial softmaxes: the prefix's share of the whole is
+    # exp(lse_p) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_p - lse_s).
+    w_p = torch.sigmoid(lse_p - lse_s)[..., None]
+    o = torch.lerp(o_s.float(), o_p.float(), w_p)
     return o.to(q.dtype).reshape(g, num_heads, head_dim)
 
 
@@ -171,33 +179,39 @@ def _decode_attention(
 ) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    # Gather each sequence's blocks: [B, max_blocks, block_size, kv, d] -> [B, kv, L, d]
-    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    keys, values = _gather(k_cache, v_cache, block_tables)
     qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, kv, group, d]
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(b, num_heads, head_dim)
 
 
-def _gathered_attention(
-    q: torch.Tensor,  # [B, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    mask: torch.Tensor,  # [B, 1, 1, max_blocks * block_size]
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [B, kv, group, d], log-sum-exp [B, kv, group]
-    """One query per sequence over its gathered blocks, with the log-sum-exp that cascade
-    attention merges with (SDPA does not return it; plain decodes use SDPA, which is faster:
-    0.21 vs 0.36 ms a layer at 1000 keys in bf16)."""
-    b, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    # Gather each sequence's blocks: [B, max_blocks, block_size, kv, d] -> [B, kv, L, d]
+def _gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's blocks: [B, max_blocks, block_size, kv, d] -> [B, kv, L, d] views."""
     keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
     values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, kv, group, d]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, kv, group, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    return keys, values
+
+
+def attention_with_lse(
+    q: torch.Tensor,  # [B, H, Lq, d]
+    k: torch.Tensor,  # [B, H, Lk, d]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # additive, broadcastable to [B, H, Lq, Lk], q's dtype
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, Lq, d], log-sum-exp [B, H, Lq] float32
+    """Attention that also returns the softmax's log-sum-exp, which cascade merging needs
+    (public SDPA does not return it). On CPU this is the flash kernel SDPA itself runs (2-3x
+    faster than the matmul-softmax-matmul below, which other devices use)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=scale
+        )
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores + mask
     lse = torch.logsumexp(scores, -1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]).to(q.dtype), values)
+    out = torch.matmul(torch.exp(scores - lse[..., None]).to(q.dtype), v)
     return out, lse

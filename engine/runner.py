@@ -159,13 +159,21 @@ class ModelRunner:
         max_blocks = -(-max(lens) // block_size)
         # Pad with block 0: padded key slots are masked out, whatever they hold.
         padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
-        prefix = seqs[rows[0]].block_table[:num_shared]
         return DecodeGroup(
             rows=self._tensor(rows),
-            prefix_block_ids=self._tensor(prefix) if num_shared else None,
+            prefix_blocks=self._prefix_blocks(seqs[rows[0]].block_table[:num_shared]),
             block_tables=self._tensor(padded),  # [G, max_blocks]
-            mask=decode_mask(self._tensor(lens), max_blocks * block_size),
+            mask=decode_mask(self._tensor(lens), max_blocks * block_size, self.pool.spec.dtype),
         )
+
+    def _prefix_blocks(self, block_ids: list[int]) -> slice | torch.Tensor | None:
+        """A slice when the blocks are consecutive (attention reads them in place)."""
+        if not block_ids:
+            return None
+        first = block_ids[0]
+        if block_ids == list(range(first, first + len(block_ids))):
+            return slice(first, first + len(block_ids))
+        return self._tensor(block_ids)
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import DecodeGroup, _cascade_attention, _decode_attention, decode_mask
+from engine.attention import (
+    DecodeGroup,
+    _cascade_attention,
+    _decode_attention,
+    attention_with_lse,
+    decode_mask,
+)
 
 NUM_BLOCKS, BLOCK, KV, HEADS, DIM = 32, 4, 2, 6, 8
 
@@ -19,11 +25,15 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_equals_plain_decode_and_dense_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shared", [[3, 7, 1], [4, 5, 6]], ids=["gathered", "consecutive"])
+def test_cascade_equals_plain_decode_and_dense_reference(
+    dtype: torch.dtype, shared: list[int]
+) -> None:
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK, KV, DIM, generator=gen).to(dtype)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK, KV, DIM, generator=gen).to(dtype)
-    shared = [3, 7, 1]  # three full blocks of a registry prefix
+    # three full blocks of a registry prefix; consecutive ones are read in place (a slice)
+    consecutive = shared == list(range(shared[0], shared[0] + len(shared)))
     private = [[10, 11], [12], [13, 14, 15]]  # each sequence's own blocks after it
     lens = [6, 2, 9]  # tokens after the prefix (the last one is being decoded)
     q = torch.randn(3, HEADS, DIM, generator=gen).to(dtype)
@@ -32,9 +42,9 @@ def test_cascade_equals_plain_decode_and_dense_reference(dtype: torch.dtype) -> 
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in private])
     group = DecodeGroup(
         rows=torch.arange(3),
-        prefix_block_ids=torch.tensor(shared),
+        prefix_blocks=slice(shared[0], shared[-1] + 1) if consecutive else torch.tensor(shared),
         block_tables=tables,
-        mask=decode_mask(torch.tensor(lens), max_blocks * BLOCK),
+        mask=decode_mask(torch.tensor(lens), max_blocks * BLOCK, dtype),
     )
     cascade = _cascade_attention(q, k_cache, v_cache, group, scale)
     full_tables = torch.tensor([shared + t + [0] * (max_blocks - len(t)) for t in private])
@@ -44,7 +54,7 @@ def test_cascade_equals_plain_decode_and_dense_reference(dtype: torch.dtype) -> 
         k_cache,
         v_cache,
         full_tables,
-        decode_mask(full_lens, (len(shared) + max_blocks) * BLOCK),
+        decode_mask(full_lens, (len(shared) + max_blocks) * BLOCK, dtype),
         scale,
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -54,3 +64,21 @@ def test_cascade_equals_plain_decode_and_dense_reference(dtype: torch.dtype) -> 
         k = k_cache[blocks].flatten(0, 1)[: full_lens[i]]
         v = v_cache[blocks].flatten(0, 1)[: full_lens[i]]
         torch.testing.assert_close(cascade[i], _reference(q[i], k, v, scale), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_lse_matches_dense_softmax(dtype: torch.dtype) -> None:
+    """The CPU flash kernel's output and log-sum-exp, masked padding included."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, KV, 3, DIM, generator=gen).to(dtype)
+    k = torch.randn(2, KV, 10, DIM, generator=gen).to(dtype)
+    v = torch.randn(2, KV, 10, DIM, generator=gen).to(dtype)
+    mask = decode_mask(torch.tensor([10, 4]), 10, dtype)
+    out, lse = attention_with_lse(q, k, v, mask, 0.3)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * 0.3 + mask.double()
+    ref_lse = torch.logsumexp(scores, -1)
+    ref = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, ref.to(dtype), rtol=tol, atol=tol)
