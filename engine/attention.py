@@ -32,7 +32,8 @@ class PrefillSpan:
     num_new_tokens: int
     num_cached: int
     block_ids: torch.Tensor  # [num_blocks] long, on the device
-    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool; None: nothing cached
+    # additive [group * num_new, num_cached + num_new] (see `prefill_mask`); None: nothing cached
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -60,11 +61,19 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
 
 
-def prefill_mask(num_cached: int, num_new: int, device: torch.device) -> torch.Tensor:
-    """Causal mask with an offset: query i (position num_cached + i) sees keys 0..num_cached+i."""
+def prefill_mask(
+    num_cached: int, num_new: int, group: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Causal mask with an offset, additive: query i (position num_cached + i) sees keys
+    0..num_cached+i. Repeated `group` times: the query heads sharing a KV head are folded into
+    the query axis (see `_span_attention`)."""
     q_pos = torch.arange(num_new, device=device) + num_cached  # [num_new]
     k_pos = torch.arange(num_cached + num_new, device=device)  # [ctx]
-    return k_pos[None, :] <= q_pos[:, None]  # [num_new, ctx]
+    visible = k_pos[None, :] <= q_pos[:, None]  # [num_new, ctx]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
+        ~visible, float("-inf")
+    )
+    return mask.repeat(group, 1)  # [group * num_new, ctx]
 
 
 def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -114,21 +123,27 @@ def _span_attention(
     q: torch.Tensor,  # [n, num_heads, head_dim]
     k: torch.Tensor,  # [ctx, num_kv_heads, head_dim]
     v: torch.Tensor,
-    mask: torch.Tensor | None,  # [n, ctx] bool, None: plain causal (nothing cached)
+    mask: torch.Tensor | None,  # [group * n, ctx] additive, None: plain causal (nothing cached)
     scale: float,
 ) -> torch.Tensor:
     # 4-D inputs: the CPU flash kernel only takes batched 4-D tensors (3-D falls back to the
     # math path, which materialises every score and was half of prefill time).
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, num_heads, n, head_dim]
-        k.transpose(0, 1)[None],  # [1, num_kv_heads, ctx, head_dim]
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=True,
-    )  # [1, num_heads, n, head_dim]
-    return o[0].transpose(0, 1)
+    keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv, ctx, d]
+    if mask is None:
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )  # [1, num_heads, n, head_dim]
+        return o[0].transpose(0, 1)
+    # With a cached context, fold each KV head's query heads into the query axis: 3 heads of
+    # 3 * n rows run 1.5x faster in the CPU flash kernel than 9 heads of n rows with GQA.
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    qf = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, n, d]
+    qf = qf.reshape(1, num_kv_heads, group * n, head_dim)
+    o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scale)
+    o = o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)  # [n, kv, group, d]
+    return o.reshape(n, num_heads, head_dim)
 
 
 def _group_attention(

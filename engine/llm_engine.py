@@ -58,7 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            config.token_budget,
             self.registry if config.enable_prefix_cache else None,
         )
         self.runner = ModelRunner(loaded.model, self.pool, config.torch_device)

@@ -129,7 +129,9 @@ class ModelRunner:
     def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
         num_cached = seq.num_computed_tokens
         num_blocks = -(-(num_cached + n) // self.pool.block_size)
-        mask = prefill_mask(num_cached, n, self.device) if num_cached else None
+        group = self.model.num_heads // self.model.num_kv_heads
+        dtype = self.pool.spec.dtype
+        mask = prefill_mask(num_cached, n, group, dtype, self.device) if num_cached else None
         return PrefillSpan(
             token_start=token_start,
             num_new_tokens=n,

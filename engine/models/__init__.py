@@ -20,6 +20,7 @@ class AttentionLayer(Protocol):
 class CausalLM(Protocol):
     """What the runner needs from a model."""
 
+    num_heads: int
     num_kv_heads: int
     head_dim: int
 

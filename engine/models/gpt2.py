@@ -59,6 +59,7 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported")
+        self.num_heads = cfg.n_head
         self.num_kv_heads = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)

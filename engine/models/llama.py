@@ -78,6 +78,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         has_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))

@@ -9,8 +9,10 @@ from engine.attention import (
     DecodeGroup,
     _cascade_attention,
     _decode_attention,
+    _span_attention,
     attention_with_lse,
     decode_mask,
+    prefill_mask,
 )
 
 NUM_BLOCKS, BLOCK, KV, HEADS, DIM = 32, 4, 2, 6, 8
@@ -82,3 +84,20 @@ def test_attention_with_lse_matches_dense_softmax(dtype: torch.dtype) -> None:
     assert lse.dtype == torch.float32
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
     torch.testing.assert_close(out, ref.to(dtype), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_span_over_cached_context_is_causal_with_offset(dtype: torch.dtype) -> None:
+    """A chunk of 5 new tokens after 7 cached ones: query i sees keys 0..7+i (GQA folded)."""
+    gen = torch.Generator().manual_seed(2)
+    num_cached, n = 7, 5
+    q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(num_cached + n, KV, DIM, generator=gen).to(dtype)
+    v = torch.randn(num_cached + n, KV, DIM, generator=gen).to(dtype)
+    mask = prefill_mask(num_cached, n, HEADS // KV, dtype, torch.device("cpu"))
+    out = _span_attention(q, k, v, mask, DIM**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(n):
+        ctx = num_cached + i + 1
+        ref = _reference(q[i], k[:ctx], v[:ctx], DIM**-0.5)
+        torch.testing.assert_close(out[i], ref, rtol=tol, atol=tol)
