@@ -56,8 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=512,
-        help="token budget of one step (chunked prefill)",
+        default=None,
+        help="token budget of one step (chunked prefill); default 256 on CPU, 2048 on CUDA",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false")
