@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from engine import AsyncEngine, EngineStats, LLMEngine
+from engine import AsyncEngine, EngineStats
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -38,14 +38,13 @@ class Gateway:
         """Load the engine (model + registry prefill) off the event loop."""
         if self.engine is not None:
             return
+        engine = AsyncEngine(self.config.engine)
         try:
-            llm = await asyncio.to_thread(LLMEngine, self.config.engine)
+            await asyncio.to_thread(engine.start)  # loads on the engine's own thread
         except Exception as exc:  # keep serving /health with the reason
             logger.exception("engine failed to start")
             self.load_error = str(exc)
             raise
-        engine = AsyncEngine(self.config.engine, engine=llm)
-        engine.start()
         self.engine = engine
         self.metrics.model_name = self.model_name
         logger.info(
