@@ -10,10 +10,12 @@ from engine.errors import InvalidRequestError
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GiB = 1 << 30
-# A step's token budget bounds how long running decodes stall behind prefills. On CPU, where
-# a 100-token suffix prefill takes ~0.1 s, 256 tokens (about two suffixes per step) gave the
-# intent workload at concurrency 8 half the TTFT p50 of 512 at equal throughput.
-DEFAULT_TOKEN_BUDGET = {"cpu": 256, "cuda": 2048}
+# A step's token budget bounds how long running decodes stall behind prefills, and how many
+# waiting requests share one long step before any of them gets a token. On CPU a 100-token
+# suffix prefill takes ~0.1 s; over HTTP at concurrency 8 on the intent workload (bf16, 2
+# cores) 512 tokens gave TTFT p50 1.0 s, 256 gave 0.60 s at 99 tok/s, 128 gave 0.38 s at
+# 89 tok/s (docs/benchmarks.md). Long uncached prompts pay ~10% more TTFT in 128-token chunks.
+DEFAULT_TOKEN_BUDGET = {"cpu": 128, "cuda": 2048}
 
 
 @dataclass(frozen=True)

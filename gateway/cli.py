@@ -57,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="token budget of one step (chunked prefill); default 256 on CPU, 2048 on CUDA",
+        help="token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA",
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false")
