@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import shlex
 import subprocess
@@ -412,7 +413,7 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
         if args.warmup:
             warm = await warm_up(target, bodies(args.warmup, f"warmup-{step}")[1])
             _warn_warmup(warm)
-        requests, step_bodies = bodies(args.num_requests, step)
+        requests, step_bodies = bodies(step_size(args, load), step)
         records, duration = await run_step(target, requests, step_bodies, load)
         report["steps"].append(_step_report(load, records, duration))
         print(_progress(report["steps"][-1]), file=sys.stderr, flush=True)
@@ -424,6 +425,14 @@ async def run_benchmark(args: argparse.Namespace, model: str) -> dict[str, Any]:
         if args.out:
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def step_size(args: argparse.Namespace, load: LoadSpec) -> int:
+    """Requests in one step: --num-requests, or at a rate with --step-duration, as many as
+    arrive in that time (at least 10), so that low rates fit inside --max-duration."""
+    if load.qps is None or args.step_duration is None:
+        return int(args.num_requests)
+    return min(int(args.num_requests), max(10, math.ceil(load.qps * args.step_duration)))
 
 
 def _loads(args: argparse.Namespace) -> list[LoadSpec]:
@@ -690,6 +699,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         metavar="N",
         help="measured requests per step (default: %(default)s)",
+    )
+    add(
+        "--step-duration",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="with --qps/--sweep-qps: send at most QPS x S requests per step (at least 10, "
+        "at most --num-requests), so that a sweep's low rates end in bounded time",
     )
     add(
         "--num-turns",

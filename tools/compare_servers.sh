@@ -4,17 +4,20 @@
 # cache on and off, transformers serve with continuous batching.
 #   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode"
 # Every server is started on 127.0.0.1 and stopped by PID; every load run is bounded.
+# The QPS sweep uses SWEEP for servers that reuse the prefix and SWEEP_SLOW for those that
+# cannot (each step sends QPS x 60 s requests, 10 to 40, and stops after 120 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}
 MODES=${2:-"seq c8"}
 DTYPE=${DTYPE:-bfloat16}
-SWEEP=${SWEEP:-0.25,0.5,1,2,3,4}
+SWEEP=${SWEEP:-0.25,0.5,1,1.5,2,3,4}
+SWEEP_SLOW=${SWEEP_SLOW:-0.1,0.25,0.5,1}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 PORT=8090
 
-bench() {  # label extra-args...
+bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
   local label=$1; shift
   for mode in $MODES; do
     case $mode in
@@ -22,11 +25,12 @@ bench() {  # label extra-args...
              --num-requests 20 --warmup 2 --max-duration 600 --out "$OUT/$label-seq.json" "$@" ;;
       c8) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 8 \
              --num-requests 64 --warmup 2 --max-duration 600 --out "$OUT/$label-c8.json" "$@" ;;
-      sweep) $PY tools/bench_serving.py --label "$label" --workload intent --sweep-qps "$SWEEP" \
-             --num-requests 40 --max-duration 120 --arrival poisson --submit-schedule absolute \
+      sweep) $PY tools/bench_serving.py --label "$label" --workload intent \
+             --sweep-qps "${RATES:-$SWEEP}" --num-requests 40 --step-duration 60 \
+             --max-duration 120 --arrival poisson --submit-schedule absolute --warmup 2 \
              --out "$OUT/$label-sweep.json" "$@" ;;
       decode) $PY tools/bench_serving.py --label "$label" --workload decode-heavy \
-             --concurrency 32 --num-requests 64 --max-duration 600 \
+             --concurrency 32 --num-requests 64 --max-duration 300 --warmup 2 \
              --out "$OUT/$label-decode.json" "$@" ;;
     esac
   done
@@ -43,17 +47,18 @@ prefixgate() {  # label flags...
 }
 
 prefixgate "prefixgate-registry-$DTYPE"
-prefixgate "prefixgate-nocache-$DTYPE" --no-prefix-cache
+RATES=$SWEEP_SLOW prefixgate "prefixgate-nocache-$DTYPE" --no-prefix-cache
 
 $PY tools/peers.py start llama-cpp --port 8081 --no-build
 bench llama.cpp-cache-on --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": true}'
-bench llama.cpp-cache-off --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": false}'
+RATES=$SWEEP_SLOW bench llama.cpp-cache-off --base-url http://127.0.0.1:8081/v1 \
+  --extra-body '{"cache_prompt": false}'
 $PY tools/peers.py stop llama-cpp
 
 if [ "${SKIP_TRANSFORMERS:-0}" != 1 ]; then
   MODEL_DIR=$(ls -d ~/.cache/prefixgate/SmolLM2-135M-Instruct.Q4_1-* | head -1)
   $PY tools/peers.py start transformers --port 8082 --continuous-batching --no-build
-  bench transformers-serve-cb --base-url http://127.0.0.1:8082/v1 --model "$MODEL_DIR" \
+  RATES=$SWEEP_SLOW bench transformers-serve-cb --base-url http://127.0.0.1:8082/v1 --model "$MODEL_DIR" \
     --no-ignore-eos
   $PY tools/peers.py stop transformers
 fi

@@ -8,6 +8,7 @@ chunk and `data: [DONE]`; it can fail chosen requests (by arrival order) with an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -623,3 +624,15 @@ def test_the_shipped_prefixes_feed_the_workloads() -> None:
     assert bs._prefix_messages(bs.parse_args(["--workload", "decode-heavy"])) == []
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload("nope", 1, 0, SYSTEM)
+
+
+def test_step_duration_sizes_rate_steps_but_not_concurrency_steps() -> None:
+    args = argparse.Namespace(num_requests=40, step_duration=60.0)
+    assert bs.step_size(args, bs.LoadSpec(qps=0.1)) == 10  # 6 due, at least 10
+    assert bs.step_size(args, bs.LoadSpec(qps=0.5)) == 30
+    assert bs.step_size(args, bs.LoadSpec(qps=4.0)) == 40  # capped by --num-requests
+    assert bs.step_size(args, bs.LoadSpec(concurrency=8)) == 40
+    assert (
+        bs.step_size(argparse.Namespace(num_requests=7, step_duration=None), bs.LoadSpec(qps=9.0))
+        == 7
+    )
