@@ -432,7 +432,7 @@ def step_size(args: argparse.Namespace, load: LoadSpec) -> int:
     arrive in that time (at least 10), so that low rates fit inside --max-duration."""
     if load.qps is None or args.step_duration is None:
         return int(args.num_requests)
-    return min(int(args.num_requests), max(10, math.ceil(load.qps * args.step_duration)))
+    return min(int(args.num_requests), max(10, math.ceil(load.qps * float(args.step_duration))))
 
 
 def _loads(args: argparse.Namespace) -> list[LoadSpec]:
