@@ -8,7 +8,9 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(EngineError):
-    """The caller sent something the engine cannot serve; `param` names the offending field."""
+    """The caller sent something the engine cannot serve; `param` names the offending input in
+    the engine's terms ("prompt" for the prompt's token ids); the gateway renames it to the
+    API field the prompt came from."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -20,7 +22,7 @@ class PromptTooLongError(InvalidRequestError):
     """Prompt plus requested output does not fit in `max_model_len` (or in the whole KV pool)."""
 
     def __init__(self, message: str, num_prompt_tokens: int, max_model_len: int) -> None:
-        super().__init__(message, param="messages")
+        super().__init__(message, param="prompt")
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -20,18 +19,24 @@ from gateway.protocol import (
     ChatCompletionStreamResponse,
     ChatMessageOut,
     DeltaMessage,
-    UsageInfo,
     api_finish_reason,
     random_id,
 )
-from gateway.routes.common import SSE_DONE, admit, sse_response, usage_of
+from gateway.routes.common import (
+    SSE_DONE,
+    StreamChunks,
+    admit,
+    sse_response,
+    usage_of,
+    validate_prompts,
+)
 
 
 async def create_chat_completion(request: Request) -> Response:
     gateway, body, engine = await admit(request, ChatCompletionRequest)
     prompt_ids = chat_prompt_ids(gateway.tokenizer, body.flat_messages())
     params = body.to_sampling_params(default_max_tokens=None)
-    engine.validate_request(prompt_ids, params)
+    validate_prompts(engine, [prompt_ids], params, "messages")
     gateway.check_capacity()
     job = Job(
         gateway, engine, random_id("chatcmpl"), [prompt_ids] * body.n, fan_out(params, body.n)
@@ -71,13 +76,7 @@ async def _stream(
     job: Job, model: str, want_logprobs: bool, include_usage: bool
 ) -> AsyncIterator[str]:
     tokenizer = job.gateway.tokenizer
-    created = int(time.time())
-
-    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-        body = ChatCompletionStreamResponse(
-            id=job.request_id, created=created, model=model, choices=choices, usage=usage
-        )
-        return json.dumps(body.model_dump(mode="json"))
+    chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
 
     for choice in job.choices:  # the first delta of each choice carries the role
         yield chunk(

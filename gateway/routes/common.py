@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from engine import AsyncEngine, EngineError
+from engine import AsyncEngine, EngineError, InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.generation import Job
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionStreamResponse,
+    UsageInfo,
+)
 from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -35,6 +43,20 @@ async def admit(
     return gateway, body, engine
 
 
+def validate_prompts(
+    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, field: str
+) -> None:
+    """Check every prompt before any response starts. The engine calls the prompt "prompt";
+    the error names the field this route read it from ("messages" or "prompt")."""
+    for prompt in prompts:
+        try:
+            engine.validate_request(prompt, params)
+        except InvalidRequestError as exc:
+            if exc.param == "prompt":
+                exc.param = field
+            raise
+
+
 def gateway_of(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     return gateway
@@ -44,6 +66,22 @@ def usage_of(job: Job) -> UsageInfo:
     return UsageInfo.from_counts(
         job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens
     )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunks:
+    """Serialises one stream's chunks, each repeating the stream's id, creation time, model."""
+
+    response_type: type[ChatCompletionStreamResponse] | type[CompletionStreamResponse]
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __call__(self, choices: list[Any], usage: UsageInfo | None = None) -> str:
+        body = self.response_type(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return json.dumps(body.model_dump(mode="json"))
 
 
 def sse_response(events: AsyncIterator[str], shutdown_grace: float) -> EventSourceResponse:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import PromptTooLongError, text_prompt_ids
+from engine import text_prompt_ids
 from gateway.generation import Job, fan_out
 from gateway.logprobs import completion_logprobs
 from gateway.protocol import (
@@ -18,11 +17,17 @@ from gateway.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
     api_finish_reason,
     random_id,
 )
-from gateway.routes.common import SSE_DONE, admit, sse_response, usage_of
+from gateway.routes.common import (
+    SSE_DONE,
+    StreamChunks,
+    admit,
+    sse_response,
+    usage_of,
+    validate_prompts,
+)
 
 
 async def create_completion(request: Request) -> Response:
@@ -31,12 +36,7 @@ async def create_completion(request: Request) -> Response:
         p if isinstance(p, list) else text_prompt_ids(gateway.tokenizer, p) for p in body.prompts()
     ]
     params = body.to_sampling_params(default_max_tokens=16)
-    for prompt in prompts:
-        try:
-            engine.validate_request(prompt, params)
-        except PromptTooLongError as exc:
-            exc.param = "prompt"  # the engine speaks of messages; here the field is `prompt`
-            raise
+    validate_prompts(engine, prompts, params, "prompt")
     gateway.check_capacity()
     per_choice = [p for p in prompts for _ in range(body.n)]  # choice i: prompt i // n
     job = Job(
@@ -75,13 +75,7 @@ async def _stream(
     job: Job, model: str, want_logprobs: bool, include_usage: bool
 ) -> AsyncIterator[str]:
     tokenizer = job.gateway.tokenizer
-    created = int(time.time())
-
-    def chunk(choices: list[CompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-        body = CompletionStreamResponse(
-            id=job.request_id, created=created, model=model, choices=choices, usage=usage
-        )
-        return json.dumps(body.model_dump(mode="json"))
+    chunk = StreamChunks(CompletionStreamResponse, job.request_id, model)
 
     offsets = [0] * len(job.choices)
     async for choice, out in job.run():

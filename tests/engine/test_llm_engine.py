@@ -188,8 +188,8 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(
         ([], GREEDY, InvalidRequestError, "prompt"),
         ([1, 2, 10**6], GREEDY, InvalidRequestError, "prompt"),
         ([-1], GREEDY, InvalidRequestError, "prompt"),
-        ([1] * 60, SamplingParams(max_tokens=5), PromptTooLongError, "messages"),
-        ([1] * 64, SamplingParams(max_tokens=None), PromptTooLongError, "messages"),
+        ([1] * 60, SamplingParams(max_tokens=5), PromptTooLongError, "prompt"),
+        ([1] * 64, SamplingParams(max_tokens=None), PromptTooLongError, "prompt"),
     ],
 )
 def test_bad_requests_are_rejected_with_typed_errors(

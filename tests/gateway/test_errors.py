@@ -66,7 +66,7 @@ ENGINE_ERRORS: list[tuple[str, EngineError, int, dict[str, Any]]] = [
         error_body(
             "too long: 9000 tokens > 2048",
             "invalid_request_error",
-            "messages",
+            "prompt",
             "context_length_exceeded",
         ),
     ),
@@ -198,7 +198,7 @@ def client() -> Iterator[TestClient]:
         (
             "too-long",
             400,
-            error_body("too long", "invalid_request_error", "messages", "context_length_exceeded"),
+            error_body("too long", "invalid_request_error", "prompt", "context_length_exceeded"),
         ),
         (
             "openai",
