@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput, SampleLogprobs, TokenLogprob
 from engine.prefix_loader import PrefixBudgetError
 from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
 from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
+from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, PrefixInfo
 
@@ -27,6 +28,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
+    "EngineRequest",
     "EngineStats",
     "InvalidRequestError",
     "LLMEngine",

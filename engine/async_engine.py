@@ -32,6 +32,7 @@ from engine.errors import EngineDeadError, EngineError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.registry import MatchReport, ReloadStatus
+from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -105,24 +106,21 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise the typed error `generate` would, before any response has started."""
-        self.engine.validate_request(prompt_token_ids, params)
+    def prepare_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> EngineRequest:
+        """Validate once (typed errors, before any response has started); see LLMEngine."""
+        return self.engine.prepare_request(prompt_token_ids, params, cache_salt)
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
+        self, request: EngineRequest, request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs. Raises typed engine errors for requests it cannot serve."""
+        """Stream a prepared request's outputs. Failures come out as typed engine errors."""
         self._check_alive()
-        self.engine.validate_request(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        ids = list(prompt_token_ids)
-        self._submit(lambda: self._add(request_id, ids, params, stream))
+        self._submit(lambda: self._add(request_id, request, stream))
         finished = False
         try:
             while not finished:
@@ -202,8 +200,10 @@ class AsyncEngine:
                 else (f"the engine loop died: {self._dead!r}")
             )
             self._drain_commands()
+            # The requests still in flight fail because the engine stopped, not because of
+            # anything in them: they get EngineDeadError (503), not RequestFailedError (500).
             for output in self.engine.fail_all(reason):
-                self._deliver(output)
+                self._deliver(output, EngineDeadError)
 
     def _poll_prefix_file(self) -> None:
         now = time.monotonic()
@@ -229,11 +229,9 @@ class AsyncEngine:
         for output in outputs:
             self._deliver(output)
 
-    def _add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: _Stream
-    ) -> None:
+    def _add(self, request_id: str, request: EngineRequest, stream: _Stream) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            self.engine.add_prepared(request_id, request)
         except EngineError as exc:
             stream.put(exc)
             return
@@ -252,14 +250,16 @@ class AsyncEngine:
         if output is not None:
             self._deliver(output)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(
+        self, output: RequestOutput, error_type: type[EngineError] = RequestFailedError
+    ) -> None:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
         if output.finished:
             del self._streams[output.request_id]
         if output.error is not None:
-            stream.put(RequestFailedError(output.error))
+            stream.put(error_type(output.error))
         else:
             stream.put(output)
 

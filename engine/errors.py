@@ -19,10 +19,14 @@ class InvalidRequestError(EngineError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """Prompt plus requested output does not fit in `max_model_len` (or in the whole KV pool)."""
+    """Prompt plus requested output does not fit in `max_model_len` (or in the whole KV pool).
+    `param` is "prompt" when the prompt alone is too long, "max_tokens" when the prompt fits
+    and the requested completion length is what does not."""
 
-    def __init__(self, message: str, num_prompt_tokens: int, max_model_len: int) -> None:
-        super().__init__(message, param="prompt")
+    def __init__(
+        self, message: str, num_prompt_tokens: int, max_model_len: int, param: str = "prompt"
+    ) -> None:
+        super().__init__(message, param=param)
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
 

@@ -25,6 +25,7 @@ from engine.outputs import RequestOutput, SampleLogprobs
 from engine.prefix_loader import PrefixLoader
 from engine.registry import PrefixRegistry, ReloadStatus
 from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
+from engine.request import EngineRequest
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -129,8 +130,15 @@ class LLMEngine:
                 bar.update(before - self.prefixes.num_pending_tokens)
 
     # -- requests -------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise a typed error for anything this engine cannot serve. Pure: safe from any thread."""
+    def prepare_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> EngineRequest:
+        """The one validation of a request: raise a typed error for anything this engine
+        cannot serve, else return the EngineRequest the engine trusts from here on. Pure:
+        safe from any thread (the gateway calls it before a response starts)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
@@ -152,6 +160,7 @@ class LLMEngine:
                 "max_tokens.",
                 num_prompt_tokens=num_prompt,
                 max_model_len=self.max_model_len,
+                param="prompt" if num_prompt >= self.max_model_len else "max_tokens",
             )
         num_needed = min(num_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
         num_usable = self.pool.num_blocks - self.pool.num_pinned_blocks
@@ -162,13 +171,19 @@ class LLMEngine:
                 num_prompt_tokens=num_prompt,
                 max_model_len=self.max_model_len,
             )
+        return EngineRequest(list(prompt_token_ids), params, cache_salt)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
+        """Validate and add (tests, benchmarks, the CLI): `add_prepared(prepare_request())`."""
+        self.add_prepared(request_id, self.prepare_request(prompt_token_ids, params))
+
+    def add_prepared(self, request_id: str, request: EngineRequest) -> None:
+        """Queue a request `prepare_request` already validated."""
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
-        self.validate_request(prompt_token_ids, params)
+        prompt_token_ids, params = request.prompt_token_ids, request.params
         generator = (
             make_generator(params.seed, self.config.torch_device)
             if params.seed is not None
@@ -181,6 +196,7 @@ class LLMEngine:
             params=params,
             arrival_index=next(self._arrivals),
             generator=generator,
+            cache_salt=request.cache_salt,
         )
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens

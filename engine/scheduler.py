@@ -11,7 +11,10 @@ registered prefix shares that prefix's full blocks (reference counted, zero copy
 private copy of a partial last block, and starts with those tokens computed; if its ids equal
 the prefix, it needs no forward at all (the prefix's stored logits are sampled). Identical
 fresh prompts admitted in the same step are prefilled once: the first is the leader, the
-others share its blocks and its logits row.
+others share its blocks and its logits row. Deduplication stays inside one cache scope (the
+request's `cache_salt`) and is invisible to clients: a duplicate reports the cached tokens
+its leader got from the registry, never the leader's own work, so `cached_tokens` cannot
+confirm a guess of another client's prompt.
 
 When a sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it goes back to the front of the waiting queue to be recomputed
@@ -28,6 +31,9 @@ import torch
 from engine.kv_cache import BlockPool, num_blocks_for
 from engine.registry import PrefixMatch, PrefixRegistry
 from engine.sequence import Sequence, SequenceStatus
+
+# In-step deduplication key: (cache scope, prompt token ids); None: not deduplicated.
+_DedupKey = tuple[str | None, tuple[int, ...]] | None
 
 
 @dataclass(slots=True)
@@ -140,7 +146,7 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        leaders: dict[tuple[int, ...], Sequence] = {}
+        leaders: dict[_DedupKey, Sequence] = {}
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             item = self._admit_one(seq, budget, leaders, out)
@@ -156,7 +162,7 @@ class Scheduler:
         self,
         seq: Sequence,
         budget: int,
-        leaders: dict[tuple[int, ...], Sequence],
+        leaders: dict[_DedupKey, Sequence],
         out: SchedulerOutput,
     ) -> ScheduledSequence | None:
         can_dedup = (
@@ -164,8 +170,8 @@ class Scheduler:
             and seq.num_computed_tokens == 0
             and (seq.num_output_tokens == 0 and not seq.is_prefix_fill)
         )
-        key = tuple(seq.token_ids) if can_dedup else ()
-        if key in leaders:
+        key: _DedupKey = (seq.cache_salt, tuple(seq.token_ids)) if can_dedup else None
+        if key is not None and key in leaders:
             return self._admit_duplicate(seq, leaders[key], out)
         match = self._attach_prefix(seq) if self.registry and seq.num_computed_tokens == 0 else None
         num_new = min(seq.num_uncomputed_tokens, budget)
@@ -176,7 +182,7 @@ class Scheduler:
         is_fresh_request = seq.num_prompt_tokens == seq.num_tokens and not seq.is_prefix_fill
         if self.registry is not None and is_fresh_request:
             self.registry.record_lookup(match)
-        if can_dedup and num_new == seq.num_uncomputed_tokens and num_new > 0:
+        if key is not None and num_new == seq.num_uncomputed_tokens and num_new > 0:
             leaders[key] = seq
         exact_logits = match.prefix.last_logits if match is not None and num_new == 0 else None
         return ScheduledSequence(seq, num_new, exact_logits)
@@ -206,6 +212,9 @@ class Scheduler:
         if tail_copy is not None:
             out.block_copies.append(tail_copy)
         seq.num_shared_blocks = leader.num_shared_blocks  # the registry part, as the leader's
+        # Report what the leader got from the registry, not the leader's own prefill: the
+        # duplicate's usage must read as if it had been admitted alone (no side channel).
+        seq.num_cached_tokens = leader.num_cached_tokens
         return ScheduledSequence(seq, 0, leader=leader)
 
     def _has_room_for_tail(self, num_tokens: int) -> bool:

@@ -41,6 +41,7 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     prefix_spec: PrefixSpec | None = None  # set: this sequence fills a registry prefix
+    cache_salt: str | None = None  # reuse of this sequence's own work stays within its salt
     # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
     # attend to them once per step as a group (cascade attention).
     num_shared_blocks: int = 0

@@ -8,6 +8,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -83,7 +85,18 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", get_openapi, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = []
+    if config.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.allowed_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+                expose_headers=["Retry-After"],
+            )
+        )
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.gateway = gateway
     errors.install_error_handlers(app)
     return app

@@ -170,10 +170,9 @@ def generate(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     """Run uvicorn; SIGTERM stops accepting, gives in-flight requests `--shutdown-grace`
     seconds, then the engine aborts the rest, and the process exits 0."""
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.config import GatewayConfig
+    from gateway.server import DrainingServer, uvicorn_config
 
     config = GatewayConfig(
         engine=engine_config_from_args(args),
@@ -200,19 +199,15 @@ def serve(args: argparse.Namespace) -> int:
         failed = True
         server.should_exit = True
 
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, on_fatal=stop_on_failure),
-            host=args.host,
-            port=args.port,
-            log_config=None,
-            timeout_graceful_shutdown=max(args.shutdown_grace, 0.1),
-            lifespan="on",
-        )
+    app = create_app(config, on_fatal=stop_on_failure)
+    server = DrainingServer(
+        uvicorn_config(app, args.host, args.port, args.shutdown_grace),
+        app.state.gateway,
+        args.shutdown_grace,
     )
-    # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is over, so with the
-    # default disposition the process would die of the signal (status 143) after a clean stop.
-    # A no-op handler is what uvicorn restores and re-raises into: we return 0 instead.
+    # uvicorn re-raises a signal it handled once its shutdown is over, so with the default
+    # disposition the process would die of it (status 143) after a clean stop. A no-op
+    # handler is what uvicorn restores and re-raises into: we return 0 instead.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 1 if failed or not server.started else 0

@@ -10,7 +10,6 @@ Types follow OpenAI: "invalid_request_error" for 4xx the caller can fix, "server
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from pydantic_core import ErrorDetails
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from engine import (
     EngineDeadError,
@@ -130,6 +129,8 @@ def status_of(exc: Exception) -> int:
         return exc.status_code
     if isinstance(exc, EngineError):
         return from_engine_error(exc).status_code
+    if isinstance(exc, ClientGone):
+        return CLIENT_GONE_STATUS
     return 400 if isinstance(exc, ValidationError) else 500
 
 
@@ -176,29 +177,6 @@ def invalid_json(detail: str) -> OpenAIError:
     return OpenAIError(400, message, code="invalid_json")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def parse_body(request: Request, model: type[T]) -> T:
-    """Read and validate the JSON body; every failure is an OpenAIError (400)."""
-    return validate(model, await parse_json(request))
-
-
-async def parse_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object, or an invalid_json OpenAIError."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
-        raise invalid_json(str(exc)) from None
-    except RecursionError:
-        raise invalid_json("the JSON is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise invalid_json(f"expected a JSON object, but got {json_type_name(body)}")
-    return body
-
-
 def validate(model: type[T], body: dict[str, Any]) -> T:
     try:
         return model.model_validate(body)
@@ -207,6 +185,41 @@ def validate(model: type[T], body: dict[str, Any]) -> T:
 
 
 # -- errors the gateway raises itself -------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was answered: nothing can be sent any more.
+    Counted in the request metrics as 499 (nginx's "client closed request")."""
+
+
+CLIENT_GONE_STATUS = 499
+
+
+def payload_too_large(limit: int) -> OpenAIError:
+    message = (
+        f"The request body is larger than this server accepts ({limit} bytes, --max-request-bytes)."
+    )
+    return OpenAIError(413, message, code="request_too_large")
+
+
+def request_timeout(seconds: float) -> OpenAIError:
+    message = f"The request body did not arrive within {seconds:g} s (--request-read-timeout)."
+    return OpenAIError(408, message, code="request_timeout", headers={"Connection": "close"})
+
+
+def unsupported_media_type(media_type: str) -> OpenAIError:
+    message = (
+        f"Unsupported Content-Type '{media_type}': send the request body as JSON with "
+        "'Content-Type: application/json'."
+    )
+    return OpenAIError(415, message, code="unsupported_media_type")
+
+
+def shutting_down() -> OpenAIError:
+    """503 for requests that arrive, or are still running, while the server drains."""
+    message = "The server is shutting down and no longer accepts requests; retry elsewhere."
+    headers = {"Retry-After": "1"}
+    return OpenAIError(503, message, "server_error", code="server_shutting_down", headers=headers)
 
 
 def unknown_model(name: str) -> OpenAIError:
@@ -254,6 +267,7 @@ def install_error_handlers(app: Starlette) -> None:
     app.add_exception_handler(EngineError, _handle_engine_error)
     app.add_exception_handler(ValidationError, _handle_validation_error)
     app.add_exception_handler(HTTPException, _handle_http_exception)
+    app.add_exception_handler(ClientGone, _handle_client_gone)
     app.add_exception_handler(Exception, _handle_unexpected_error)
 
 
@@ -264,6 +278,8 @@ async def _handle_openai_error(request: Request, exc: Exception) -> JSONResponse
 
 async def _handle_engine_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EngineError)
+    if getattr(request.app.state, "gateway", None) and request.app.state.gateway.is_draining:
+        return shutting_down().response()  # the drain ended this request
     return from_engine_error(exc).response()
 
 
@@ -286,6 +302,11 @@ async def _handle_http_exception(request: Request, exc: Exception) -> JSONRespon
         error = OpenAIError(exc.status_code, exc.detail)
     error.headers.update(exc.headers or {})  # keeps 405's Allow
     return error.response()
+
+
+async def _handle_client_gone(request: Request, exc: Exception) -> Response:
+    logger.debug("client left before %s %s was answered", request.method, request.url.path)
+    return Response(status_code=CLIENT_GONE_STATUS)  # sent to nobody: the server drops it
 
 
 async def _handle_unexpected_error(request: Request, exc: Exception) -> JSONResponse:

@@ -11,9 +11,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from engine import AsyncEngine, RequestOutput, SampleLogprobs, SamplingParams
+from engine import AsyncEngine, EngineRequest, RequestOutput, SampleLogprobs
+from gateway.admission import Ticket
 from gateway.state import Gateway
 
 
@@ -28,8 +28,10 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    is_started: bool = False
 
     def add(self, out: RequestOutput) -> None:
+        self.is_started = True
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
@@ -40,42 +42,43 @@ class Choice:
 
 @dataclass(slots=True)
 class Job:
-    """One prompt's engine requests (one per choice) and their timing."""
+    """One API request's engine requests (one per choice) and their timing. Each choice's
+    first output releases its place in the ticket's waiting count."""
 
     gateway: Gateway
     engine: AsyncEngine
+    ticket: Ticket
     request_id: str
-    prompts: list[list[int]]  # per choice (a completion with several prompts fans out too)
-    params: list[SamplingParams]
+    requests: list[EngineRequest]  # per choice (several prompts fan out too)
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     choices: list[Choice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.choices = [Choice(i) for i in range(len(self.prompts))]
+        self.choices = [Choice(i) for i in range(len(self.requests))]
 
     async def run(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Merge the choices' streams; each output comes with its (updated) Choice."""
-        self.gateway.num_waiting += 1
-        waiting = True
         try:
             async for index, out in _merge(self._streams()):
-                if waiting:
-                    self.gateway.num_waiting -= 1
-                    waiting = False
-                    self.first_token = time.perf_counter()
                 choice = self.choices[index]
+                if not choice.is_started:
+                    self.ticket.started()
+                if self.first_token is None:
+                    self.first_token = time.perf_counter()
                 choice.add(out)
                 yield choice, out
         finally:
-            if waiting:
-                self.gateway.num_waiting -= 1
             self._observe()
+
+    async def collect(self) -> None:
+        async for _ in self.run():
+            pass
 
     def _streams(self) -> list[AsyncIterator[RequestOutput]]:
         return [
-            self.engine.generate(prompt, params, f"{self.request_id}-{i}")
-            for i, (prompt, params) in enumerate(zip(self.prompts, self.params, strict=True))
+            self.engine.generate(request, f"{self.request_id}-{i}")
+            for i, request in enumerate(self.requests)
         ]
 
     def _observe(self) -> None:
@@ -93,6 +96,10 @@ class Job:
 
     # -- usage: prompt tokens count once per prompt, as OpenAI does for n > 1 ---------------------
     @property
+    def prompts(self) -> list[list[int]]:
+        return [request.prompt_token_ids for request in self.requests]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in _distinct(self.prompts))
 
@@ -108,11 +115,12 @@ class Job:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n choices of one prompt; a seeded request gets seed, seed+1, ... so choices differ."""
+def fan_out(request: EngineRequest, n: int) -> list[EngineRequest]:
+    """n choices of one prepared request; a seeded one gets seed, seed+1, ... so they differ."""
+    params = request.params
     if params.seed is None:
-        return [params] * n
-    return [replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+        return [request] * n
+    return [request.with_params(replace(params, seed=(params.seed + i) % 2**63)) for i in range(n)]
 
 
 def _distinct(prompts: list[list[int]]) -> list[list[int]]:
@@ -158,7 +166,3 @@ async def _merge(
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return str(tokenizer.decode([token_id]))

@@ -7,19 +7,24 @@ The engine loads in a worker thread after the server starts listening, so /healt
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from engine import AsyncEngine, EngineStats
 from gateway import errors
+from gateway.admission import Ticket
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Gateway:
@@ -28,8 +33,15 @@ class Gateway:
         self.engine: AsyncEngine | None = engine
         self.load_error: str | None = None
         self.created = int(time.time())
-        self.num_waiting = 0  # accepted by the gateway, no token out yet
+        self.num_waiting = 0  # sequences admitted by the gateway, no output yet
+        self.tickets: set[Ticket] = set()  # requests in flight, admission to response end
+        self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self.metrics = GatewayMetrics(self._stats, self.model_name)
+        # Parsing, rendering and tokenizing run here, never on the event loop: a 5 MB prompt
+        # takes seconds to tokenize, and every open stream would wait behind it.
+        self._workers = ThreadPoolExecutor(
+            config.tokenizer_workers, thread_name_prefix="prefixgate-tokenize"
+        )
         if engine is not None:
             engine.start()
 
@@ -57,6 +69,27 @@ class Gateway:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def drain(self, grace: float) -> None:
+        """SIGTERM: refuse new requests (503, /health too), give the requests in flight `grace`
+        seconds, then end the rest by stopping the engine: streams get an error event and
+        `[DONE]`, non-streaming requests a 503. Returns when every response has ended (or a
+        few seconds after the engine stopped, whichever is first); the caller then closes
+        the listener."""
+        self.is_draining = True
+        loop = asyncio.get_running_loop()
+        logger.info("draining: %d requests in flight, %.1f s grace", len(self.tickets), grace)
+        await _until(lambda: not self.tickets, loop.time() + grace)
+        if self.tickets and self.engine is not None:
+            logger.warning("grace over: ending %d requests still in flight", len(self.tickets))
+            await asyncio.to_thread(self.engine.shutdown)
+            await _until(lambda: not self.tickets, loop.time() + _DRAIN_FLUSH_SECONDS)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-bound request work (parse, render, tokenize) in the worker pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, functools.partial(fn, *args))
 
     @property
     def is_ready(self) -> bool:
@@ -88,25 +121,62 @@ class Gateway:
 
     # -- auth and backpressure -------------------------------------------------------------------
     def check_auth(self, request: Request, admin: bool = False) -> None:
-        """Bearer key for every protected route; registry admin needs the admin key when one
-        is set (it then suffices on its own). Missing/wrong key: 401; a valid non-admin key on
-        an admin route: 403."""
+        """The bearer key a route needs. Inference routes: the API key (or the admin key, which
+        can do everything). Admin routes (registry): the admin key only; with an API key but
+        no admin key configured they are closed (403), so the key clients share can never
+        reload the registry. With no keys at all, everything is open (local development).
+        Missing or wrong key: 401; a valid key without the right: 403."""
         token = _bearer(request)
-        if admin and self.config.admin_api_key is not None:
-            if _same(token, self.config.admin_api_key):
+        api_key, admin_key = self.config.api_key, self.config.admin_api_key
+        if admin_key is not None and _same(token, admin_key):
+            return
+        if admin:
+            if admin_key is None and api_key is None:
                 return
-            if self.config.api_key is not None and _same(token, self.config.api_key):
-                raise errors.forbidden("this route needs the admin API key")
+            if api_key is not None and _same(token, api_key):
+                raise errors.forbidden(
+                    "this route needs the admin API key"
+                    if admin_key is not None
+                    else "registry admin routes need an admin API key: start the server "
+                    "with --admin-api-key to use them"
+                )
             raise errors.unauthorized()
-        if self.config.api_key is not None and not _same(token, self.config.api_key):
+        if api_key is not None and not _same(token, api_key):
             raise errors.unauthorized()
 
-    def check_capacity(self) -> None:
+    def check_metrics_auth(self, request: Request) -> None:
+        """/metrics is public unless --metrics-api-key is set; then it or the admin key."""
+        metrics_key = self.config.metrics_api_key
+        if metrics_key is None:
+            return
+        token = _bearer(request)
+        admin_key = self.config.admin_api_key
+        if _same(token, metrics_key) or (admin_key is not None and _same(token, admin_key)):
+            return
+        raise errors.unauthorized()
+
+    def open_ticket(self) -> Ticket:
+        """A place in the waiting queue for one more request, or 503 (draining) / 429."""
+        if self.is_draining:
+            raise errors.shutting_down()
         if self.num_waiting >= self.config.max_waiting:
             raise errors.too_many_requests(retry_after=1.0)
+        ticket = Ticket(self)
+        self.num_waiting += 1
+        self.tickets.add(ticket)
+        return ticket
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+
+_DRAIN_FLUSH_SECONDS = 5.0  # for ended responses to reach their clients
+
+
+async def _until(done: Callable[[], bool], deadline: float) -> None:
+    loop = asyncio.get_running_loop()
+    while not done() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def _bearer(request: Request) -> str | None:

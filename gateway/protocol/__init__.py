@@ -26,6 +26,7 @@ from gateway.protocol.requests import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    GenerationRequest,
     StreamOptions,
     TextContentPart,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "ErrorInfo",
     "ErrorResponse",
     "FinishReason",
+    "GenerationRequest",
     "ModelCard",
     "ModelList",
     "PromptTokensDetails",

@@ -23,6 +23,10 @@ from gateway.protocol.common import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, j
 logger = logging.getLogger(__name__)
 
 
+# JSON schema of a feature accepted only in its empty form (an empty array or null).
+_NONE_YET: dict[str, Any] = {"maxItems": 0}
+
+
 def _unsupported() -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", "is not supported by this server")
 
@@ -78,18 +82,34 @@ def _content_as_parts(value: Any) -> Any:
 # carry their index ("messages[0].content[1]") instead of a union branch name.
 MessageContent = Annotated[
     list[TextContentPart],
-    BeforeValidator(_content_as_parts, json_schema_input_type=str | list[TextContentPart]),
+    Field(min_length=1),  # an empty array says nothing: send "" for empty text
+    BeforeValidator(
+        _content_as_parts,
+        json_schema_input_type=str | Annotated[list[TextContentPart], Field(min_length=1)],
+    ),
 ]
+
+
+def _content_nullable_for_assistants_only(schema: dict[str, Any]) -> None:
+    # What `_content_required` enforces, said in the schema: clients generated from the
+    # OpenAPI document must not believe a null user message is valid.
+    schema["if"] = {
+        "properties": {"role": {"enum": ["system", "developer", "user"]}},
+        "required": ["role"],
+    }
+    schema["then"] = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
 
 
 class ChatMessage(_RequestModel):
     """One input message. "developer" is treated as "system"; `content` may be null only for
     "assistant" messages (it then counts as empty text)."""
 
+    model_config = ConfigDict(json_schema_extra=_content_nullable_for_assistants_only)
+
     role: Literal["system", "developer", "user", "assistant"]
     content: MessageContent | None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
 
     @field_validator("role", mode="before")
     @classmethod
@@ -149,7 +169,7 @@ class StreamOptions(_RequestModel):
     include_usage: bool | None = None
 
 
-class _GenerationRequest(_RequestModel):
+class GenerationRequest(_RequestModel):
     """Fields shared by chat and completions. Declaration order matters: a validator reads
     the fields declared before it from `info.data` (`stream` before `stream_options`, `n`
     before `best_of`)."""
@@ -165,10 +185,17 @@ class _GenerationRequest(_RequestModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, description="extension")
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra={"maxProperties": 0}
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(
+        default=None,
+        description="extension (vLLM's): cached work is shared only between requests with "
+        "the same salt",
+    )
     ignore_eos: bool = Field(default=False, description="extension")
     skip_special_tokens: bool = Field(default=True, description="extension")
 
@@ -195,6 +222,15 @@ class _GenerationRequest(_RequestModel):
         return value
 
     @property
+    def num_sequences(self) -> int:
+        """Engine sequences this request queues: one per choice per prompt."""
+        return self.n * self.num_prompts
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
@@ -218,21 +254,31 @@ class _GenerationRequest(_RequestModel):
         )
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Features this server does not have: accepted only in their "off" form.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    audio: Any = None
-    modalities: list[str] | None = None
-    prediction: Any = None
+    # The schema says what is accepted today, so generated clients and fuzzers agree with
+    # the validators below (which give the friendlier errors).
+    tools: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
+    tool_choice: Any = Field(default=None, json_schema_extra={"enum": ["none", None]})
+    functions: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
+    function_call: Any = Field(default=None, json_schema_extra={"enum": ["none", None]})
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={
+            "properties": {"type": {"const": "text"}},
+            "required": ["type"],
+        },
+    )
+    audio: Any = Field(default=None, json_schema_extra={"type": "null"})
+    modalities: list[str] | None = Field(
+        default=None, json_schema_extra={"items": {"const": "text"}, "minItems": 1, "maxItems": 1}
+    )
+    prediction: Any = Field(default=None, json_schema_extra={"type": "null"})
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -246,10 +292,17 @@ class ChatCompletionRequest(_GenerationRequest):
             raise PydanticCustomError("invalid_value", "only allowed when 'logprobs' is true")
         return value
 
-    @field_validator("tools", "functions", "audio", "prediction")
+    @field_validator("tools", "functions")
+    @classmethod
+    def _unsupported_list(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise _unsupported()
+        return value
+
+    @field_validator("audio", "prediction")
     @classmethod
     def _unsupported_feature(cls, value: Any) -> Any:
-        if value:
+        if value is not None:
             raise _unsupported()
         return value
 
@@ -326,13 +379,15 @@ def _is_token_ids(ids: list[Any]) -> bool:
     return bool(ids) and all(type(token_id) is int and token_id >= 0 for token_id in ids)
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False, None]})
+    suffix: str | None = Field(default=None, json_schema_extra={"type": "null"})
+    best_of: int | None = Field(
+        default=None, ge=1, description="must equal n (candidates beyond n are not supported)"
+    )
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -359,6 +414,10 @@ class CompletionRequest(_GenerationRequest):
                 {"n": n},
             )
         return value
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts())
 
     def prompts(self) -> list[str] | list[list[int]]:
         """One entry per prompt: strings, or token id lists."""

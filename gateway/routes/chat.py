@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import chat_prompt_ids
+from engine import AsyncEngine, EngineRequest, chat_prompt_ids
+from gateway.admission import Admitted, admit, gateway_of
 from gateway.generation import Choice, Job, fan_out
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import (
@@ -25,32 +26,46 @@ from gateway.protocol import (
 from gateway.routes.common import (
     SSE_DONE,
     StreamChunks,
-    admit,
+    prepare_requests,
+    respond,
     sse_response,
+    unless_disconnected,
     usage_of,
-    validate_prompts,
 )
 
 
 async def create_chat_completion(request: Request) -> Response:
-    gateway, body, engine = await admit(request, ChatCompletionRequest)
-    prompt_ids = chat_prompt_ids(gateway.tokenizer, body.flat_messages())
-    params = body.to_sampling_params(default_max_tokens=None)
-    validate_prompts(engine, [prompt_ids], params, "messages")
-    gateway.check_capacity()
-    job = Job(
-        gateway, engine, random_id("chatcmpl"), [prompt_ids] * body.n, fan_out(params, body.n)
-    )
+    admitted = await admit(request, ChatCompletionRequest)
+    return await respond(admitted.ticket, _respond(request, admitted))
+
+
+async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) -> Response:
+    gateway, body = gateway_of(request), admitted.body
+    engine = gateway.ready_engine()
+    prepared = await gateway.run_blocking(_prepare, engine, body, gateway.config.default_max_tokens)
+    job = Job(gateway, engine, admitted.ticket, random_id("chatcmpl"), fan_out(prepared, body.n))
     if body.stream:
         events = _stream(job, gateway.model_name, body.logprobs, body.include_usage)
-        return sse_response(events, gateway.config.shutdown_grace)
-    return await _complete(job, gateway.model_name, body.logprobs)
+        return sse_response(events, gateway, admitted.ticket)
+    return await unless_disconnected(request, _complete(job, gateway.model_name, body.logprobs))
+
+
+def _prepare(
+    engine: AsyncEngine, body: ChatCompletionRequest, default_max_tokens: int
+) -> EngineRequest:
+    """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
+    may write `default_max_tokens` (--default-max-tokens) or what is left of the context,
+    whichever is less: never the whole context by accident, for n choices at once."""
+    prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages())
+    room = max(engine.max_model_len - len(prompt_ids), 1)
+    params = body.to_sampling_params(default_max_tokens=min(default_max_tokens, room))
+    [prepared] = prepare_requests(engine, [prompt_ids], params, "messages", body.cache_salt)
+    return prepared
 
 
 async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:
     tokenizer = job.gateway.tokenizer
-    async for _ in job.run():
-        pass
+    await job.collect()
     response = ChatCompletionResponse(
         id=job.request_id,
         created=int(time.time()),

@@ -1,24 +1,27 @@
-"""Pieces every route uses: the Gateway from app state, usage objects, SSE responses."""
+"""Pieces every generation route uses: engine requests, usage objects, the two response kinds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
-from engine import AsyncEngine, EngineError, InvalidRequestError, SamplingParams
+from engine import AsyncEngine, EngineError, EngineRequest, InvalidRequestError, SamplingParams
 from gateway import errors
+from gateway.admission import Ticket
 from gateway.generation import Job
 from gateway.protocol import (
-    ChatCompletionRequest,
     ChatCompletionStreamResponse,
-    CompletionRequest,
     CompletionStreamResponse,
     UsageInfo,
 )
@@ -26,40 +29,30 @@ from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "[DONE]"
+T = TypeVar("T")
 
 
-GenerationRequest = TypeVar("GenerationRequest", ChatCompletionRequest, CompletionRequest)
-
-
-async def admit(
-    request: Request, body_type: type[GenerationRequest]
-) -> tuple[Gateway, GenerationRequest, AsyncEngine]:
-    """What every generation route starts with: key, body, readiness, model name."""
-    gateway = gateway_of(request)
-    gateway.check_auth(request)
-    body = await errors.parse_body(request, body_type)
-    engine = gateway.ready_engine()
-    gateway.check_model(body.model)
-    return gateway, body, engine
-
-
-def validate_prompts(
-    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, field: str
-) -> None:
-    """Check every prompt before any response starts. The engine calls the prompt "prompt";
-    the error names the field this route read it from ("messages" or "prompt")."""
-    for prompt in prompts:
-        try:
-            engine.validate_request(prompt, params)
-        except InvalidRequestError as exc:
-            if exc.param == "prompt":
-                exc.param = field
-            raise
-
-
-def gateway_of(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
+def prepare_requests(
+    engine: AsyncEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    field: str,
+    cache_salt: str | None,
+) -> list[EngineRequest]:
+    """One validated EngineRequest per prompt (each distinct prompt validated once), before
+    any response starts. The engine calls the prompt "prompt"; the error names the field this
+    route read it from ("messages" or "prompt"). Runs in the worker pool: O(prompt length)."""
+    prepared: dict[tuple[int, ...], EngineRequest] = {}
+    try:
+        for prompt in prompts:
+            key = tuple(prompt)
+            if key not in prepared:
+                prepared[key] = engine.prepare_request(prompt, params, cache_salt)
+    except InvalidRequestError as exc:
+        if exc.param == "prompt":
+            exc.param = field
+        raise
+    return [prepared[tuple(prompt)] for prompt in prompts]
 
 
 def usage_of(job: Job) -> UsageInfo:
@@ -84,11 +77,26 @@ class StreamChunks:
         return json.dumps(body.model_dump(mode="json"))
 
 
-def sse_response(events: AsyncIterator[str], shutdown_grace: float) -> EventSourceResponse:
+class TicketedStream(EventSourceResponse):
+    """An SSE response that owns its request's ticket and closes it when the response ends,
+    however it ends (finished, failed, client gone, never started)."""
+
+    def __init__(self, events: AsyncIterator[dict[str, str]], ticket: Ticket) -> None:
+        super().__init__(events, sep="\n", ping=15)
+        self.ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.close()
+
+
+def sse_response(events: AsyncIterator[str], gateway: Gateway, ticket: Ticket) -> TicketedStream:
     """`data: ...` lines separated by blank lines, as OpenAI streams. A failure after the
-    stream started can no longer change the status: it is sent as an error event. On SIGTERM
-    the stream gets `shutdown_grace` seconds to finish before it is cut (sse-starlette would
-    otherwise drain every open stream at once)."""
+    stream started can no longer change the status: it is sent as an error event, then
+    `[DONE]`, so clients always see the stream end (the drain on SIGTERM ends streams that
+    outlive `--shutdown-grace` this way)."""
 
     async def guarded() -> AsyncIterator[dict[str, str]]:
         try:
@@ -96,8 +104,46 @@ def sse_response(events: AsyncIterator[str], shutdown_grace: float) -> EventSour
                 yield {"data": data}
         except EngineError as exc:
             logger.warning("stream failed: %s", exc)
-            error = errors.from_engine_error(exc)
+            error = errors.shutting_down() if gateway.is_draining else errors.from_engine_error(exc)
             yield {"data": json.dumps(error.body())}
             yield {"data": SSE_DONE}
 
-    return EventSourceResponse(guarded(), sep="\n", ping=15, shutdown_grace_period=shutdown_grace)
+    return TicketedStream(guarded(), ticket)
+
+
+async def respond(ticket: Ticket, response: Awaitable[Response]) -> Response:
+    """Await a generation route's response under its ticket: a stream takes the ticket over;
+    anything else (a JSON body, an error) closes it here."""
+    try:
+        result = await response
+    except BaseException:
+        ticket.close()
+        raise
+    if not isinstance(result, TicketedStream):
+        ticket.close()
+    return result
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` (a non-streaming generation) but cancel it as soon as the client goes
+    away, so nobody's tokens are generated for nobody (the engine aborts cancelled requests
+    and frees their blocks). The body was read already, so the next ASGI message can only be
+    the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
+    if task.cancelled():
+        raise errors.ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import text_prompt_ids
+from engine import AsyncEngine, EngineRequest, text_prompt_ids
+from gateway.admission import Admitted, admit, gateway_of
 from gateway.generation import Job, fan_out
 from gateway.logprobs import completion_logprobs
 from gateway.protocol import (
@@ -23,40 +24,48 @@ from gateway.protocol import (
 from gateway.routes.common import (
     SSE_DONE,
     StreamChunks,
-    admit,
+    prepare_requests,
+    respond,
     sse_response,
+    unless_disconnected,
     usage_of,
-    validate_prompts,
 )
 
 
 async def create_completion(request: Request) -> Response:
-    gateway, body, engine = await admit(request, CompletionRequest)
-    prompts = [
-        p if isinstance(p, list) else text_prompt_ids(gateway.tokenizer, p) for p in body.prompts()
-    ]
-    params = body.to_sampling_params(default_max_tokens=16)
-    validate_prompts(engine, prompts, params, "prompt")
-    gateway.check_capacity()
-    per_choice = [p for p in prompts for _ in range(body.n)]  # choice i: prompt i // n
-    job = Job(
-        gateway,
-        engine,
-        random_id("cmpl"),
-        per_choice,
-        [q for _ in prompts for q in fan_out(params, body.n)],
-    )
+    admitted = await admit(request, CompletionRequest)
+    return await respond(admitted.ticket, _respond(request, admitted))
+
+
+async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> Response:
+    gateway, body = gateway_of(request), admitted.body
+    engine = gateway.ready_engine()
+    prepared = await gateway.run_blocking(_prepare, engine, body)
+    per_choice = [r for p in prepared for r in fan_out(p, body.n)]  # choice i: prompt i // n
+    job = Job(gateway, engine, admitted.ticket, random_id("cmpl"), per_choice)
     want_logprobs = body.logprobs is not None
     if body.stream:
         events = _stream(job, gateway.model_name, want_logprobs, body.include_usage)
-        return sse_response(events, gateway.config.shutdown_grace)
-    async for _ in job.run():
-        pass
-    tokenizer = gateway.tokenizer
+        return sse_response(events, gateway, admitted.ticket)
+    return await unless_disconnected(request, _complete(job, gateway.model_name, want_logprobs))
+
+
+def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest]:
+    """Tokenize the text prompts (worker pool); token id prompts go as they are."""
+    prompts = [
+        p if isinstance(p, list) else text_prompt_ids(engine.tokenizer, p) for p in body.prompts()
+    ]
+    params = body.to_sampling_params(default_max_tokens=16)
+    return prepare_requests(engine, prompts, params, "prompt", body.cache_salt)
+
+
+async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:
+    await job.collect()
+    tokenizer = job.gateway.tokenizer
     response = CompletionResponse(
         id=job.request_id,
         created=int(time.time()),
-        model=gateway.model_name,
+        model=model,
         choices=[
             CompletionChoice(
                 index=c.index,

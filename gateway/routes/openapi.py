@@ -1,8 +1,14 @@
-"""GET /openapi.json: the API's schema, generated from the same pydantic models that validate."""
+"""GET /openapi.json: every route this server answers, its bodies generated from the same
+pydantic models that validate requests and serialise responses.
+
+The document follows the server's configuration: routes that need a key declare the bearer
+scheme only when a key is configured (a server without keys accepts anonymous calls, and a
+document claiming otherwise would be wrong).
+"""
 
 from __future__ import annotations
 
-from functools import cache
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -10,6 +16,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.admission import gateway_of
+from gateway.config import GatewayConfig
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -18,48 +26,99 @@ from gateway.protocol import (
     ErrorResponse,
     ModelList,
 )
+from gateway.protocol.admin import (
+    HealthResponse,
+    MatchResponse,
+    PrefixList,
+    ReloadResponse,
+)
 
-_ROUTES: list[tuple[str, str, type[BaseModel] | None, type[BaseModel]]] = [
-    ("/v1/chat/completions", "post", ChatCompletionRequest, ChatCompletionResponse),
-    ("/v1/completions", "post", CompletionRequest, CompletionResponse),
-    ("/v1/models", "get", None, ModelList),
-]
+
+@dataclass(frozen=True)
+class _Route:
+    path: str
+    method: str
+    summary: str
+    response: type[BaseModel] | None  # None: not JSON (see `media_type`)
+    body: tuple[type[BaseModel], ...] = ()  # one of these
+    auth: str | None = "api"  # "api", "admin", "metrics" or None
+    errors: tuple[int, ...] = ()
+    streams: bool = False  # `"stream": true` answers text/event-stream
+    media_type: str = "application/json"
 
 
-@cache
-def openapi_schema() -> dict[str, Any]:
-    models: list[type[BaseModel]] = [ErrorResponse]
-    for _, _, request, response in _ROUTES:
-        models += [m for m in (request, response) if m is not None and m not in models]
-    refs, defs = models_json_schema(
-        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
-    )
-    ref = {m: refs[(m, "validation")] for m in models}
-    error = {
-        "description": "OpenAI error object",
-        "content": {"application/json": {"schema": ref[ErrorResponse]}},
-    }
+_GENERATION_ERRORS = (400, 401, 404, 408, 413, 415, 429, 503)
+_ROUTES = (
+    _Route(
+        "/v1/chat/completions",
+        "post",
+        "Create a chat completion",
+        ChatCompletionResponse,
+        (ChatCompletionRequest,),
+        errors=_GENERATION_ERRORS,
+        streams=True,
+    ),
+    _Route(
+        "/v1/completions",
+        "post",
+        "Create a completion",
+        CompletionResponse,
+        (CompletionRequest,),
+        errors=_GENERATION_ERRORS,
+        streams=True,
+    ),
+    _Route("/v1/models", "get", "List the served model", ModelList, errors=(401, 503)),
+    _Route(
+        "/v1/prefixes",
+        "get",
+        "List the registered prefixes with their statistics",
+        PrefixList,
+        auth="admin",
+        errors=(401, 403, 503),
+    ),
+    _Route(
+        "/v1/prefixes/reload",
+        "post",
+        "Re-read the prefixes file and fill the new or changed entries",
+        ReloadResponse,
+        auth="admin",
+        errors=(400, 401, 403, 503),
+    ),
+    _Route(
+        "/v1/prefixes/match",
+        "post",
+        "Which registered prefix a chat or completion body hits, or where it diverged",
+        MatchResponse,
+        (ChatCompletionRequest, CompletionRequest),
+        auth="admin",
+        errors=(400, 401, 403, 408, 413, 415, 503),
+    ),
+    _Route(
+        "/health", "get", "200 once the model and every prefix are ready", HealthResponse, (), None
+    ),
+    _Route(
+        "/metrics",
+        "get",
+        "Prometheus metrics",
+        None,
+        auth="metrics",
+        errors=(401,),
+        media_type="text/plain",
+    ),
+)
+
+
+def openapi_schema(config: GatewayConfig) -> dict[str, Any]:
+    refs, defs = _component_schemas()
+    schemes = _security_schemes(config)
     paths: dict[str, Any] = {}
-    for path, method, request, response in _ROUTES:
-        operation: dict[str, Any] = {
-            "responses": {
-                "200": {
-                    "description": "OK",
-                    "content": {"application/json": {"schema": ref[response]}},
-                },
-                "400": error,
-                "401": error,
-                "404": error,
-                "429": error,
-                "503": error,
-            }
+    for route in _ROUTES:
+        paths.setdefault(route.path, {})[route.method] = _operation(route, refs, schemes)
+    components: dict[str, Any] = {"schemas": defs}
+    if any(schemes.values()):
+        components["securitySchemes"] = {
+            "bearerAuth": {"type": "http", "scheme": "bearer"},
         }
-        if request is not None:
-            operation["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": ref[request]}},
-            }
-        paths[path] = {method: operation}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -68,9 +127,66 @@ def openapi_schema() -> dict[str, Any]:
             "description": "OpenAI-compatible API over a prefix-caching engine",
         },
         "paths": paths,
-        "components": {"schemas": defs.get("$defs", {})},
+        "components": components,
     }
 
 
+def _component_schemas() -> tuple[dict[type[BaseModel], dict[str, Any]], dict[str, Any]]:
+    models: list[type[BaseModel]] = [ErrorResponse]
+    for route in _ROUTES:
+        for model in (*route.body, route.response):
+            if model is not None and model not in models:
+                models.append(model)
+    keyed, defs = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+    return {m: keyed[(m, "validation")] for m in models}, defs.get("$defs", {})
+
+
+def _security_schemes(config: GatewayConfig) -> dict[str, bool]:
+    """Which kinds of route need a key under this configuration."""
+    return {
+        "api": config.api_key is not None,
+        "admin": config.api_key is not None or config.admin_api_key is not None,
+        "metrics": config.metrics_api_key is not None,
+    }
+
+
+def _operation(
+    route: _Route, refs: dict[type[BaseModel], dict[str, Any]], schemes: dict[str, bool]
+) -> dict[str, Any]:
+    error = {
+        "description": "OpenAI error object",
+        "content": {"application/json": {"schema": refs[ErrorResponse]}},
+    }
+    operation: dict[str, Any] = {
+        "summary": route.summary,
+        "responses": {
+            "200": {"description": "OK", "content": _content(route, refs)},
+            **{str(status): error for status in route.errors},
+        },
+    }
+    if route.body:
+        options = [refs[m] for m in route.body]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema}},
+        }
+    if route.auth is not None and schemes[route.auth]:
+        operation["security"] = [{"bearerAuth": []}]
+    return operation
+
+
+def _content(route: _Route, refs: dict[type[BaseModel], dict[str, Any]]) -> dict[str, Any]:
+    if route.response is None:
+        return {route.media_type: {"schema": {"type": "string"}}}
+    content: dict[str, Any] = {"application/json": {"schema": refs[route.response]}}
+    if route.streams:
+        # Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`.
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return content
+
+
 async def get_openapi(request: Request) -> Response:
-    return JSONResponse(openapi_schema())
+    return JSONResponse(openapi_schema(gateway_of(request).config))

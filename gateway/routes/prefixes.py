@@ -7,45 +7,52 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import MatchReport, chat_prompt_ids, text_prompt_ids
+from engine import AsyncEngine, MatchReport, SamplingParams, chat_prompt_ids, text_prompt_ids
 from gateway import errors
+from gateway.admission import gateway_of, parse_json, read_body
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routes.common import gateway_of
+from gateway.protocol.admin import (
+    Divergence,
+    MatchResponse,
+    PrefixCard,
+    PrefixList,
+    ReloadResponse,
+    ReloadState,
+)
+from gateway.routes.common import prepare_requests
 
 
 async def list_prefixes(request: Request) -> Response:
     gateway = gateway_of(request)
     gateway.check_auth(request, admin=True)
     stats = gateway.ready_engine().stats()
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "name": p.name,
-                    "description": p.description,
-                    "kind": p.kind,
-                    "tokens": p.num_tokens,
-                    "blocks": p.num_blocks,
-                    "partial_tail_block": p.is_tail_partial,
-                    "hits": p.num_hits,
-                    "cached_tokens": p.num_cached_tokens,
-                    "last_hit": p.last_hit_time,
-                }
-                for p in stats.prefixes
-            ],
-            "enabled": gateway.config.engine.enable_prefix_cache,
-            "lookups": stats.prefix_lookups,
-            "hits": stats.prefix_hits,
-            "cached_tokens": stats.prefix_cached_tokens,
-            "last_reload": {
-                "time": stats.last_reload_time,
-                "ok": stats.last_reload_ok,
-                "error": stats.last_reload_error,
-                "pending": stats.is_reload_pending,
-            },
-        }
+    listing = PrefixList(
+        data=[
+            PrefixCard(
+                name=p.name,
+                description=p.description,
+                kind=p.kind,
+                tokens=p.num_tokens,
+                blocks=p.num_blocks,
+                partial_tail_block=p.is_tail_partial,
+                hits=p.num_hits,
+                cached_tokens=p.num_cached_tokens,
+                last_hit=p.last_hit_time,
+            )
+            for p in stats.prefixes
+        ],
+        enabled=gateway.config.engine.enable_prefix_cache,
+        lookups=stats.prefix_lookups,
+        hits=stats.prefix_hits,
+        cached_tokens=stats.prefix_cached_tokens,
+        last_reload=ReloadState(
+            time=stats.last_reload_time,
+            ok=stats.last_reload_ok,
+            error=stats.last_reload_error,
+            pending=stats.is_reload_pending,
+        ),
     )
+    return JSONResponse(listing.model_dump(mode="json"))
 
 
 async def reload_prefixes(request: Request) -> Response:
@@ -60,7 +67,8 @@ async def reload_prefixes(request: Request) -> Response:
             None,
             "prefix_reload_failed",
         )
-    return JSONResponse({"ok": True, "time": status.time, "prefixes": status.num_prefixes})
+    reloaded = ReloadResponse(time=status.time, prefixes=status.num_prefixes)
+    return JSONResponse(reloaded.model_dump(mode="json"))
 
 
 async def match_prefix(request: Request) -> Response:
@@ -68,34 +76,44 @@ async def match_prefix(request: Request) -> Response:
     gateway = gateway_of(request)
     gateway.check_auth(request, admin=True)
     engine = gateway.ready_engine()
-    raw = await errors.parse_json(request)
-    tokenizer = gateway.tokenizer
-    if "messages" in raw:
-        chat = errors.validate(ChatCompletionRequest, raw)
-        ids = chat_prompt_ids(tokenizer, chat.flat_messages())
-    else:
-        completion = errors.validate(CompletionRequest, raw)
-        first = completion.prompts()[0]
-        ids = first if isinstance(first, list) else text_prompt_ids(tokenizer, first)
+    raw = await read_body(request, gateway.config.max_request_bytes)
+    ids = await gateway.run_blocking(_prompt_ids, engine, raw)
     report = await engine.explain_prefix_match(ids)
-    return JSONResponse(_describe(report, tokenizer))
+    return JSONResponse(_describe(report, engine.tokenizer))
+
+
+def _prompt_ids(engine: AsyncEngine, raw: bytes) -> list[int]:
+    """The first prompt's token ids, tokenized as the generation routes do (worker pool),
+    and checked by the engine like any prompt (ids in the vocabulary, length)."""
+    body = parse_json(raw)
+    field = "messages" if "messages" in body else "prompt"
+    if field == "messages":
+        chat = errors.validate(ChatCompletionRequest, body)
+        ids = chat_prompt_ids(engine.tokenizer, chat.flat_messages())
+    else:
+        completion = errors.validate(CompletionRequest, body)
+        first = completion.prompts()[0]
+        ids = first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
+    prepare_requests(engine, [ids], SamplingParams(max_tokens=1), field, None)
+    return ids
 
 
 def _describe(report: MatchReport, tokenizer: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "prompt_tokens": report.num_prompt_tokens,
-        "matched": report.matched,
-        "matched_tokens": report.num_matched_tokens,
-        "closest": None,
-    }
+    closest = None
     if report.closest is not None and report.diverged_at is not None:
-        body["closest"] = {
-            "name": report.closest,
-            "diverged_at": report.diverged_at,
-            "prefix_token": _text(tokenizer, report.prefix_token_id),
-            "prompt_token": _text(tokenizer, report.prompt_token_id),
-        }
-    return body
+        closest = Divergence(
+            name=report.closest,
+            diverged_at=report.diverged_at,
+            prefix_token=_text(tokenizer, report.prefix_token_id),
+            prompt_token=_text(tokenizer, report.prompt_token_id),
+        )
+    match = MatchResponse(
+        prompt_tokens=report.num_prompt_tokens,
+        matched=report.matched,
+        matched_tokens=report.num_matched_tokens,
+        closest=closest,
+    )
+    return match.model_dump(mode="json")
 
 
 def _text(tokenizer: Any, token_id: int | None) -> str | None:

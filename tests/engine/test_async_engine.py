@@ -78,14 +78,17 @@ def run(coro: Awaitable[T]) -> T:
 async def collect(
     engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str | None = None
 ) -> list[RequestOutput]:
-    return [output async for output in engine.generate(prompt, params, request_id)]
+    return [
+        output
+        async for output in engine.generate(engine.prepare_request(prompt, params), request_id)
+    ]
 
 
 def stream(
     engine: AsyncEngine, prompt: list[int], params: SamplingParams, request_id: str | None = None
 ) -> AsyncGenerator[RequestOutput, None]:
     """`generate()` as the async generator it is: callers rely on `aclose()` to abort."""
-    agen = engine.generate(prompt, params, request_id)
+    agen = engine.generate(engine.prepare_request(prompt, params), request_id)
     assert isinstance(agen, AsyncGenerator)
     return agen
 
@@ -342,7 +345,9 @@ def test_cancelling_the_consuming_task_aborts_the_request(
     received: list[RequestOutput] = []
 
     async def consume() -> None:
-        async for output in engine.generate(prompt_ids[:10], greedy(100), request_id="cancelled"):
+        async for output in engine.generate(
+            engine.prepare_request(prompt_ids[:10], greedy(100)), request_id="cancelled"
+        ):
             received.append(output)
 
     async def scenario() -> None:
@@ -410,7 +415,7 @@ def test_cancelling_one_request_leaves_the_others_intact(
     ],
     ids=["empty", "vocab-size", "far-out-of-vocab", "negative"],
 )
-def test_invalid_prompt_raises_from_the_iterator_and_engine_keeps_serving(
+def test_invalid_prompt_is_refused_by_prepare_and_engine_keeps_serving(
     engine: AsyncEngine,
     tiny_llama_path: Path,
     prompt_ids: list[int],
@@ -422,14 +427,11 @@ def test_invalid_prompt_raises_from_the_iterator_and_engine_keeps_serving(
     expected = _reference(tiny_llama_path, good_prompt, params)
 
     async def scenario() -> list[RequestOutput]:
-        agen = engine.generate(prompt, greedy(4))
         with pytest.raises(error) as info:
-            await agen.__anext__()
+            engine.prepare_request(prompt, greedy(4))
         assert type(info.value) is error
         assert str(info.value) == message
         assert info.value.param == "prompt"  # type: ignore[attr-defined]
-        with pytest.raises(StopAsyncIteration):  # the iterator is finished, not stuck
-            await agen.__anext__()
         return await collect(engine, good_prompt, params)
 
     assert _tokens(run(scenario())) == expected
@@ -551,20 +553,34 @@ def test_failing_forward_fails_requests_in_flight_and_loop_survives(
     assert (outputs[-1].finish_reason, outputs[-1].num_completion_tokens) == ("length", 7)
 
 
-def test_unusable_seed_fails_alone(engine: AsyncEngine, prompt_ids: list[int]) -> None:
-    async def scenario() -> None:
-        try:
-            params = SamplingParams(max_tokens=2, seed=2**64)
-        except InvalidRequestError:
-            return  # rejected up front: as good as rejecting it in generate()
-        bad = await _start(collect(engine, prompt_ids[:4], params))
-        await engine.run_in_engine(lambda e: None)  # applied after the bad request's add
-        assert engine.is_running, f"one request's seed killed the loop: {engine._dead!r}"
-        with pytest.raises(InvalidRequestError):
-            await bad
-        assert len(_tokens(await collect(engine, prompt_ids[:4], greedy(3)))) == 3
+def test_unusable_seed_is_rejected_before_the_engine() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(max_tokens=2, seed=2**64)
+    assert (info.value.param, info.value.message) == ("seed", "seed must fit in int64")
 
-    run(scenario())
+
+def test_request_whose_admission_breaks_fails_alone(
+    engine: AsyncEngine, prompt_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug while adding one request (here: its seeded generator cannot be made) fails that
+    request with RequestFailedError; the loop and the next request are unaffected."""
+
+    def broken_generator(seed: int, device: object) -> None:
+        raise RuntimeError(f"no generator for seed {seed}")
+
+    monkeypatch.setattr("engine.llm_engine.make_generator", broken_generator)
+
+    async def scenario() -> list[RequestOutput]:
+        with pytest.raises(RequestFailedError) as info:
+            await collect(engine, prompt_ids[:4], SamplingParams(max_tokens=2, seed=7))
+        assert str(info.value) == (
+            "could not add the request: RuntimeError('no generator for seed 7')"
+        )
+        assert engine.is_running
+        await assert_idle(engine)
+        return await collect(engine, prompt_ids[:4], greedy(3))
+
+    assert len(_tokens(run(scenario()))) == 3
 
 
 def test_step_failing_after_a_request_finished_still_answers_it(
@@ -588,8 +604,10 @@ def test_step_failing_after_a_request_finished_still_answers_it(
         with pytest.raises(RequestFailedError):
             await long
         await assert_idle(engine)  # today: the finished request's stream is still registered
-        outcome = (await asyncio.gather(short, return_exceptions=True))[0]
-        assert isinstance(outcome, (list, RequestFailedError))
+        # The failure was the second token of the step: "short" finished before it.
+        outputs = await short
+        assert len(_tokens(outputs)) == 1
+        assert outputs[-1].finish_reason == "length"
 
     run(scenario())
 
@@ -645,14 +663,16 @@ def test_shutdown_fails_the_requests_in_flight(
         received: list[RequestOutput] = []
 
         async def consume() -> None:
-            async for output in engine.generate(prompt_ids[:10], greedy(100)):
+            async for output in engine.generate(
+                engine.prepare_request(prompt_ids[:10], greedy(100))
+            ):
                 received.append(output)
 
         task = asyncio.ensure_future(consume())
         await gate.wait_blocked()
         engine.shutdown(timeout=0)  # only flags the stop: the loop is inside the held forward
         gate.release()
-        with pytest.raises(RequestFailedError, match=r"^the engine is shutting down$"):
+        with pytest.raises(EngineDeadError, match=r"^the engine is shutting down$"):
             await task
         return received
 
@@ -685,7 +705,7 @@ def test_a_broken_loop_fails_requests_in_flight_then_refuses_new_ones(
             in_flight = asyncio.ensure_future(collect(engine, prompt_ids[:5], greedy(4)))
         await installed
         with pytest.raises(
-            RequestFailedError, match=r"^the engine loop died: LoopBreaker\('not an Exception'\)$"
+            EngineDeadError, match=r"^the engine loop died: LoopBreaker\('not an Exception'\)$"
         ):
             await in_flight
         with pytest.raises(EngineDeadError):

@@ -218,3 +218,50 @@ def test_duplicate_request_id_is_rejected(tiny_llama_path: Path) -> None:
     engine.add_request("a", [1, 2, 3], GREEDY)
     with pytest.raises(InvalidRequestError, match="duplicate"):
         engine.add_request("a", [1, 2, 3], GREEDY)
+
+
+# -- in-step deduplication: scoped and invisible -------------------------------------------------
+def _run_together(engine: LLMEngine, requests: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Add prepared requests together (one admission step); each one's cached tokens."""
+    for request_id, request in requests.items():
+        engine.add_prepared(request_id, request)
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cached[out.request_id] = out.num_cached_tokens
+    return {request_id: (cached[request_id],) for request_id in requests}
+
+
+def test_duplicates_in_one_step_report_no_cached_tokens(
+    tiny_llama_path: Path, tiny_tokenizer: Any
+) -> None:
+    """Two identical prompts in one step are prefilled once, but the second must not learn
+    that: its cached_tokens are what it would get alone (0 here, no registry)."""
+    engine = _engine(tiny_llama_path)
+    prompt = tiny_tokenizer(PROMPTS[3])["input_ids"]
+    request = engine.prepare_request(prompt, SamplingParams(temperature=0, max_tokens=2))
+    start = engine.runner.num_forward_tokens
+    cached = _run_together(engine, {"a": request, "b": request})
+    assert engine.runner.num_forward_tokens - start == len(prompt) + 2  # one prefill, 2 decodes
+    assert cached == {"a": (0,), "b": (0,)}
+    _assert_all_free(engine)
+
+
+def test_duplicates_with_different_cache_salts_are_not_shared(
+    tiny_llama_path: Path, tiny_tokenizer: Any
+) -> None:
+    engine = _engine(tiny_llama_path)
+    prompt = tiny_tokenizer(PROMPTS[3])["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    start = engine.runner.num_forward_tokens
+    _run_together(
+        engine,
+        {
+            "tenant-a": engine.prepare_request(prompt, params, cache_salt="a"),
+            "tenant-b": engine.prepare_request(prompt, params, cache_salt="b"),
+            "tenant-a-again": engine.prepare_request(prompt, params, cache_salt="a"),
+        },
+    )
+    # Two prefills (one per salt); the third request shared tenant a's.
+    assert engine.runner.num_forward_tokens - start == 2 * len(prompt)
+    _assert_all_free(engine)

@@ -32,11 +32,11 @@ from gateway.errors import (
     from_engine_error,
     install_error_handlers,
     not_ready,
-    parse_body,
     too_many_requests,
     unauthorized,
     unknown_model,
 )
+from gateway.admission import parse_model
 from gateway.protocol import ChatCompletionRequest
 
 
@@ -165,7 +165,7 @@ async def _raise(request: Request) -> Response:
 
 
 async def _chat(request: Request) -> JSONResponse:
-    body = await parse_body(request, ChatCompletionRequest)
+    body = parse_model(await request.body(), ChatCompletionRequest)
     return JSONResponse({"model": body.model})
 
 

@@ -359,16 +359,18 @@ def test_tools_are_refused(client: TestClient) -> None:
 @pytest.mark.parametrize(
     ("route", "body", "field"),
     [
-        ("/v1/chat/completions", {**CHAT, "max_tokens": MAX_MODEL_LEN}, "messages"),
-        ("/v1/completions", {**COMPLETION, "max_tokens": MAX_MODEL_LEN}, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[1] * MAX_MODEL_LEN]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": [[]]}, "prompt"),
     ],
-    ids=["chat-too-long", "completion-too-long", "completion-empty-ids"],
+    ids=["chat-max-tokens", "completion-max-tokens", "completion-too-long", "empty-ids"],
 )
 def test_prompt_errors_name_the_route_field(
     client: TestClient, route: str, body: dict[str, object], field: str
 ) -> None:
-    """The engine speaks of "the prompt"; each route names the field the prompt came from."""
+    """The engine speaks of "the prompt"; each route names the field the prompt came from.
+    A prompt that fits with a max_tokens that does not names max_tokens."""
     response = client.post(route, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == field

@@ -399,7 +399,7 @@ def test_admin_key(auth_server: Server) -> None:
         assert nobody.status_code == 401 and nobody.json()["error"]["code"] == "invalid_api_key"
         assert client.get("/health").status_code == 200
         assert client.get("/metrics").status_code == 200
-        assert get("/v1/models", "adm").status_code == 401  # the admin key is for admin routes
+        assert get("/v1/models", "adm").status_code == 200  # the admin key can do everything
         reload_ = client.post("/v1/prefixes/reload", headers=auth_server.headers("secret"))
         assert reload_.status_code == 403
         # With the admin key, a server without a prefix file says so.
@@ -820,20 +820,82 @@ def test_sigterm_lets_an_in_flight_stream_finish(
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) <= LONG_TOKENS
 
 
-def test_sigterm_with_short_grace_ends_the_stream_and_the_server(
+def test_sigterm_with_short_grace_ends_the_stream_with_an_error_then_done(
     fresh_servers: ServerFactory, long_llama_path: Path
 ) -> None:
-    """A request that cannot finish within --shutdown-grace: the client's stream ends (it is
-    cut: no [DONE]) instead of hanging, and the server exits on its own, without SIGKILL. Its
-    exit status is test_sigterm_on_an_idle_server_exits_0's business."""
+    """A request that cannot finish within --shutdown-grace: the client's stream ends with an
+    OpenAI error event and `[DONE]` (before: cut with neither), requests arriving during the
+    drain get an OpenAI-shaped 503 (before: connection refused), and the server exits 0 on its
+    own, without SIGKILL."""
     server = fresh_servers(
-        "--model", str(long_llama_path), *LONG_ARGS, "--shutdown-grace", "0.5", name="grace"
+        "--model", str(long_llama_path), *LONG_ARGS, "--shutdown-grace", "2", name="grace"
     )
-    events = _stream_then_sigterm(server)
-    server.stop(timeout=30.0)
+    with (
+        server.client() as http,
+        http.stream("POST", "/v1/completions", json=LONG_BODY) as response,
+    ):
+        assert response.status_code == 200
+        events, rest = _first_chunks(response, 3)
+        server.send_signal(signal.SIGTERM)
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as late:
+            refused = wait_until(
+                lambda: _status_during_drain(late), 10.0, "the drain to answer 503"
+            )
+        events += itertools.islice(rest, LONG_TOKENS + 10)
+    assert server.stop(timeout=30.0) == 0
     assert not server.was_killed
-    assert len(events) >= 3 and "[DONE]" not in events
-    assert "Finished server process" in server.log()
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+    assert refused.headers["retry-after"] == "1"
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert all("choices" in json.loads(e) for e in events[:-2])
+
+
+def _status_during_drain(client: httpx.Client) -> httpx.Response | None:
+    response = client.post("/v1/completions", json={**LONG_BODY, "max_tokens": 1})
+    return response if response.status_code == 503 else None
+
+
+def test_oversized_headers_get_an_openai_431(tiny: Server) -> None:
+    with httpx.Client(base_url=tiny.url, timeout=HTTP_TIMEOUT) as client:
+        response = client.get("/v1/models", headers={"x-big": "a" * 300_000})
+        assert response.status_code == 431
+        assert response.json()["error"]["code"] == "request_header_fields_too_large"
+        assert client.get("/health").status_code == 200  # the server is fine
+
+
+HEALTH_BUSY_RATIO = 200
+
+
+def test_health_stays_responsive_while_a_5mb_prompt_is_tokenized(
+    fresh_servers: ServerFactory, tiny_llama_path: Path
+) -> None:
+    """Judged as a ratio against the same server idle, never as an absolute time: before the
+    fix the event loop tokenized the prompt itself and /health waited for all of it."""
+    server = fresh_servers(
+        "--model", str(tiny_llama_path), *TINY_ARGS, "--max-request-bytes", "16MiB", name="big"
+    )
+    prompt = "The quick brown fox jumps over the lazy dog. " * 115_000  # ~5.2 MB
+    with httpx.Client(base_url=server.url, timeout=120.0) as client:
+        idle = sorted(_health_seconds(client) for _ in range(20))[10]
+        with ThreadPoolExecutor(1) as pool:
+            big = pool.submit(
+                client.post, "/v1/completions", json={"model": MODEL, "prompt": prompt}
+            )
+            busy: list[float] = []
+            while not big.done():
+                busy.append(_health_seconds(client))
+        assert big.result().status_code == 400  # far over max_model_len, after tokenizing
+    assert len(busy) >= 3  # the big request was in flight while /health was probed
+    # Before the fix the slowest probe waited for the whole tokenization: thousands of times
+    # an idle probe. Now the event loop only yields the GIL to the worker now and then.
+    assert max(busy) / idle < HEALTH_BUSY_RATIO, (max(busy), idle)
+
+
+def _health_seconds(client: httpx.Client) -> float:
+    start = time.perf_counter()
+    assert client.get("/health").status_code == 200
+    return time.perf_counter() - start
 
 
 # -- the real default model (e2e) --------------------------------------------------------------

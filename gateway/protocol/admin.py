@@ -1,0 +1,62 @@
+"""Bodies of prefixgate's own routes (registry admin, health): typed so that the routes
+serialise through them and the OpenAPI document describes exactly what they send."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class PrefixCard(BaseModel):
+    name: str
+    description: str | None
+    kind: str  # "messages" or "text"
+    tokens: int
+    blocks: int
+    partial_tail_block: bool
+    hits: int
+    cached_tokens: int
+    last_hit: float | None
+
+
+class ReloadState(BaseModel):
+    time: float | None
+    ok: bool | None
+    error: str | None
+    pending: bool
+
+
+class PrefixList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PrefixCard]
+    enabled: bool
+    lookups: int
+    hits: int
+    cached_tokens: int
+    last_reload: ReloadState
+
+
+class ReloadResponse(BaseModel):
+    ok: Literal[True] = True
+    time: float | None
+    prefixes: int
+
+
+class Divergence(BaseModel):
+    name: str
+    diverged_at: int
+    prefix_token: str | None
+    prompt_token: str | None
+
+
+class MatchResponse(BaseModel):
+    prompt_tokens: int
+    matched: str | None
+    matched_tokens: int
+    closest: Divergence | None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
