@@ -20,10 +20,12 @@ from engine.prefix_loader import PrefixBudgetError
 from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
 from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
 from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from engine.stats import EngineStats, PrefixInfo
 
 __all__ = [
+    "MAX_LOGPROBS",
+    "MAX_STOP_STRINGS",
     "AsyncEngine",
     "EngineConfig",
     "EngineDeadError",

@@ -12,10 +12,11 @@ class InvalidRequestError(EngineError):
     the engine's terms ("prompt" for the prompt's token ids); the gateway renames it to the
     API field the prompt came from."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code  # OpenAI-style error code, when one names the problem better
 
 
 class PromptTooLongError(InvalidRequestError):

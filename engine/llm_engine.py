@@ -143,7 +143,9 @@ class LLMEngine:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise InvalidRequestError(
-                f"token ids must be in [0, {self.vocab_size})", param="prompt"
+                f"token ids must be in [0, {self.vocab_size})",
+                param="prompt",
+                code="invalid_token_id",
             )
         num_prompt = len(prompt_token_ids)
         num_total = num_prompt + (params.max_tokens or 1)

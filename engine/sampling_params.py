@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
+# Bounds the API validates against too (gateway/protocol imports them from here).
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,9 @@ class SamplingParams:
             "stop strings must be non-empty",
             "stop",
         )
-        _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop"
+        )
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must fit in int64", "seed")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -16,6 +16,7 @@ their engine requests there (the engine validates each distinct prompt once).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 from dataclasses import dataclass, field
@@ -137,9 +138,16 @@ def parse_model(raw: bytes, body_type: type[Body]) -> Body:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object. It must be UTF-8 (RFC 8259 8.1; a leading BOM is ignored):
+    `json.loads` on bytes would also take UTF-16/32 and let UTF-8-encoded surrogates through
+    (surrogatepass), which then break the tokenizer and error messages."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
+        text = raw.removeprefix(codecs.BOM_UTF8).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.invalid_json(f"the body is not valid UTF-8: {exc}") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
         raise errors.invalid_json(str(exc)) from None
     except RecursionError:
         raise errors.invalid_json("the JSON is nested too deeply") from None

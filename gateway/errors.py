@@ -89,7 +89,7 @@ def _map_engine_error(exc: EngineError) -> OpenAIError:
     if isinstance(exc, PromptTooLongError):  # before its base class, InvalidRequestError
         return OpenAIError(400, exc.message, param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return OpenAIError(400, exc.message, param=exc.param)
+        return OpenAIError(400, exc.message, param=exc.param, code=exc.code)
     # The next two come from the admin prefix reload; their messages are for the operator.
     if isinstance(exc, RegistryFileError):
         return OpenAIError(400, str(exc), code="invalid_prefix_file")

@@ -14,8 +14,6 @@ in errors); only `DeltaMessage` drops its unset fields, so `role` appears in the
 
 from gateway.protocol.common import (
     MAX_N,
-    MAX_STOP_STRINGS,
-    MAX_TOP_LOGPROBS,
     MIN_LOGPROB,
     FinishReason,
     api_finish_reason,
@@ -55,8 +53,6 @@ from gateway.protocol.responses import (
 
 __all__ = [
     "MAX_N",
-    "MAX_STOP_STRINGS",
-    "MAX_TOP_LOGPROBS",
     "MIN_LOGPROB",
     "ChatCompletionLogprobs",
     "ChatCompletionRequest",

@@ -9,8 +9,7 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default length for /v1/completions
 MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
 
 FinishReason = Literal["stop", "length"]

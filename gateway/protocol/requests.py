@@ -4,7 +4,7 @@ server lacks rejected with a clear error."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -17,11 +17,34 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine import SamplingParams
-from gateway.protocol.common import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, json_type_name
+from engine import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from gateway.protocol.common import COMPLETION_DEFAULT_MAX_TOKENS, MAX_N, json_type_name
 
 logger = logging.getLogger(__name__)
 
+
+def _integral(value: Any) -> Any:
+    # JSON Schema's "integer" includes numbers with a zero fraction (1.0): accept them as the
+    # int they are, so that every schema-valid request validates. 1.5 still fails as a decimal.
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer fields of the generation requests (both routes), for `_integral`.
+_INTEGER_FIELDS = (
+    "top_k",
+    "seed",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "top_logprobs",
+    "logprobs",
+    "best_of",
+)
+TokenId = Annotated[int, Field(ge=0)]
+T = TypeVar("T")
+NonEmpty = Annotated[T, Field(min_length=1)]
 
 # JSON schema of a feature accepted only in its empty form (an empty array or null).
 _NONE_YET: dict[str, Any] = {"maxItems": 0}
@@ -158,10 +181,16 @@ def _stop_as_list(value: Any) -> Any:
     return value
 
 
+StopString = Annotated[str, Field(min_length=1)]
 StopStrings = Annotated[
-    list[Annotated[str, Field(min_length=1)]],
+    list[StopString],
     Field(max_length=MAX_STOP_STRINGS),
-    BeforeValidator(_stop_as_list, json_schema_input_type=str | list[str] | None),
+    BeforeValidator(
+        _stop_as_list,
+        json_schema_input_type=StopString
+        | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+        | None,
+    ),
 ]
 
 
@@ -198,6 +227,11 @@ class GenerationRequest(_RequestModel):
     )
     ignore_eos: bool = Field(default=False, description="extension")
     skip_special_tokens: bool = Field(default=True, description="extension")
+
+    @field_validator(*_INTEGER_FIELDS, mode="before", check_fields=False)
+    @classmethod
+    def _integral_number(cls, value: Any) -> Any:
+        return _integral(value)
 
     @field_validator("n", "stream", "ignore_eos", "skip_special_tokens", mode="before")
     @classmethod
@@ -259,7 +293,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Features this server does not have: accepted only in their "off" form.
     # The schema says what is accepted today, so generated clients and fuzzers agree with
     # the validators below (which give the friendlier errors).
@@ -353,7 +387,11 @@ class ChatCompletionRequest(GenerationRequest):
 
 def _check_prompt(value: Any) -> Any:
     # Checked here, not by the union below, so that errors name "prompt", not a union branch.
-    if isinstance(value, str):
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(item, str) for item in value)
+    ):
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise PydanticCustomError("invalid_value", "must not contain an empty prompt")
         return value
     if not isinstance(value, list):
         raise PydanticCustomError(
@@ -363,8 +401,10 @@ def _check_prompt(value: Any) -> Any:
         )
     if not value:
         raise PydanticCustomError("invalid_value", "must not be an empty array")
-    if all(isinstance(item, str) for item in value):
-        return value
+    value = [
+        [_integral(i) for i in item] if isinstance(item, list) else _integral(item)
+        for item in value
+    ]
     batches = value if all(isinstance(item, list) for item in value) else [value]
     if not all(_is_token_ids(ids) for ids in batches):
         raise PydanticCustomError(
@@ -380,9 +420,15 @@ def _is_token_ids(ids: list[Any]) -> bool:
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: Annotated[
+        NonEmpty[str]
+        | NonEmpty[list[NonEmpty[str]]]
+        | NonEmpty[list[TokenId]]
+        | NonEmpty[list[NonEmpty[list[TokenId]]]],
+        BeforeValidator(_check_prompt),
+    ]
+    max_tokens: int | None = Field(default=COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = Field(default=False, json_schema_extra={"enum": [False, None]})
     suffix: str | None = Field(default=None, json_schema_extra={"type": "null"})
     best_of: int | None = Field(
@@ -428,7 +474,7 @@ class CompletionRequest(GenerationRequest):
             return [prompt]
         return prompt
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """`max_tokens` defaults to 16 like OpenAI; an explicit null -> `default_max_tokens`."""
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+    def to_sampling_params(self) -> SamplingParams:
+        """`max_tokens` absent or null: OpenAI's default, COMPLETION_DEFAULT_MAX_TOKENS."""
+        max_tokens = self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         return self._sampling_params(max_tokens, self.logprobs)

@@ -55,7 +55,7 @@ def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest
     prompts = [
         p if isinstance(p, list) else text_prompt_ids(engine.tokenizer, p) for p in body.prompts()
     ]
-    params = body.to_sampling_params(default_max_tokens=16)
+    params = body.to_sampling_params()
     return prepare_requests(engine, prompts, params, "prompt", body.cache_salt)
 
 

@@ -455,7 +455,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_raises_prompt_too_long(
         "(50 in the prompt, 15 in the completion). Please reduce the length of the prompt or "
         "max_tokens."
     )
-    assert (error.num_prompt_tokens, error.max_model_len, error.param) == (50, 64, "prompt")
+    assert (error.num_prompt_tokens, error.max_model_len, error.param) == (50, 64, "max_tokens")
     assert (
         _tokens(fits)
         == LLMEngine(_config(tiny_llama_path, max_model_len=64)).generate(

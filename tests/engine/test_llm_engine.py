@@ -188,7 +188,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(
         ([], GREEDY, InvalidRequestError, "prompt"),
         ([1, 2, 10**6], GREEDY, InvalidRequestError, "prompt"),
         ([-1], GREEDY, InvalidRequestError, "prompt"),
-        ([1] * 60, SamplingParams(max_tokens=5), PromptTooLongError, "prompt"),
+        ([1] * 60, SamplingParams(max_tokens=5), PromptTooLongError, "max_tokens"),
         ([1] * 64, SamplingParams(max_tokens=None), PromptTooLongError, "prompt"),
     ],
 )

@@ -271,7 +271,7 @@ def test_a_valid_surrogate_pair_is_text(client: TestClient) -> None:
 
 def test_match_with_an_out_of_vocabulary_token_id_is_400(client: TestClient) -> None:
     response = client.post("/v1/prefixes/match", json={"model": MODEL, "prompt": [1, 10**9]})
-    assert _error(response) == (400, None, "prompt")
+    assert _error(response) == (400, "invalid_token_id", "prompt")
     assert response.json()["error"]["message"] == "token ids must be in [0, 512)"
 
 

@@ -25,6 +25,7 @@ from engine import (
     RegistryFileError,
     RequestFailedError,
 )
+from gateway.admission import parse_model
 from gateway.errors import (
     INTERNAL_ERROR_MESSAGE,
     OpenAIError,
@@ -36,7 +37,6 @@ from gateway.errors import (
     unauthorized,
     unknown_model,
 )
-from gateway.admission import parse_model
 from gateway.protocol import ChatCompletionRequest
 
 
