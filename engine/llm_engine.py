@@ -5,9 +5,9 @@ Not thread-safe: exactly one thread (the AsyncEngine's loop, a test, a benchmark
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -24,7 +24,7 @@ from engine.model_setup import LoadedModel, load_model
 from engine.outputs import RequestOutput, SampleLogprobs
 from engine.prefix_loader import PrefixLoader
 from engine.registry import PrefixRegistry, ReloadStatus
-from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
+from engine.registry_file import PrefixSpec, RegistryFileError, parse_prefix_bytes
 from engine.request import EngineRequest
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import make_generator
@@ -73,7 +73,9 @@ class LLMEngine:
             config.enable_prefix_cache,
         )
         self.num_steps = 0
-        self._prefix_file_mtime: float | None = None
+        # sha-256 of the prefix file as last (re)loaded, and as read by the last poll
+        self._prefix_file_digest: bytes | None = None
+        self._settling_digest: bytes | None = None
         if config.prefix_file is not None:
             self._load_prefix_file_at_start(Path(config.prefix_file))
 
@@ -88,11 +90,9 @@ class LLMEngine:
         """Re-read `config.prefix_file`. Any error keeps the old registry and is recorded."""
         path = self._prefix_path()
         try:
-            self._prefix_file_mtime = path.stat().st_mtime
-            specs = load_prefix_file(path, self.tokenizer, self.max_model_len)
-            self.load_prefixes(specs, on_done)
-        except (EngineError, OSError) as exc:
-            error = str(exc) if isinstance(exc, EngineError) else f"{path}: {exc}"
+            self.load_prefixes(self._read_prefix_file(path), on_done)
+        except EngineError as exc:
+            error = str(exc)
             status = ReloadStatus(time.time(), False, error, len(self.registry.prefixes))
             self.registry.last_reload = status
             logger.error("prefix reload failed, keeping the old registry: %s", error)
@@ -100,14 +100,21 @@ class LLMEngine:
                 on_done(status)
 
     def poll_prefix_file(self) -> bool:
-        """Reload when the file's mtime changed since the last (re)load; True if started."""
+        """Reload once the file changed and then read the same on the next poll; True if started.
+
+        A writer that is not atomic (an editor saving in place, `cat > file`) leaves a
+        half-written file for a moment, often one that is still valid YAML with fewer
+        entries; acting on it would drop prefixes until the next poll. So a change is loaded
+        only when two polls in a row read identical bytes (README: write atomically anyway).
+        """
         if self.config.prefix_file is None:
             return False
         try:
-            mtime = os.stat(self.config.prefix_file).st_mtime
+            digest = _digest(Path(self.config.prefix_file).read_bytes())
         except OSError:
-            mtime = None
-        if mtime == self._prefix_file_mtime:
+            digest = None
+        if digest == self._prefix_file_digest or digest != self._settling_digest:
+            self._settling_digest = digest
             return False
         logger.info("%s changed: reloading prefixes", self.config.prefix_file)
         self.reload_prefix_file()
@@ -118,10 +125,20 @@ class LLMEngine:
             raise RegistryFileError(Path("<none>"), ["no prefix file is configured"])
         return Path(self.config.prefix_file)
 
+    def _read_prefix_file(self, path: Path) -> list[PrefixSpec]:
+        """Read and parse the prefix file, remembering the digest of the bytes read (valid or
+        not, None when unreadable) so that polls reload only when the file changes again."""
+        try:
+            content = path.read_bytes()
+        except OSError as exc:
+            self._prefix_file_digest = self._settling_digest = None
+            raise RegistryFileError(path, [f"cannot read the file: {exc}"]) from exc
+        self._prefix_file_digest = self._settling_digest = _digest(content)
+        return parse_prefix_bytes(content, path, self.tokenizer, self.max_model_len)
+
     def _load_prefix_file_at_start(self, path: Path) -> None:
         """Load, fill and pin every prefix before serving; a bad file fails the start."""
-        self._prefix_file_mtime = path.stat().st_mtime if path.exists() else None
-        self.load_prefixes(load_prefix_file(path, self.tokenizer, self.max_model_len))
+        self.load_prefixes(self._read_prefix_file(path))
         total = self.prefixes.num_pending_tokens
         with tqdm(total=total, desc="prefilling prefixes", unit="tok", disable=total == 0) as bar:
             while self.prefixes.is_pending:
@@ -361,3 +378,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot for metrics and the admin API; safe to call from another thread."""
         return snapshot(self.pool, self.scheduler, self.registry, self.prefixes.is_pending)
+
+
+def _digest(content: bytes) -> bytes:
+    return hashlib.sha256(content).digest()

@@ -42,7 +42,7 @@ class _Pending:
 
 
 class PrefixLoader:
-    """Engine-thread only. One (re)load at a time; a newer one cancels the pending one."""
+    """Engine-thread only. One (re)load at a time; a newer one replaces the pending one."""
 
     def __init__(
         self,
@@ -82,11 +82,21 @@ class PrefixLoader:
     def start(
         self, specs: list[PrefixSpec], on_done: Callable[[ReloadStatus], None] | None = None
     ) -> None:
-        """Begin loading `specs`; raises PrefixBudgetError (old set untouched) if too big."""
+        """Begin loading `specs`; raises PrefixBudgetError (old set untouched) if too big.
+
+        Reloads coalesce: while one is pending, a reload of the same specs joins it, and a
+        reload of other specs replaces it and answers its waiters too (the newest file is what
+        every one of them asked for), so concurrent reloads all succeed.
+        """
+        callbacks = [on_done] if on_done else []
+        pending = self._pending
+        if pending is not None and pending.specs == list(specs):
+            pending.callbacks += callbacks
+            return
         self._check_budget(specs)
-        self.cancel("superseded by a newer reload")
+        callbacks = self._drop_pending() + callbacks
         self.specs = list(specs)
-        pending = _Pending(list(specs), {}, {}, [on_done] if on_done else [])
+        pending = _Pending(list(specs), {}, {}, callbacks)
         self._pending = pending
         if self.enabled:
             for spec in reversed(specs):  # appendleft: keep file order at the queue head
@@ -109,20 +119,18 @@ class PrefixLoader:
         )
         self._maybe_finish()
 
-    def cancel(self, reason: str) -> None:
-        """Drop a pending reload: abort its fills, release prefixes it filled already."""
+    def _drop_pending(self) -> list[Callable[[ReloadStatus], None]]:
+        """Drop a pending reload (abort its fills, release what it filled); its waiters."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return []
         for seq in pending.filling.values():
             self.scheduler.finish(seq, "abort")
         live = {id(p) for p in self.registry.prefixes.values()}
         for prefix in pending.ready.values():
             if id(prefix) not in live:
                 release(self.pool, prefix)
-        status = ReloadStatus(time.time(), False, f"reload cancelled: {reason}", 0)
-        for callback in pending.callbacks:
-            callback(status)
+        return pending.callbacks
 
     def _fill(self, spec: PrefixSpec) -> Sequence:
         seq = Sequence(

@@ -122,8 +122,19 @@ def load_prefix_file(
 ) -> list[PrefixSpec]:
     """Read, validate and render the prefixes file at `path`; see `parse_prefix_text`."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise RegistryFileError(path, [f"cannot read the file: {exc}"]) from exc
+    return parse_prefix_bytes(content, path, tokenizer, max_model_len)
+
+
+def parse_prefix_bytes(
+    content: bytes, path: Path, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+) -> list[PrefixSpec]:
+    """`parse_prefix_text` over the file's raw bytes, which must be UTF-8."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise RegistryFileError(path, [f"cannot read the file: {exc}"]) from exc
     return parse_prefix_text(text, path, tokenizer, max_model_len)
 

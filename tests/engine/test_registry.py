@@ -436,3 +436,57 @@ def test_explain_names_the_match_or_the_closest_divergence(
     assert (miss.matched, miss.closest, miss.diverged_at) == (None, "sys", at)
     assert (miss.prefix_token_id, miss.prompt_token_id) == (sys_ids[at], other[at])
     assert engine.registry.stats.num_lookups == 0  # the admin view counts nothing
+
+
+def test_a_half_written_file_is_not_loaded_until_it_settles(
+    tiny_llama_path: Path, prefix_file: Path
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file)
+    assert engine.poll_prefix_file() is False  # unchanged since the start
+    whole = _yaml(SYS_ENTRY + DOC_ENTRY + "  - name: greet\n    text: Hello there!\n")
+    prefix_file.write_text(whole[: whole.index("  - name: doc")])  # valid YAML, one entry
+    assert engine.poll_prefix_file() is False  # changed: wait for the next poll
+    prefix_file.write_text(whole)  # the writer finishes before that poll
+    assert engine.poll_prefix_file() is False  # changed again: wait again
+    assert sorted(engine.registry.prefixes) == ["doc", "sys"]
+    assert engine.poll_prefix_file() is True  # the same bytes twice: load them
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert sorted(engine.registry.prefixes) == ["doc", "greet", "sys"]
+    assert engine.poll_prefix_file() is False
+    _assert_idle(engine)
+
+
+def test_a_bad_or_missing_file_is_reported_once_per_change(
+    tiny_llama_path: Path, prefix_file: Path
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file)
+    prefix_file.write_bytes(b"version: 1\nprefixes: [\xff")
+    assert [engine.poll_prefix_file() for _ in range(4)] == [False, True, False, False]
+    assert engine.registry.last_reload.ok is False
+    assert "cannot read the file" in (engine.registry.last_reload.error or "")
+    prefix_file.unlink()
+    assert [engine.poll_prefix_file() for _ in range(4)] == [False, True, False, False]
+    assert sorted(engine.registry.prefixes) == ["doc", "sys"]  # the old set still serves
+    _assert_idle(engine)
+
+
+def test_concurrent_reloads_coalesce_and_all_succeed(
+    tiny_llama_path: Path, prefix_file: Path
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file)
+    prefix_file.write_text(_yaml(SYS_ENTRY + DOC_ENTRY.replace("lazy dog", "lazy cat")))
+    statuses: list[Any] = []
+    for _ in range(3):  # the same file: the second and third join the first
+        engine.reload_prefix_file(statuses.append)
+    filling = engine.prefixes.num_pending_tokens
+    assert filling == engine.prefixes.specs[1].num_tokens  # "doc" is filled once
+    # Another file (new "doc", no "sys"): replaces the pending reload and answers its waiters.
+    prefix_file.write_text(_yaml(DOC_ENTRY.replace("lazy dog", "lazy bird")))
+    engine.reload_prefix_file(statuses.append)
+    assert statuses == []
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert len(statuses) == 4 and all(s.ok and s.num_prefixes == 1 for s in statuses)
+    assert sorted(engine.registry.prefixes) == ["doc"]
+    _assert_idle(engine)
