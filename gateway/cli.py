@@ -1,11 +1,9 @@
-"""`prefixgate` command line: engine flags map one-to-one onto EngineConfig fields."""
+"""`prefixgate` command line: flags generated from GatewayConfig and EngineConfig (flags.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-import re
 import signal
 import sys
 import time
@@ -20,73 +18,14 @@ from engine import (
     chat_prompt_ids,
     text_prompt_ids,
 )
+from gateway.config import GatewayConfig
+from gateway.flags import add_config_args, config_from_args
 
 logger = logging.getLogger("prefixgate")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512M', '1.5g', '1000000' -> bytes (K/M/G/T are powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 512M)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** " kmgt".index(unit or " "))
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=None,
-        help="KV pool size in bytes, e.g. 2GiB (default: 20%% of RAM, at most 4 GiB)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=32)
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA",
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false")
-    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument(
-        "--prefixes",
-        dest="prefix_file",
-        default=None,
-        help="prefix registry YAML (watched and hot-reloaded)",
-    )
-
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_cache=args.enable_prefix_cache,
-        num_threads=args.num_threads,
-        seed=args.seed,
-        prefix_file=args.prefix_file,
-    )
+    return config_from_args(EngineConfig, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,32 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("PREFIXGATE_API_KEY"),
-        help="required as a Bearer token (default: $PREFIXGATE_API_KEY)",
-    )
-    serve.add_argument(
-        "--admin-api-key",
-        default=os.environ.get("PREFIXGATE_ADMIN_API_KEY"),
-        help="required by the registry admin routes",
-    )
-    serve.add_argument(
-        "--max-waiting",
-        type=int,
-        default=256,
-        help="requests waiting to start before answering 429",
-    )
-    serve.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get after SIGTERM",
-    )
-    serve.add_argument("--served-model-name", default=None)
-    add_engine_args(serve)
+    add_config_args(serve, GatewayConfig, "server", skip=("engine",))
+    add_config_args(serve, EngineConfig, "engine")
     gen = sub.add_parser("generate", help="generate from one prompt, streamed to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--system", default=None, help="system message")
@@ -128,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sample-seed", type=int, default=None)
-    add_engine_args(gen)
+    add_config_args(gen, EngineConfig, "engine")
     return parser
 
 
@@ -171,18 +86,10 @@ def serve(args: argparse.Namespace) -> int:
     """Run uvicorn; SIGTERM stops accepting, gives in-flight requests `--shutdown-grace`
     seconds, then the engine aborts the rest, and the process exits 0."""
     from gateway.app import create_app
-    from gateway.config import GatewayConfig
     from gateway.server import DrainingServer, uvicorn_config
 
-    config = GatewayConfig(
-        engine=engine_config_from_args(args),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
-        max_waiting=args.max_waiting,
-        shutdown_grace=args.shutdown_grace,
-        served_model_name=args.served_model_name,
+    config = config_from_args(
+        GatewayConfig, args, skip=("engine",), engine=engine_config_from_args(args)
     )
     logger.info(
         "starting prefixgate on http://%s:%d (model %s, device %s, dtype %s)",

@@ -4,26 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine import EngineConfig
+from engine import EngineConfig, option
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # protects every route but /health and /metrics
-    admin_api_key: str | None = None  # additionally required by the registry admin routes
-    max_waiting: int = 256  # requests accepted but not yet started; beyond it: 429
-    shutdown_grace: float = 30.0  # seconds in-flight requests get after SIGTERM
-    served_model_name: str | None = None  # default: the model's own name
-    max_request_bytes: int = 8 << 20  # request bodies above it: 413
-    request_read_timeout: float = 30.0  # seconds to receive a whole body, else 408
-    metrics_api_key: str | None = None  # when set, /metrics needs it (or the admin key)
-    allowed_origins: tuple[str, ...] = ()  # CORS
-    default_max_tokens: int = 2048  # chat length when the client sends no max_tokens
-    max_prompts: int = 64  # prompts one /v1/completions list may carry
-    tokenizer_workers: int = 2  # threads that parse, render and tokenize off the event loop
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(
+        None,
+        "Bearer key every route but /health and /metrics needs (default: $PREFIXGATE_API_KEY)",
+        env="PREFIXGATE_API_KEY",
+    )
+    admin_api_key: str | None = option(
+        None,
+        "key of the registry admin routes, valid on every route; without it those routes are "
+        "closed when --api-key is set (default: $PREFIXGATE_ADMIN_API_KEY)",
+        env="PREFIXGATE_ADMIN_API_KEY",
+    )
+    max_waiting: int = option(256, "sequences accepted but not yet started; beyond it: 429")
+    shutdown_grace: float = option(30.0, "seconds in-flight requests get after SIGTERM")
+    served_model_name: str | None = option(None, "model id clients use (default: the model's)")
+    max_request_bytes: int = option(8 << 20, "request bodies above it get 413", size=True)
+    request_read_timeout: float = option(30.0, "seconds to receive a whole body, else 408")
+    metrics_api_key: str | None = option(
+        None, "when set, /metrics needs it (or the admin key)", env="PREFIXGATE_METRICS_API_KEY"
+    )
+    allowed_origins: tuple[str, ...] = option((), "origins allowed by CORS (* for any)")
+    default_max_tokens: int = option(
+        2048, "chat completion length when the client sends no max_tokens (capped by the context)"
+    )
+    max_prompts: int = option(64, "prompts one /v1/completions list may carry")
+    tokenizer_workers: int = option(
+        2, "threads that parse, render and tokenize requests off the event loop"
+    )
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:

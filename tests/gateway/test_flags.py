@@ -1,0 +1,119 @@
+"""gateway.flags / `prefixgate serve`: every config field has exactly one generated flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from engine import EngineConfig
+from gateway.cli import build_parser, engine_config_from_args
+from gateway.config import GatewayConfig
+from gateway.flags import config_from_args, parse_size
+
+
+def _serve(argv: list[str]) -> GatewayConfig:
+    args = build_parser().parse_args(["serve", *argv])
+    return config_from_args(
+        GatewayConfig, args, skip=("engine",), engine=engine_config_from_args(args)
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PREFIXGATE_API_KEY", "PREFIXGATE_ADMIN_API_KEY", "PREFIXGATE_METRICS_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_no_flags_give_the_dataclass_defaults() -> None:
+    assert _serve([]) == GatewayConfig()
+
+
+def test_every_field_has_a_flag_that_sets_it() -> None:
+    config = _serve(
+        [
+            *("--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--admin-api-key", "a"),
+            *("--max-waiting", "7", "--shutdown-grace", "2.5", "--served-model-name", "m"),
+            *("--max-request-bytes", "1MiB", "--request-read-timeout", "3"),
+            *("--metrics-api-key", "mk", "--allowed-origins", "https://a.example", "*"),
+            *("--default-max-tokens", "99", "--max-prompts", "5", "--tokenizer-workers", "3"),
+            *("--model", "/m", "--device", "cuda:1", "--dtype", "bfloat16", "--block-size", "8"),
+            *("--num-kv-blocks", "100", "--kv-cache-memory", "1.5g", "--max-num-seqs", "4"),
+            *("--max-num-batched-tokens", "64", "--max-model-len", "512", "--no-prefix-cache"),
+            *("--prefixes", "p.yaml", "--prefix-watch-interval", "0.5", "--num-threads", "2"),
+            *("--seed", "11", "--debug-check-integrity"),
+        ]
+    )
+    engine = EngineConfig(
+        model="/m",
+        device="cuda:1",
+        dtype="bfloat16",
+        block_size=8,
+        num_kv_blocks=100,
+        kv_cache_memory=int(1.5 * 2**30),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        enable_prefix_cache=False,
+        prefix_file="p.yaml",
+        prefix_watch_interval=0.5,
+        num_threads=2,
+        seed=11,
+        debug_check_integrity=True,
+    )
+    assert config == GatewayConfig(
+        engine=engine,
+        host="0.0.0.0",
+        port=9001,
+        api_key="k",
+        admin_api_key="a",
+        max_waiting=7,
+        shutdown_grace=2.5,
+        served_model_name="m",
+        max_request_bytes=1 << 20,
+        request_read_timeout=3.0,
+        metrics_api_key="mk",
+        allowed_origins=("https://a.example", "*"),
+        default_max_tokens=99,
+        max_prompts=5,
+        tokenizer_workers=3,
+    )
+    # The command line above names each field once: nothing was left at its default.
+    for config_type, value in ((GatewayConfig, config), (EngineConfig, engine)):
+        for field in dataclasses.fields(config_type):
+            if field.name != "engine":
+                assert getattr(value, field.name) != field.default, field.name
+
+
+def test_keys_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXGATE_API_KEY", "from-env")
+    monkeypatch.setenv("PREFIXGATE_ADMIN_API_KEY", "admin-env")
+    config = _serve([])
+    assert (config.api_key, config.admin_api_key, config.metrics_api_key) == (
+        "from-env",
+        "admin-env",
+        None,
+    )
+    assert _serve(["--api-key", "flag"]).api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1000", 1000), ("512M", 512 << 20), ("2GiB", 2 << 30), ("1.5g", 3 << 29), ("4 KB", 4096)],
+)
+def test_sizes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1M", "2 PB", "1e3"])
+def test_bad_sizes(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size(text)
+
+
+def test_bad_values_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--dtype", "float16"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
