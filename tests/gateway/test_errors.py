@@ -280,7 +280,11 @@ def _invalid_json(detail: str) -> dict[str, Any]:
             b'{"model": "m",',
             "Expecting property name enclosed in double quotes: line 1 column 15 (char 14)",
         ),
-        (b"\xff{}", "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+        (
+            b"\xff{}",
+            "the body is not valid UTF-8: 'utf-8' codec can't decode byte 0xff in position 0: "
+            "invalid start byte",
+        ),
         (b'{"temperature": NaN}', "NaN is not valid JSON"),
         (b"[1, 2]", "expected a JSON object, but got an array"),
         (b'"hello"', "expected a JSON object, but got a string"),
