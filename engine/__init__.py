@@ -20,7 +20,7 @@ from engine.prefix_loader import PrefixBudgetError
 from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
 from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
 from engine.request import EngineRequest
-from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
 from engine.stats import EngineStats, PrefixInfo
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "EngineError",
     "EngineRequest",
     "EngineStats",
+    "GrammarSpec",
     "InvalidRequestError",
     "LLMEngine",
     "MatchReport",

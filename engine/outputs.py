@@ -13,7 +13,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class SampleLogprobs:
-    """Logprob of the sampled token plus the top-k alternatives (from the raw model logits)."""
+    """Logprob of the sampled token plus the top-k alternatives (from the raw model logits,
+    after a structured output's mask: disallowed tokens have probability 0)."""
 
     token_id: int
     logprob: float

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import CompiledGrammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    grammar: CompiledGrammar | None = None  # params.grammar, compiled (each choice copies it)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -32,4 +37,5 @@ class EngineRequest:
         """The same prompt under other sampling parameters, still validated: the checks that
         depend on parameters (length) read only `max_tokens`, which must not change."""
         assert params.max_tokens == self.params.max_tokens, "max_tokens was validated"
-        return EngineRequest(self.prompt_token_ids, params, self.cache_salt)
+        assert params.grammar == self.params.grammar, "the grammar was compiled"
+        return EngineRequest(self.prompt_token_ids, params, self.cache_salt, self.grammar)

@@ -13,6 +13,7 @@ from engine.outputs import SampleLogprobs
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured import GrammarMasker
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.sampler = Sampler()
+        self.masker: GrammarMasker | None = None  # made when a constrained row first comes
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
         for i, layer in enumerate(model.attention_layers()):
@@ -57,12 +59,20 @@ class ModelRunner:
         if not sampling:
             return StepResult([], prefix_logits)
         seqs = [item.seq for item in sampling]
+        matchers = [seq.matcher for seq in seqs]
+        if any(m is not None for m in matchers):
+            self._masker(logits.shape[1]).apply(logits, matchers)
         result = self.sampler(logits, _sampling_batch(seqs))
         sampled = [
             SampledToken(seq, tok, lp)
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
         return StepResult(sampled, prefix_logits)
+
+    def _masker(self, vocab_size: int) -> GrammarMasker:
+        if self.masker is None:
+            self.masker = GrammarMasker(vocab_size)
+        return self.masker
 
     def _logits_rows(
         self, ordered: list[ScheduledSequence], sampling: list[ScheduledSequence]

@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from engine.errors import InvalidRequestError
 
 # Bounds the API validates against too (gateway/protocol imports them from here).
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+GRAMMAR_PARAM = "grammar"  # the engine's name for a constraint; the gateway names its field
+GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint as the client stated it: `source` is a JSON schema (JSON text), a regex,
+    a JSON list of choice strings, or a Lark grammar (llguidance's Lark, GBNF accepted)."""
+
+    kind: GrammarKind
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | None = None) -> GrammarSpec:
+        """`None`: any JSON object (response_format json_object). Key order is kept: the
+        output's properties come in the schema's order."""
+        text = ANY_JSON_OBJECT if schema is None else json.dumps(schema)
+        return cls("json_schema", text)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> GrammarSpec:
+        return cls("choice", json.dumps(list(choices)))
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: what the text must match
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

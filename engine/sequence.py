@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.registry_file import PrefixSpec
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +49,9 @@ class Sequence:
     # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
     # attend to them once per step as a group (cascade attention).
     num_shared_blocks: int = 0
+    # Structured output: which tokens may come next. It has consumed every output token, so a
+    # preempted sequence that recomputes its blocks keeps it as it is.
+    matcher: LLMatcher | None = None
 
     @property
     def is_prefix_fill(self) -> bool:
