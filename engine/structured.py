@@ -50,7 +50,7 @@ def to_llguidance(spec: GrammarSpec) -> str:
             return _choice_grammar(json.loads(spec.source))
         return llguidance.grammar_from("grammar", spec.source)
     except ValueError as exc:
-        raise InvalidRequestError(f"invalid {_NAMES[spec.kind]}: {exc}", GRAMMAR_PARAM) from exc
+        raise _invalid(spec, str(exc)) from exc
 
 
 _NAMES = {
@@ -59,6 +59,12 @@ _NAMES = {
     "choice": "choice list",
     "lark": "grammar",
 }
+
+
+def _invalid(spec: GrammarSpec, reason: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"invalid {_NAMES[spec.kind]}: {reason}", GRAMMAR_PARAM, code="invalid_value"
+    )
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -108,9 +114,7 @@ class GrammarCompiler:
                 return cached
         matcher = llguidance.LLMatcher(self.tokenizer, to_llguidance(spec), log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(
-                f"invalid {_NAMES[spec.kind]}: {matcher.get_error()}", GRAMMAR_PARAM
-            )
+            raise _invalid(spec, matcher.get_error())
         compiled = CompiledGrammar(spec, matcher)
         with self._lock:
             self._cache[key] = compiled

@@ -6,6 +6,8 @@ import logging
 import secrets
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, model_validator
+
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
@@ -13,6 +15,20 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default length for /v1/completion
 MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
 
 FinishReason = Literal["stop", "length"]
+
+
+class RequestModel(BaseModel):
+    """Strict JSON types; unknown fields are allowed, logged at DEBUG and otherwise ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> RequestModel:
+        if self.model_extra:
+            logger.debug(
+                "ignoring unknown fields of %s: %s", type(self).__name__, sorted(self.model_extra)
+            )
+        return self
 
 
 def random_id(prefix: str) -> str:

@@ -7,7 +7,6 @@ import logging
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -17,8 +16,19 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
-from gateway.protocol.common import COMPLETION_DEFAULT_MAX_TOKENS, MAX_N, json_type_name
+from engine import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
+from gateway.protocol.common import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_N,
+    RequestModel,
+    json_type_name,
+)
+from gateway.protocol.structured import (
+    JsonSchemaValue,
+    ResponseFormat,
+    StructuredOutputs,
+    guided_specs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +67,7 @@ def _unsupported() -> PydanticCustomError:
 # -- requests -------------------------------------------------------------------------------
 
 
-class _RequestModel(BaseModel):
-    """Strict JSON types; unknown fields are allowed, logged at DEBUG and otherwise ignored."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    @model_validator(mode="after")
-    def _log_unknown_fields(self) -> _RequestModel:
-        if self.model_extra:
-            logger.debug(
-                "ignoring unknown fields of %s: %s", type(self).__name__, sorted(self.model_extra)
-            )
-        return self
-
-
-class TextContentPart(_RequestModel):
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
@@ -123,7 +119,7 @@ def _content_nullable_for_assistants_only(schema: dict[str, Any]) -> None:
     schema["then"] = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
 
 
-class ChatMessage(_RequestModel):
+class ChatMessage(RequestModel):
     """One input message. "developer" is treated as "system"; `content` may be null only for
     "assistant" messages (it then counts as empty text)."""
 
@@ -194,11 +190,11 @@ StopStrings = Annotated[
 ]
 
 
-class StreamOptions(_RequestModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = None
 
 
-class GenerationRequest(_RequestModel):
+class GenerationRequest(RequestModel):
     """Fields shared by chat and completions. Declaration order matters: a validator reads
     the fields declared before it from `info.data` (`stream` before `stream_options`, `n`
     before `best_of`)."""
@@ -227,6 +223,12 @@ class GenerationRequest(_RequestModel):
     )
     ignore_eos: bool = Field(default=False, description="extension")
     skip_special_tokens: bool = Field(default=True, description="extension")
+    # vLLM's structured-output extensions (gateway/protocol/structured.py): one at a time.
+    guided_json: JsonSchemaValue | None = Field(default=None, description="extension")
+    guided_regex: str | None = Field(default=None, description="extension")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, description="extension")
+    guided_grammar: str | None = Field(default=None, description="extension")
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="extension")
 
     @field_validator(*_INTEGER_FIELDS, mode="before", check_fields=False)
     @classmethod
@@ -254,6 +256,33 @@ class GenerationRequest(_RequestModel):
         if value is not None and info.data.get("stream") is False:
             raise PydanticCustomError("invalid_value", "only allowed when 'stream' is true")
         return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> GenerationRequest:
+        constraints = self.constraints()
+        if len(constraints) > 1:
+            names = " and ".join(name for name, _ in constraints)
+            raise PydanticCustomError(
+                "invalid_value",
+                "one structured output constraint at a time, got {names}",
+                {"names": names},
+            )
+        return self
+
+    def constraints(self) -> list[tuple[str, GrammarSpec]]:
+        """(field, spec) of each structured output constraint the request sets."""
+        pairs = guided_specs(
+            self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        )
+        if self.structured_outputs is not None:
+            pairs += [("structured_outputs", s) for s in self.structured_outputs.specs()]
+        return pairs
+
+    @property
+    def grammar_field(self) -> str:
+        """The field that holds the request's constraint (errors name it)."""
+        constraints = self.constraints()
+        return constraints[0][0] if constraints else "response_format"
 
     @property
     def num_sequences(self) -> int:
@@ -285,6 +314,7 @@ class GenerationRequest(_RequestModel):
             ),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            grammar=self.constraints()[0][1] if self.constraints() else None,
         )
 
 
@@ -301,13 +331,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Any = Field(default=None, json_schema_extra={"enum": ["none", None]})
     functions: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
     function_call: Any = Field(default=None, json_schema_extra={"enum": ["none", None]})
-    response_format: dict[str, Any] | None = Field(
-        default=None,
-        json_schema_extra={
-            "properties": {"type": {"const": "text"}},
-            "required": ["type"],
-        },
-    )
+    response_format: ResponseFormat | None = None
     audio: Any = Field(default=None, json_schema_extra={"type": "null"})
     modalities: list[str] | None = Field(
         default=None, json_schema_extra={"items": {"const": "text"}, "minItems": 1, "maxItems": 1}
@@ -350,17 +374,6 @@ class ChatCompletionRequest(GenerationRequest):
             )
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise PydanticCustomError(
-                "unsupported_value",
-                "type '{type}' is not supported by this server; only 'text' is",
-                {"type": str(value.get("type"))},
-            )
-        return value
-
     @field_validator("modalities")
     @classmethod
     def _text_modality_only(cls, value: list[str] | None) -> list[str] | None:
@@ -377,6 +390,11 @@ class ChatCompletionRequest(GenerationRequest):
             {"role": "system" if m.role == "developer" else m.role, "content": m.text}
             for m in self.messages
         ]
+
+    def constraints(self) -> list[tuple[str, GrammarSpec]]:
+        spec = self.response_format.spec() if self.response_format is not None else None
+        own = [("response_format", spec)] if spec is not None else []
+        return own + super().constraints()
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """`max_completion_tokens` wins over `max_tokens`; neither set -> `default_max_tokens`."""

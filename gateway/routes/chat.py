@@ -59,7 +59,9 @@ def _prepare(
     prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages())
     room = max(engine.max_model_len - len(prompt_ids), 1)
     params = body.to_sampling_params(default_max_tokens=min(default_max_tokens, room))
-    [prepared] = prepare_requests(engine, [prompt_ids], params, "messages", body.cache_salt)
+    [prepared] = prepare_requests(
+        engine, [prompt_ids], params, "messages", body.cache_salt, body.grammar_field
+    )
     return prepared
 
 

@@ -38,10 +38,12 @@ def prepare_requests(
     params: SamplingParams,
     field: str,
     cache_salt: str | None,
+    grammar_field: str = "response_format",
 ) -> list[EngineRequest]:
     """One validated EngineRequest per prompt (each distinct prompt validated once), before
-    any response starts. The engine calls the prompt "prompt"; the error names the field this
-    route read it from ("messages" or "prompt"). Runs in the worker pool: O(prompt length)."""
+    any response starts. The engine calls the prompt "prompt" and a structured output
+    constraint "grammar"; the error names the field this route read it from ("messages" or
+    "prompt"; "response_format", "guided_json", ...). Runs in the worker pool."""
     prepared: dict[tuple[int, ...], EngineRequest] = {}
     try:
         for prompt in prompts:
@@ -49,8 +51,7 @@ def prepare_requests(
             if key not in prepared:
                 prepared[key] = engine.prepare_request(prompt, params, cache_salt)
     except InvalidRequestError as exc:
-        if exc.param == "prompt":
-            exc.param = field
+        exc.param = {"prompt": field, "grammar": grammar_field}.get(exc.param or "", exc.param)
         raise
     return [prepared[tuple(prompt)] for prompt in prompts]
 

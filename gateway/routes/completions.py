@@ -56,7 +56,7 @@ def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest
         p if isinstance(p, list) else text_prompt_ids(engine.tokenizer, p) for p in body.prompts()
     ]
     params = body.to_sampling_params()
-    return prepare_requests(engine, prompts, params, "prompt", body.cache_salt)
+    return prepare_requests(engine, prompts, params, "prompt", body.cache_salt, body.grammar_field)
 
 
 async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from starlette.requests import Request
@@ -85,17 +86,34 @@ async def match_prefix(request: Request) -> Response:
 def _prompt_ids(engine: AsyncEngine, raw: bytes) -> list[int]:
     """The first prompt's token ids, tokenized as the generation routes do (worker pool),
     and checked by the engine like any prompt (ids in the vocabulary, length)."""
-    body = parse_json(raw)
-    field = "messages" if "messages" in body else "prompt"
-    if field == "messages":
-        chat = errors.validate(ChatCompletionRequest, body)
-        ids = chat_prompt_ids(engine.tokenizer, chat.flat_messages())
+    request = _match_request(parse_json(raw))
+    if isinstance(request, ChatCompletionRequest):
+        field, ids = "messages", chat_prompt_ids(engine.tokenizer, request.flat_messages())
     else:
-        completion = errors.validate(CompletionRequest, body)
-        first = completion.prompts()[0]
+        first = request.prompts()[0]
+        field = "prompt"
         ids = first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
     prepare_requests(engine, [ids], SamplingParams(max_tokens=1), field, None)
     return ids
+
+
+def _match_request(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+    """The body as the schema documents it: a chat request or a completion request (either
+    may carry the other's fields as unknown ones). Tried in the order its keys suggest; when
+    both fail, the error is the first kind's."""
+    kinds: list[type[ChatCompletionRequest] | type[CompletionRequest]] = (
+        [ChatCompletionRequest, CompletionRequest]
+        if "messages" in body
+        else [CompletionRequest, ChatCompletionRequest]
+    )
+    try:
+        return errors.validate(kinds[0], body)
+    except errors.OpenAIError:
+        if "messages" not in body or "prompt" not in body:
+            raise
+        with contextlib.suppress(errors.OpenAIError):
+            return errors.validate(kinds[1], body)
+        raise
 
 
 def _describe(report: MatchReport, tokenizer: Any) -> dict[str, Any]:

@@ -184,6 +184,11 @@ GENERATION_KINDS: dict[str, Kind] = {
     "cache_salt": STRING,
     "ignore_eos": BOOLEAN,
     "skip_special_tokens": BOOLEAN,
+    "guided_json": _kind("an object or a string", "object", "string"),
+    "guided_regex": STRING,
+    "guided_choice": ARRAY,
+    "guided_grammar": STRING,
+    "structured_outputs": OBJECT,
 }
 KINDS: dict[type[BaseModel], dict[str, Kind]] = {
     ChatCompletionRequest: {
@@ -735,9 +740,7 @@ RAW_SURROGATE_CASES: list[tuple[str, str, bytes]] = [
 
 @pytest.mark.parametrize(
     ("route", "raw"),
-    [
-        pytest.param(r, raw, id=name) for name, r, raw in RAW_SURROGATE_CASES
-    ],
+    [pytest.param(r, raw, id=name) for name, r, raw in RAW_SURROGATE_CASES],
 )
 def test_a_surrogate_in_raw_utf8_bytes_is_invalid_json(
     client: TestClient, route: str, raw: bytes

@@ -355,20 +355,51 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         chat(function_call={"name": "f"}),
         ("function_call", "unsupported_value", NO_TOOLS.format("function_call")),
     ),
-    *[
+    (
+        "response-format-unknown-type",
+        "chat",
+        chat(response_format={"type": "xml"}),
         (
-            f"response-format-{kind}",
-            "chat",
-            chat(response_format={"type": kind}),
-            (
-                "response_format",
-                "unsupported_value",
-                f"Unsupported value: 'response_format' type '{kind}' is not supported by this "
-                "server; only 'text' is.",
-            ),
-        )
-        for kind in ("json_object", "json_schema")
-    ],
+            "response_format.type",
+            "invalid_value",
+            "Invalid value for 'response_format.type': input should be 'text', 'json_object' or "
+            "'json_schema'.",
+        ),
+    ),
+    (
+        "response-format-json-schema-missing",
+        "chat",
+        chat(response_format={"type": "json_schema"}),
+        (
+            "response_format",
+            "invalid_value",
+            "Invalid value for 'response_format': 'json_schema' is required when 'type' is "
+            "'json_schema'.",
+        ),
+    ),
+    (
+        "response-format-bad-name",
+        "chat",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "a b"}}),
+        (
+            "response_format.json_schema.name",
+            "invalid_value",
+            "Invalid value for 'response_format.json_schema.name': string should match pattern "
+            "'^[a-zA-Z0-9_-]{1,64}$'.",
+        ),
+    ),
+    (
+        "two-constraints",
+        "chat",
+        chat(response_format={"type": "json_object"}, guided_regex="a+"),
+        (
+            None,
+            "invalid_value",
+            "Invalid value for the request body: one structured output constraint at a time, got "
+            "response_format "
+            "and guided_regex.",
+        ),
+    ),
     ("audio", "chat", chat(audio={"voice": "alloy", "format": "wav"}), unsupported_param("audio")),
     (
         "modalities",
@@ -485,10 +516,10 @@ def test_unknown_fields_are_accepted_and_logged(
 ) -> None:
     message = {"role": "user", "content": [{**TEXT, "cache_control": {}}], "refusal": None}
     body = chat(messages=[message], prompt_cache_key="k", store=True, metadata={"a": "b"})
-    with caplog.at_level(logging.DEBUG, logger="gateway.protocol.requests"):
+    with caplog.at_level(logging.DEBUG, logger="gateway.protocol.common"):
         response = client.post("/chat", json=body)
     assert response.status_code == 200
-    assert [r.getMessage() for r in caplog.records if r.name == "gateway.protocol.requests"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "gateway.protocol.common"] == [
         "ignoring unknown fields of TextContentPart: ['cache_control']",
         "ignoring unknown fields of ChatMessage: ['refusal']",
         "ignoring unknown fields of ChatCompletionRequest: ['metadata', 'prompt_cache_key', "
