@@ -17,9 +17,10 @@ from starlette.routing import Route
 from engine import AsyncEngine
 from gateway import errors
 from gateway.config import GatewayConfig
+from gateway.request_id import RequestIdMiddleware
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
-from gateway.routes.models import health, list_models, metrics
+from gateway.routes.models import health, list_models, metrics, retrieve_model
 from gateway.routes.openapi import get_openapi
 from gateway.routes.prefixes import list_prefixes, match_prefix, reload_prefixes
 from gateway.state import Gateway
@@ -76,6 +77,11 @@ def create_app(
         ),
         Route("/v1/completions", counted("/v1/completions", create_completion), methods=["POST"]),
         Route("/v1/models", counted("/v1/models", list_models), methods=["GET"]),
+        Route(
+            "/v1/models/{model:path}",
+            counted("/v1/models/{model}", retrieve_model),
+            methods=["GET"],
+        ),
         Route("/v1/prefixes", counted("/v1/prefixes", list_prefixes), methods=["GET"]),
         Route(
             "/v1/prefixes/reload", counted("/v1/prefixes/reload", reload_prefixes), methods=["POST"]
@@ -85,7 +91,7 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", get_openapi, methods=["GET"]),
     ]
-    middleware = []
+    middleware = [Middleware(RequestIdMiddleware)]
     if config.allowed_origins:
         middleware.append(
             Middleware(

@@ -1,4 +1,4 @@
-"""GET /v1/models, GET /health, GET /metrics."""
+"""GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics."""
 
 from __future__ import annotations
 
@@ -12,13 +12,25 @@ from gateway.protocol.admin import HealthResponse
 
 
 async def list_models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=[_served_model(request)]).model_dump(mode="json"))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """The served model's card; any other id is a 404 model_not_found."""
+    card = _served_model(request)
+    name = request.path_params["model"]
+    if name != card.id:
+        raise errors.unknown_model(name)
+    return JSONResponse(card.model_dump(mode="json"))
+
+
+def _served_model(request: Request) -> ModelCard:
     gateway = gateway_of(request)
     gateway.check_auth(request)
     gateway.ready_engine()
-    card = ModelCard(
+    return ModelCard(
         id=gateway.model_name, created=gateway.created, max_model_len=gateway.max_model_len
     )
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
 
 async def health(request: Request) -> Response:

@@ -24,6 +24,7 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
 )
 from gateway.protocol.admin import (
@@ -45,8 +46,12 @@ class _Route:
     errors: tuple[int, ...] = ()
     streams: bool = False  # `"stream": true` answers text/event-stream
     media_type: str = "application/json"
+    path_params: tuple[str, ...] = ()  # string parameters in `path`
 
 
+# Path parameters are ids: one or more characters, no control characters (a newline in a URL
+# path is not routed at all).
+_PATH_PARAM = {"type": "string", "pattern": "^[^\\x00-\\x1f\\x7f]+$"}
 _GENERATION_ERRORS = (400, 401, 404, 408, 413, 415, 429, 503)
 _ROUTES = (
     _Route(
@@ -68,6 +73,14 @@ _ROUTES = (
         streams=True,
     ),
     _Route("/v1/models", "get", "List the served model", ModelList, errors=(401, 503)),
+    _Route(
+        "/v1/models/{model}",
+        "get",
+        "Retrieve the served model",
+        ModelCard,
+        errors=(401, 404, 503),
+        path_params=("model",),
+    ),
     _Route(
         "/v1/prefixes",
         "get",
@@ -166,6 +179,11 @@ def _operation(
             **{str(status): error for status in route.errors},
         },
     }
+    if route.path_params:
+        operation["parameters"] = [
+            {"name": name, "in": "path", "required": True, "schema": _PATH_PARAM}
+            for name in route.path_params
+        ]
     if route.body:
         options = [refs[m] for m in route.body]
         schema = options[0] if len(options) == 1 else {"anyOf": options}

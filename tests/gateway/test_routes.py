@@ -409,3 +409,36 @@ def test_wrong_method_is_an_openai_405(client: TestClient) -> None:
             "code": "method_not_allowed",
         }
     }
+
+
+def test_retrieve_the_served_model_or_404(client: TestClient) -> None:
+    listed = client.get("/v1/models").json()["data"][0]
+    assert client.get(f"/v1/models/{MODEL}").json() == listed
+    response = client.get("/v1/models/org/other-model")
+    assert response.status_code == 404
+    assert response.json()["error"] == {
+        "message": "The model `org/other-model` does not exist or you do not have access to it.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+@pytest.mark.parametrize(
+    ("sent", "echoed"),
+    [("req-42", True), ("a" * 128, True), ("a" * 129, False), ("two words", False)],
+)
+def test_x_request_id_is_echoed_when_usable(client: TestClient, sent: str, echoed: bool) -> None:
+    for response in (
+        client.get("/v1/models", headers={"x-request-id": sent}),
+        client.post("/v1/completions", json={"model": "nope"}, headers={"x-request-id": sent}),
+        client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": sent}),
+    ):
+        got = response.headers["x-request-id"]
+        assert (got == sent) is echoed
+        assert echoed or re.fullmatch(r"[0-9a-f]{32}", got)
+
+
+def test_every_response_gets_its_own_request_id(client: TestClient) -> None:
+    ids = {client.get("/health").headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3

@@ -131,7 +131,8 @@ def _accepted_or_cross_field(case: Any, response: Any) -> None:
     if error["param"] is None and ONE_CONSTRAINT in error["message"]:
         return
     assert (error["param"], error["code"]) in CROSS_FIELD_RULES, (
-        f"schema-valid request rejected: {response.status_code} {error}\n{case.body!r}"
+        f"schema-valid request rejected: {response.status_code} {error}\n{case.body!r} "
+        f"{response.request.url!r}"
     )
 
 
