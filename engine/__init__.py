@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, SampleLogprobs, TokenLogprob
 from engine.prefix_loader import PrefixBudgetError
 from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
-from engine.registry_file import PrefixSpec, RegistryFileError, load_prefix_file
+from engine.registry_file import PrefixContract, PrefixSpec, RegistryFileError, load_prefix_file
 from engine.request import EngineRequest
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
 from engine.stats import EngineStats, PrefixInfo
@@ -38,6 +38,7 @@ __all__ = [
     "MatchReport",
     "ModelLoadError",
     "PrefixBudgetError",
+    "PrefixContract",
     "PrefixInfo",
     "PrefixRegistry",
     "PrefixSpec",

@@ -32,6 +32,7 @@ from engine.errors import EngineDeadError, EngineError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.registry import MatchReport, ReloadStatus
+from engine.registry_file import PrefixContract
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -111,6 +112,10 @@ class AsyncEngine:
     ) -> EngineRequest:
         """Validate once (typed errors, before any response has started); see LLMEngine."""
         return self.engine.prepare_request(prompt_token_ids, params, cache_salt)
+
+    def prefix_contract(self, prompt_token_ids: list[int]) -> PrefixContract | None:
+        """The output contract of the registry entry this prompt starts with; see LLMEngine."""
+        return self.engine.prefix_contract(prompt_token_ids)
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(

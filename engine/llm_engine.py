@@ -26,7 +26,12 @@ from engine.model_setup import LoadedModel, load_model
 from engine.outputs import RequestOutput, SampleLogprobs
 from engine.prefix_loader import PrefixLoader
 from engine.registry import PrefixRegistry, ReloadStatus
-from engine.registry_file import PrefixSpec, RegistryFileError, parse_prefix_bytes
+from engine.registry_file import (
+    PrefixContract,
+    PrefixSpec,
+    RegistryFileError,
+    parse_prefix_bytes,
+)
 from engine.request import EngineRequest
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import make_generator
@@ -139,7 +144,34 @@ class LLMEngine:
             self._prefix_file_digest = self._settling_digest = None
             raise RegistryFileError(path, [f"cannot read the file: {exc}"]) from exc
         self._prefix_file_digest = self._settling_digest = _digest(content)
-        return parse_prefix_bytes(content, path, self.tokenizer, self.max_model_len)
+        specs = parse_prefix_bytes(content, path, self.tokenizer, self.max_model_len)
+        self._compile_contracts(specs, path)
+        return specs
+
+    def _compile_contracts(self, specs: list[PrefixSpec], path: Path) -> None:
+        """Each entry's response_format must compile now: a bad schema fails the file (old
+        registry kept), not the first request that hits the entry."""
+        problems = []
+        for spec in specs:
+            if spec.contract.grammar is None:
+                continue
+            try:
+                self.grammars.compile(spec.contract.grammar)
+            except InvalidRequestError as exc:
+                problems.append(f"entry '{spec.name}' field 'response_format': {exc.message}")
+        if problems:
+            raise RegistryFileError(path, problems)
+
+    def prefix_contract(self, token_ids: list[int]) -> PrefixContract | None:
+        """The contract of the longest accepted prefixes-file entry that `token_ids` start
+        with (caching on or off). Thread-safe: reads the loader's current list."""
+        matches = [
+            spec
+            for spec in self.prefixes.specs
+            if tuple(token_ids[: spec.num_tokens]) == spec.token_ids
+        ]
+        best = max(matches, key=lambda spec: spec.num_tokens, default=None)
+        return best.contract if best is not None else None
 
     def _load_prefix_file_at_start(self, path: Path) -> None:
         """Load, fill and pin every prefix before serving; a bad file fails the start."""

@@ -14,11 +14,18 @@ prefixes:
       - {role: system, content: "..."}
   - name: raw-doc
     text: "..."                  # ... or a raw completion prefix (exactly one of the two)
+    response_format:             # optional: the output contract of requests that hit it,
+      type: json_schema          #   as in the API (json_object, or json_schema with a schema)
+      json_schema: {name: label, schema: {...}}
+    defaults: {temperature: 0, max_tokens: 16, stop: ["\n"]}   # optional
 ```
+A request that hits an entry and does not set a field itself gets the entry's: its own
+fields win (a request's `response_format: {type: text}` turns the entry's format off).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -29,6 +36,7 @@ import yaml
 
 from engine.chat import chat_prompt_ids, text_prompt_ids
 from engine.errors import EngineError, InvalidRequestError
+from engine.sampling_params import MAX_STOP_STRINGS, GrammarSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +55,10 @@ PROBE_TEXT_SUFFIXES = ("Hello", " Hello", "the", " the", "\nWhich way? 1 2 3", "
 
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 _TOP_LEVEL_KEYS = ("version", "prefixes")
-_ENTRY_KEYS = ("name", "description", "messages", "text")
+_ENTRY_KEYS = ("name", "description", "messages", "text", "response_format", "defaults")
+_FORMAT_KEYS = ("type", "json_schema")
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+_DEFAULT_KEYS = ("temperature", "max_tokens", "stop")
 _MESSAGE_KEYS = ("role", "content")
 _UNSTABLE_TEMPLATE = (
     "the chat template does not render this prefix stably: the messages rendered alone and "
@@ -76,6 +87,19 @@ class RegistryFileError(EngineError):
 
 
 @dataclass(frozen=True)
+class PrefixContract:
+    """What an entry declares for the requests that hit it; each field is a default that the
+    request's own field overrides. `response_format` is the entry's format as JSON text (what
+    the admin API shows); `grammar` is what it constrains (compiled when the file loads)."""
+
+    response_format: str | None = None
+    grammar: GrammarSpec | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class PrefixSpec:
     """One validated entry of the prefixes file and the token ids the registry pins for it.
 
@@ -90,6 +114,7 @@ class PrefixSpec:
     messages: Messages
     text: str
     token_ids: tuple[int, ...]
+    contract: PrefixContract = PrefixContract()
 
     def __post_init__(self) -> None:
         if not _is_valid_name(self.name):
@@ -115,6 +140,7 @@ class _Entry:
     kind: str
     messages: Messages
     text: str
+    contract: PrefixContract
 
 
 def load_prefix_file(
@@ -305,10 +331,11 @@ def _check_entry(index: int, raw: object, problems: list[str]) -> _Entry | None:
     _check_unknown_keys(label, raw, _ENTRY_KEYS, problems)
     description = _check_description(label, raw, problems)
     body = _check_body(label, raw, problems)
+    contract = _check_contract(label, raw, problems)
     if len(problems) > num_problems or name is None or body is None:
         return None
     kind, messages, text = body
-    return _Entry(name, description, kind, messages, text)
+    return _Entry(name, description, kind, messages, text, contract)
 
 
 def _check_string(where: str, value: object, problems: list[str]) -> str | None:
@@ -407,6 +434,88 @@ def _check_role(where: str, message: dict[Any, Any], problems: list[str]) -> str
     return None
 
 
+# --- the output contract ---------------------------------------------------------------------
+
+
+def _check_contract(label: str, raw: dict[Any, Any], problems: list[str]) -> PrefixContract:
+    """The entry's `response_format` and `defaults` (an empty contract when it has none)."""
+    response_format, grammar = None, None
+    if "response_format" in raw:
+        grammar = _check_response_format(_at(label, "response_format"), raw, problems)
+        response_format = json.dumps(raw["response_format"]) if grammar is not None else None
+    defaults = raw.get("defaults", {})
+    where = _at(label, "defaults")
+    if not isinstance(defaults, dict):
+        problems.append(f"{where}: must be a mapping, got {_type_name(defaults)}")
+        defaults = {}
+    _check_unknown_keys(where, defaults, _DEFAULT_KEYS, problems)
+    return PrefixContract(
+        response_format=response_format,
+        grammar=grammar,
+        temperature=_check_temperature(f"{where}.temperature", defaults, problems),
+        max_tokens=_check_max_tokens(f"{where}.max_tokens", defaults, problems),
+        stop=_check_stop(f"{where}.stop", defaults, problems),
+    )
+
+
+def _check_response_format(
+    where: str, raw: dict[Any, Any], problems: list[str]
+) -> GrammarSpec | None:
+    value = raw["response_format"]
+    if not isinstance(value, dict):
+        problems.append(f"{where}: must be a mapping, got {_type_name(value)}")
+        return None
+    _check_unknown_keys(where, value, _FORMAT_KEYS, problems)
+    kind = value.get("type")
+    if kind == "json_object":
+        return GrammarSpec.json_schema(None)
+    if kind != "json_schema":
+        problems.append(f"{where}.type: must be json_object or json_schema, got {kind!r}")
+        return None
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        problems.append(f"{where}.json_schema: must be a mapping with a 'schema' mapping")
+        return None
+    _check_unknown_keys(f"{where}.json_schema", spec, _JSON_SCHEMA_KEYS, problems)
+    return GrammarSpec.json_schema(spec["schema"])
+
+
+def _check_temperature(where: str, defaults: dict[Any, Any], problems: list[str]) -> float | None:
+    value = defaults.get("temperature")
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 <= value <= 2:
+        problems.append(f"{where}: must be a number in [0, 2], got {value!r}")
+        return None
+    return float(value)
+
+
+def _check_max_tokens(where: str, defaults: dict[Any, Any], problems: list[str]) -> int | None:
+    value = defaults.get("max_tokens")
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        problems.append(f"{where}: must be a positive integer, got {value!r}")
+        return None
+    return value
+
+
+def _check_stop(
+    where: str, defaults: dict[Any, Any], problems: list[str]
+) -> tuple[str, ...] | None:
+    value = defaults.get("stop")
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        problems.append(f"{where}: must be a non-empty string or a list of them, got {value!r}")
+        return None
+    if len(stops) > MAX_STOP_STRINGS:
+        problems.append(f"{where}: at most {MAX_STOP_STRINGS} stop strings")
+        return None
+    return tuple(stops)
+
+
 # --- rendering --------------------------------------------------------------------------------
 
 
@@ -432,7 +541,13 @@ def _render(
         )
     else:
         return PrefixSpec(
-            entry.name, entry.description, entry.kind, entry.messages, entry.text, tuple(ids)
+            entry.name,
+            entry.description,
+            entry.kind,
+            entry.messages,
+            entry.text,
+            tuple(ids),
+            entry.contract,
         )
     return None
 

@@ -7,10 +7,11 @@ snapshot is at worst one step stale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.kv_cache import BlockPool
 from engine.registry import PrefixRegistry
+from engine.registry_file import PrefixContract
 from engine.scheduler import Scheduler
 
 
@@ -25,6 +26,7 @@ class PrefixInfo:
     num_hits: int
     num_cached_tokens: int
     last_hit_time: float | None
+    contract: PrefixContract = field(default_factory=PrefixContract)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ def snapshot(
                 num_hits=p.stats.num_hits,
                 num_cached_tokens=p.stats.num_cached_tokens,
                 last_hit_time=p.stats.last_hit_time,
+                contract=p.spec.contract,
             )
             for p in registry.prefixes.values()
         ),

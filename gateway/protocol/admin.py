@@ -3,9 +3,17 @@ serialise through them and the OpenAPI document describes exactly what they send
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
+
+
+class PrefixDefaults(BaseModel):
+    """Sampling defaults an entry gives the requests that hit it (null: not set)."""
+
+    temperature: float | None
+    max_tokens: int | None
+    stop: list[str] | None
 
 
 class PrefixCard(BaseModel):
@@ -18,6 +26,8 @@ class PrefixCard(BaseModel):
     hits: int
     cached_tokens: int
     last_hit: float | None
+    response_format: dict[str, Any] | None  # as in the file, compiled at load
+    defaults: PrefixDefaults
 
 
 class ReloadState(BaseModel):

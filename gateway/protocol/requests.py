@@ -16,7 +16,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
+from engine import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, PrefixContract, SamplingParams
 from gateway.protocol.common import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_N,
@@ -297,15 +297,27 @@ class GenerationRequest(RequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, contract: PrefixContract | None
+    ) -> SamplingParams:
+        """`contract`: the registry entry the prompt hit; its fields fill what the request
+        left unset (its own format, `response_format: text` included, wins)."""
+        contract = contract or PrefixContract()
+        constraints = self.constraints()
+        if constraints:
+            grammar: GrammarSpec | None = constraints[0][1]
+        else:
+            grammar = None if self.sets_own_format else contract.grammar
+        temperature = self.temperature if self.temperature is not None else contract.temperature
+        stop = self.stop if self.stop is not None else contract.stop
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
             seed=self.seed,
-            stop=tuple(self.stop or ()),
+            stop=tuple(stop or ()),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -314,8 +326,13 @@ class GenerationRequest(RequestModel):
             ),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            grammar=self.constraints()[0][1] if self.constraints() else None,
+            grammar=grammar,
         )
+
+    @property
+    def sets_own_format(self) -> bool:
+        """The request states its output format itself (even as plain text)."""
+        return bool(self.constraints())
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -396,11 +413,23 @@ class ChatCompletionRequest(GenerationRequest):
         own = [("response_format", spec)] if spec is not None else []
         return own + super().constraints()
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """`max_completion_tokens` wins over `max_tokens`; neither set -> `default_max_tokens`."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+    @property
+    def sets_own_format(self) -> bool:
+        return self.response_format is not None or super().sets_own_format
+
+    def to_sampling_params(
+        self, default_max_tokens: int | None, contract: PrefixContract | None = None
+    ) -> SamplingParams:
+        """`max_completion_tokens` wins over `max_tokens`, then the hit entry's `max_tokens`,
+        then `default_max_tokens`, which also caps the entry's (what the context has left)."""
+        entry_max = contract.max_tokens if contract is not None else None
+        if entry_max is not None and default_max_tokens is not None:
+            entry_max = min(entry_max, default_max_tokens)
+        max_tokens = (
+            self.max_completion_tokens or self.max_tokens or entry_max or default_max_tokens
+        )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, contract)
 
 
 def _check_prompt(value: Any) -> Any:
@@ -492,7 +521,9 @@ class CompletionRequest(GenerationRequest):
             return [prompt]
         return prompt
 
-    def to_sampling_params(self) -> SamplingParams:
-        """`max_tokens` absent or null: OpenAI's default, COMPLETION_DEFAULT_MAX_TOKENS."""
-        max_tokens = self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        return self._sampling_params(max_tokens, self.logprobs)
+    def to_sampling_params(self, contract: PrefixContract | None = None) -> SamplingParams:
+        """`max_tokens` absent or null: the hit entry's, else OpenAI's default (16)."""
+        entry_max = contract.max_tokens if contract is not None else None
+        own_max = self.max_tokens if "max_tokens" in self.model_fields_set else None
+        max_tokens = own_max or entry_max or COMPLETION_DEFAULT_MAX_TOKENS
+        return self._sampling_params(max_tokens, self.logprobs, contract)

@@ -58,9 +58,10 @@ def _prepare(
     whichever is less: never the whole context by accident, for n choices at once."""
     prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages())
     room = max(engine.max_model_len - len(prompt_ids), 1)
-    params = body.to_sampling_params(default_max_tokens=min(default_max_tokens, room))
+    contract = engine.prefix_contract(prompt_ids)
+    params = body.to_sampling_params(min(default_max_tokens, room), contract)
     [prepared] = prepare_requests(
-        engine, [prompt_ids], params, "messages", body.cache_salt, body.grammar_field
+        engine, [prompt_ids], lambda _: params, "messages", body.cache_salt, body.grammar_field
     )
     return prepared
 

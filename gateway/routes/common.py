@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,13 +35,14 @@ T = TypeVar("T")
 def prepare_requests(
     engine: AsyncEngine,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params_for: Callable[[list[int]], SamplingParams],
     field: str,
     cache_salt: str | None,
     grammar_field: str = "response_format",
 ) -> list[EngineRequest]:
     """One validated EngineRequest per prompt (each distinct prompt validated once), before
-    any response starts. The engine calls the prompt "prompt" and a structured output
+    any response starts; `params_for(prompt)` gives its parameters (they may depend on the
+    registry entry it hits). The engine calls the prompt "prompt" and a structured output
     constraint "grammar"; the error names the field this route read it from ("messages" or
     "prompt"; "response_format", "guided_json", ...). Runs in the worker pool."""
     prepared: dict[tuple[int, ...], EngineRequest] = {}
@@ -49,7 +50,7 @@ def prepare_requests(
         for prompt in prompts:
             key = tuple(prompt)
             if key not in prepared:
-                prepared[key] = engine.prepare_request(prompt, params, cache_salt)
+                prepared[key] = engine.prepare_request(prompt, params_for(prompt), cache_salt)
     except InvalidRequestError as exc:
         exc.param = {"prompt": field, "grammar": grammar_field}.get(exc.param or "", exc.param)
         raise

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import AsyncEngine, EngineRequest, text_prompt_ids
+from engine import AsyncEngine, EngineRequest, SamplingParams, text_prompt_ids
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.generation import Job, fan_out
 from gateway.logprobs import completion_logprobs
@@ -55,8 +55,13 @@ def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest
     prompts = [
         p if isinstance(p, list) else text_prompt_ids(engine.tokenizer, p) for p in body.prompts()
     ]
-    params = body.to_sampling_params()
-    return prepare_requests(engine, prompts, params, "prompt", body.cache_salt, body.grammar_field)
+
+    def params_for(prompt: list[int]) -> SamplingParams:
+        return body.to_sampling_params(engine.prefix_contract(prompt))
+
+    return prepare_requests(
+        engine, prompts, params_for, "prompt", body.cache_salt, body.grammar_field
+    )
 
 
 async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:

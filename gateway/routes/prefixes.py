@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -16,6 +17,7 @@ from gateway.protocol.admin import (
     Divergence,
     MatchResponse,
     PrefixCard,
+    PrefixDefaults,
     PrefixList,
     ReloadResponse,
     ReloadState,
@@ -39,6 +41,14 @@ async def list_prefixes(request: Request) -> Response:
                 hits=p.num_hits,
                 cached_tokens=p.num_cached_tokens,
                 last_hit=p.last_hit_time,
+                response_format=(
+                    json.loads(p.contract.response_format) if p.contract.response_format else None
+                ),
+                defaults=PrefixDefaults(
+                    temperature=p.contract.temperature,
+                    max_tokens=p.contract.max_tokens,
+                    stop=list(p.contract.stop) if p.contract.stop is not None else None,
+                ),
             )
             for p in stats.prefixes
         ],
@@ -93,7 +103,7 @@ def _prompt_ids(engine: AsyncEngine, raw: bytes) -> list[int]:
         first = request.prompts()[0]
         field = "prompt"
         ids = first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
-    prepare_requests(engine, [ids], SamplingParams(max_tokens=1), field, None)
+    prepare_requests(engine, [ids], lambda _: SamplingParams(max_tokens=1), field, None)
     return ids
 
 

@@ -490,3 +490,42 @@ def test_concurrent_reloads_coalesce_and_all_succeed(
     assert len(statuses) == 4 and all(s.ok and s.num_prefixes == 1 for s in statuses)
     assert sorted(engine.registry.prefixes) == ["doc"]
     _assert_idle(engine)
+
+
+def test_a_contract_that_does_not_compile_fails_the_file(
+    tiny_llama_path: Path, prefix_file: Path
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file)
+    before = dict(engine.registry.prefixes)
+    bad = DOC_ENTRY + (
+        "    response_format:\n      type: json_schema\n"
+        "      json_schema: {name: x, schema: {type: strin}}\n"
+    )
+    prefix_file.write_text(_yaml(SYS_ENTRY + bad))
+    statuses: list[Any] = []
+    engine.reload_prefix_file(statuses.append)
+    assert engine.registry.prefixes == before
+    [status] = statuses
+    assert status.ok is False
+    assert "entry 'doc' field 'response_format': invalid JSON schema: " in (status.error or "")
+
+
+def test_a_new_contract_on_unchanged_ids_is_served_without_a_refill(
+    tiny_llama_path: Path, prefix_file: Path, tiny_tokenizer: Any
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file)
+    blocks = list(engine.registry.prefixes["doc"].block_ids)
+    start = engine.runner.num_forward_tokens
+    prefix_file.write_text(
+        _yaml(SYS_ENTRY + DOC_ENTRY + "    defaults: {temperature: 0.5, max_tokens: 7}\n")
+    )
+    engine.reload_prefix_file()
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert engine.runner.num_forward_tokens == start  # nothing was filled again
+    assert engine.registry.prefixes["doc"].block_ids == blocks
+    assert engine.registry.prefixes["doc"].spec.contract.max_tokens == 7
+    contract = engine.prefix_contract(text_prompt_ids(tiny_tokenizer, DOC + " and more"))
+    assert contract is not None and (contract.temperature, contract.max_tokens) == (0.5, 7)
+    assert engine.prefix_contract(text_prompt_ids(tiny_tokenizer, "unrelated")) is None
+    _assert_idle(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,13 @@ from transformers import PreTrainedTokenizerBase
 from engine.chat import chat_prompt_ids, text_prompt_ids
 from engine.loader import ModelSource, load_tokenizer
 from engine.registry_file import (
+    PrefixContract,
     PrefixSpec,
     RegistryFileError,
     load_prefix_file,
     parse_prefix_text,
 )
+from engine.sampling_params import GrammarSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
@@ -228,7 +231,10 @@ BAD_FILES = [
     pytest.param(
         _entry("name: a\ntext: x\nprompt: y"),
         256,
-        ["entry 'a': unknown field 'prompt' (allowed: name, description, messages, text)"],
+        [
+            "entry 'a': unknown field 'prompt' (allowed: name, description, messages, text, "
+            "response_format, defaults)"
+        ],
         id="entry_unknown_key",
     ),
     pytest.param(
@@ -540,3 +546,75 @@ def test_text_prefix_drops_a_last_token_that_merges_with_continuations(
     for continuation in ("Hello", "and more", "\nNext"):
         ids = text_prompt_ids(tiny_tokenizer, text + continuation)
         assert ids[: len(spec.token_ids)] == list(spec.token_ids)
+
+
+# --- the output contract ------------------------------------------------------------------
+
+CONTRACT_ENTRY = """\
+name: labels
+text: "Classify:"
+response_format:
+  type: json_schema
+  json_schema:
+    name: label
+    strict: true
+    schema: {type: object, properties: {label: {enum: [a, b]}}, required: [label]}
+defaults: {temperature: 0, max_tokens: 12, stop: ["\\n", "END"]}
+"""
+
+
+def test_an_entry_declares_its_output_contract(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    [spec] = parse_prefix_text(
+        _entry(CONTRACT_ENTRY), Path("p.yaml"), tiny_tokenizer, MAX_MODEL_LEN
+    )
+    schema = {
+        "type": "object",
+        "properties": {"label": {"enum": ["a", "b"]}},
+        "required": ["label"],
+    }
+    assert spec.contract == PrefixContract(
+        response_format=json.dumps(
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "label", "strict": True, "schema": schema},
+            }
+        ),
+        grammar=GrammarSpec.json_schema(schema),
+        temperature=0.0,
+        max_tokens=12,
+        stop=("\n", "END"),
+    )
+
+
+def test_an_entry_without_a_contract_has_an_empty_one(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    [spec] = parse_prefix_text(_entry("name: t\ntext: hi"), Path("p.yaml"), tiny_tokenizer, 64)
+    assert spec.contract == PrefixContract()
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        ("response_format: json", "field 'response_format': must be a mapping, got a string"),
+        (
+            "response_format: {type: xml}",
+            "field 'response_format'.type: must be json_object or json_schema, got 'xml'",
+        ),
+        (
+            "response_format: {type: json_schema, json_schema: {name: x}}",
+            "field 'response_format'.json_schema: must be a mapping with a 'schema' mapping",
+        ),
+        ("defaults: [1]", "field 'defaults': must be a mapping, got a list"),
+        ("defaults: {temperature: 3}", "field 'defaults'.temperature: must be a number in [0, 2]"),
+        ("defaults: {max_tokens: 0}", "field 'defaults'.max_tokens: must be a positive integer"),
+        ('defaults: {stop: [""]}', "field 'defaults'.stop: must be a non-empty string or a list"),
+        ("defaults: {top_k: 3}", "field 'defaults': unknown field 'top_k'"),
+    ],
+)
+def test_a_bad_contract_names_entry_and_field(
+    tiny_tokenizer: PreTrainedTokenizerBase, extra: str, problem: str
+) -> None:
+    with pytest.raises(RegistryFileError) as raised:
+        parse_prefix_text(_entry(f"name: t\ntext: hi\n{extra}"), Path("p.yaml"), tiny_tokenizer, 64)
+    assert f"entry 't' {problem}" in str(raised.value)

@@ -154,3 +154,84 @@ def test_a_grammar_that_cannot_compile_is_400_naming_its_field(
     status, got_param, got_message = _error(client, route, {**base, **fields})
     assert (status, got_param) == (400, param)
     assert got_message.startswith(message) and len(got_message) > len(message) + 3
+
+
+# --- a registry entry's output contract ------------------------------------------------------
+
+CONTRACT_FILE = """\
+version: 1
+prefixes:
+  - name: labels
+    text: "Classify the ticket. Label:"
+    response_format:
+      type: json_schema
+      json_schema:
+        name: ticket
+        schema:
+          type: object
+          properties: {intent: {enum: [billing, refund, other]}, urgent: {type: boolean}}
+          required: [intent, urgent]
+          additionalProperties: false
+    defaults: {temperature: 0, max_tokens: 40}
+"""
+LABEL_PROMPT = "Classify the ticket. Label: my card was charged twice"
+
+
+@pytest.fixture(scope="module")
+def contract_client(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    prefixes = tmp_path_factory.mktemp("contract") / "prefixes.yaml"
+    prefixes.write_text(CONTRACT_FILE)
+    config = EngineConfig(
+        model=str(tiny_llama_path),
+        block_size=4,
+        num_kv_blocks=512,
+        max_model_len=256,
+        prefix_file=str(prefixes),
+    )
+    app = create_app(
+        GatewayConfig(engine=config), engine=AsyncEngine(config, engine=LLMEngine(config))
+    )
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def _complete(client: TestClient, **fields: Any) -> dict[str, Any]:
+    response = client.post("/v1/completions", json={"model": MODEL, **fields})
+    assert response.status_code == 200, response.text
+    choice: dict[str, Any] = response.json()["choices"][0]
+    return choice
+
+
+def test_a_request_that_hits_the_entry_gets_its_contract(contract_client: TestClient) -> None:
+    # No temperature, max_tokens or format of its own: the entry's greedy JSON, 40 tokens max.
+    hit = _complete(contract_client, prompt=LABEL_PROMPT)
+    jsonschema.validate(json.loads(hit["text"]), SCHEMA)
+    explicit = _complete(
+        contract_client,
+        prompt=LABEL_PROMPT,
+        temperature=0,
+        max_tokens=40,
+        guided_json=SCHEMA,
+    )
+    assert hit["text"] == explicit["text"]
+
+
+def test_the_requests_own_fields_win(contract_client: TestClient) -> None:
+    own = _complete(contract_client, prompt=LABEL_PROMPT, guided_choice=["yes", "no"])
+    assert own["text"] in ("yes", "no")
+    free = _complete(contract_client, prompt=LABEL_PROMPT, max_tokens=5, ignore_eos=True)
+    assert free["finish_reason"] == "length"  # the entry's grammar still applies...
+    assert free["text"].startswith("{")  # ...but its max_tokens gave way to the request's
+
+
+def test_a_prompt_that_misses_the_entry_is_free(contract_client: TestClient) -> None:
+    miss = _complete(contract_client, prompt="Something else", max_tokens=6, ignore_eos=True)
+    assert miss["finish_reason"] == "length"
+    assert not miss["text"].startswith("{")
+
+
+def test_the_admin_api_shows_the_contract(contract_client: TestClient) -> None:
+    [card] = contract_client.get("/v1/prefixes").json()["data"]
+    assert card["response_format"]["type"] == "json_schema"
+    assert card["response_format"]["json_schema"]["schema"] == SCHEMA
+    assert card["defaults"] == {"temperature": 0.0, "max_tokens": 40, "stop": None}
