@@ -26,15 +26,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
-from engine.loader import ModelSource
 from tests.gateway.server_harness import (
     HTTP_TIMEOUT,
-    REAL_READY_TIMEOUT,
-    REPO_ROOT,
     Reference,
     Server,
     ServerFactory,
@@ -898,75 +894,3 @@ def _health_seconds(client: httpx.Client) -> float:
     start = time.perf_counter()
     assert client.get("/health").status_code == 200
     return time.perf_counter() - start
-
-
-# -- the real default model (e2e) --------------------------------------------------------------
-
-SHIPPED_PREFIXES = REPO_ROOT / "prefixes.yaml"
-CUSTOMER = "I was billed twice this month, please refund me."
-
-
-@pytest.fixture(scope="module")
-def real_server(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
-    return servers(
-        "--prefixes", str(SHIPPED_PREFIXES), ready_timeout=REAL_READY_TIMEOUT, name="real"
-    )
-
-
-@pytest.fixture(scope="module")
-def real_server_no_cache(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
-    return servers(
-        "--prefixes",
-        str(SHIPPED_PREFIXES),
-        "--no-prefix-cache",
-        ready_timeout=REAL_READY_TIMEOUT,
-        name="real-no-cache",
-    )
-
-
-def _intent_request(server: Server) -> tuple[str, int, int]:
-    spec = yaml.safe_load(SHIPPED_PREFIXES.read_text())
-    [entry] = [p for p in spec["prefixes"] if p["name"] == "intent-classifier"]
-    messages = [*entry["messages"], {"role": "user", "content": CUSTOMER}]
-    with openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        model = client.models.list().data[0].id
-        completion = client.chat.completions.create(
-            model=model, messages=messages, temperature=0, max_tokens=16
-        )
-    usage = completion.usage
-    assert usage is not None and usage.prompt_tokens_details is not None
-    content = completion.choices[0].message.content
-    assert content is not None
-    return content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
-
-
-@pytest.mark.e2e
-def test_real_model_registry_hit_and_no_prefix_cache(
-    real_server: Server, real_server_no_cache: Server
-) -> None:
-    prefix_tokens = _prefix_tokens(real_server, "intent-classifier")
-    assert prefix_tokens > 0
-    content, num_prompt, cached = _intent_request(real_server)
-    assert cached == prefix_tokens
-    plain_content, plain_num_prompt, plain_cached = _intent_request(real_server_no_cache)
-    assert plain_cached == 0
-    assert (plain_content, plain_num_prompt) == (content, num_prompt)
-    assert content
-
-
-@pytest.mark.e2e
-def test_real_model_knows_the_capital_of_france(real_server: Server) -> None:
-    with openai.OpenAI(
-        base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        model = client.models.list().data[0].id
-        completion = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": QUESTION}],
-            temperature=0,
-            max_tokens=32,
-        )
-    content = completion.choices[0].message.content
-    assert content is not None and "Paris" in content

@@ -1,0 +1,227 @@
+"""A real `prefixgate serve` on the default model with the shipped prefixes.yaml, driven by the
+official openai SDK: registry hits, structured outputs (`parse` with pydantic models, strict
+JSON schemas, streams) and the intent-classifier entry's declared output contract."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Literal, get_args
+
+import openai
+import pytest
+import yaml
+from pydantic import BaseModel, Field
+
+from engine.loader import ModelSource
+from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
+
+pytestmark = pytest.mark.e2e
+
+SHIPPED_PREFIXES = REPO_ROOT / "prefixes.yaml"
+CUSTOMER = "I was billed twice this month, please refund me."
+QUESTION = "What is the capital of France?"
+
+
+class Intent(BaseModel):
+    intent: Literal[
+        "account_access",
+        "password_reset",
+        "billing_question",
+        "refund_request",
+        "cancel_subscription",
+        "change_plan",
+        "storage_full",
+        "sync_problem",
+        "file_recovery",
+        "sharing_permissions",
+        "security_concern",
+        "data_export",
+        "app_installation",
+        "performance",
+        "feature_request",
+        "complaint",
+        "human_agent",
+        "other",
+    ]
+
+
+LABELS = get_args(Intent.model_fields["intent"].annotation)
+
+
+class Pet(BaseModel):
+    species: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=30)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    pets: list[Pet] = Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+    factory = ServerFactory(tmp_path_factory.mktemp("real-server-logs"))
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def real_server(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
+    return servers(
+        "--prefixes", str(SHIPPED_PREFIXES), ready_timeout=REAL_READY_TIMEOUT, name="real"
+    )
+
+
+@pytest.fixture(scope="module")
+def real_server_no_cache(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
+    return servers(
+        "--prefixes",
+        str(SHIPPED_PREFIXES),
+        "--no-prefix-cache",
+        ready_timeout=REAL_READY_TIMEOUT,
+        name="real-no-cache",
+    )
+
+
+@pytest.fixture
+def sdk(real_server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        yield client
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _intent_messages(customer: str = CUSTOMER) -> list[Any]:
+    spec = yaml.safe_load(SHIPPED_PREFIXES.read_text())
+    [entry] = [p for p in spec["prefixes"] if p["name"] == "intent-classifier"]
+    return [*entry["messages"], {"role": "user", "content": customer}]
+
+
+def _prefix_tokens(server: Server, name: str) -> int:
+    [tokens] = [p["tokens"] for p in server.get_json("/v1/prefixes")["data"] if p["name"] == name]
+    assert isinstance(tokens, int)
+    return tokens
+
+
+def _intent_request(server: Server) -> tuple[str, int, int]:
+    with openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        completion = client.chat.completions.create(
+            model=_model(client), messages=_intent_messages(), temperature=0, max_tokens=16
+        )
+    usage = completion.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    content = completion.choices[0].message.content
+    assert content is not None
+    return content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_registry_hit_and_no_prefix_cache(
+    real_server: Server, real_server_no_cache: Server
+) -> None:
+    prefix_tokens = _prefix_tokens(real_server, "intent-classifier")
+    assert prefix_tokens > 0
+    content, num_prompt, cached = _intent_request(real_server)
+    assert cached == prefix_tokens
+    plain_content, plain_num_prompt, plain_cached = _intent_request(real_server_no_cache)
+    assert plain_cached == 0
+    assert (plain_content, plain_num_prompt) == (content, num_prompt)
+    assert content
+
+
+def test_knows_the_capital_of_france(sdk: openai.OpenAI) -> None:
+    completion = sdk.chat.completions.create(
+        model=_model(sdk),
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=32,
+    )
+    content = completion.choices[0].message.content
+    assert content is not None and "Paris" in content
+
+
+def test_the_intent_entry_answers_one_label_as_json_by_default(sdk: openai.OpenAI) -> None:
+    """No response_format, no max_tokens, no temperature: the entry's contract applies."""
+    completion = sdk.chat.completions.create(model=_model(sdk), messages=_intent_messages())
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content is not None
+    answer = json.loads(choice.message.content)
+    assert list(answer) == ["intent"] and answer["intent"] in LABELS
+    assert completion.usage is not None and completion.usage.completion_tokens <= 24
+
+
+def test_parse_with_a_pydantic_model(sdk: openai.OpenAI, real_server: Server) -> None:
+    completion = sdk.chat.completions.parse(
+        model=_model(sdk),
+        messages=_intent_messages("The app crashes every time I open my photos."),
+        response_format=Intent,
+        temperature=0,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Intent)
+    usage = completion.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == _prefix_tokens(
+        real_server, "intent-classifier"
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_parse_a_nested_strict_schema(sdk: openai.OpenAI, temperature: float) -> None:
+    completion = sdk.chat.completions.parse(
+        model=_model(sdk),
+        messages=[{"role": "user", "content": "Invent a person who has one pet."}],
+        response_format=Person,
+        temperature=temperature,
+        seed=7,
+        max_tokens=200,
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(completion.choices[0].message.parsed, Person)
+
+
+def test_a_stream_spells_the_same_json(sdk: openai.OpenAI) -> None:
+    schema_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True},
+    }
+    messages: Any = [{"role": "user", "content": "Invent a person."}]
+    whole = sdk.chat.completions.create(
+        model=_model(sdk),
+        messages=messages,
+        response_format=schema_format,
+        temperature=0,
+        max_tokens=200,
+    )
+    stream = sdk.chat.completions.create(
+        model=_model(sdk),
+        messages=messages,
+        response_format=schema_format,
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == whole.choices[0].message.content
+    Person.model_validate_json(streamed)
+
+
+def test_a_schema_that_cannot_compile_is_a_bad_request(sdk: openai.OpenAI) -> None:
+    bad: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "strin"}, "strict": True},
+    }
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.chat.completions.create(
+            model=_model(sdk), messages=[{"role": "user", "content": "hi"}], response_format=bad
+        )
+    assert raised.value.param == "response_format"
+    assert "invalid JSON schema" in raised.value.message

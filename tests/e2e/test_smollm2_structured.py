@@ -1,0 +1,97 @@
+"""Structured outputs on the real default model: 100 generated JSON schemas (nested objects,
+arrays, enums, bounded numbers, optional fields, anyOf), greedy, in one continuous batch;
+every output must end by itself and validate against its schema."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import pytest
+
+from engine import EngineConfig, GrammarSpec, LLMEngine, SamplingParams, chat_prompt_ids
+from engine.loader import ModelSource
+from tests.helpers import assert_all_free
+
+pytestmark = pytest.mark.e2e
+
+NUM_SCHEMAS = 100
+MAX_TOKENS = 320
+WORDS = ["red", "green", "blue", "small", "large", "open", "closed", "north", "south", "cat"]
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """An object schema whose every value is bounded, so a valid answer is always short."""
+    names = rng.sample(["id", "name", "kind", "size", "tags", "owner", "score", "info"], 4)
+    properties = {name: _value(rng, depth) for name in names[: rng.randint(1, 4)]}
+    required = [name for name in properties if rng.random() < 0.7]
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+def _value(rng: random.Random, depth: int) -> dict[str, Any]:
+    kinds = ["string", "enum", "integer", "number", "boolean", "array", "anyOf"]
+    kinds += ["object"] if depth < 2 else []
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "minLength": 1, "maxLength": rng.randint(3, 12)}
+    if kind == "enum":
+        return {"enum": rng.sample(WORDS, rng.randint(2, 4))}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(1, 500)}
+    if kind == "number":
+        return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 10, 100])}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "array":
+        item = rng.choice([{"type": "integer", "minimum": 0, "maximum": 9}, {"enum": WORDS[:3]}])
+        return {"type": "array", "items": item, "minItems": 1, "maxItems": rng.randint(1, 3)}
+    if kind == "anyOf":
+        integer = {"type": "integer", "minimum": 0, "maximum": 999}
+        return {"anyOf": [{"type": "string", "maxLength": 6}, integer]}
+    return random_schema(rng, depth + 1)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_source: ModelSource) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(smollm2_source.path),
+            kv_cache_memory=512 << 20,
+            max_model_len=2048,
+            max_num_seqs=32,
+        )
+    )
+
+
+def test_one_hundred_generated_schemas_all_validate(engine: LLMEngine) -> None:
+    rng = random.Random(20261123)
+    schemas = [random_schema(rng) for _ in range(NUM_SCHEMAS)]
+    for i, schema in enumerate(schemas):
+        question = (
+            f"Reply with one JSON object that matches this JSON schema:\n{json.dumps(schema)}"
+        )
+        prompt = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": question}])
+        params = SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, grammar=GrammarSpec.json_schema(schema)
+        )
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(NUM_SCHEMAS)}
+    finish: dict[str, str | None] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.token_ids
+            finish[output.request_id] = output.finish_reason
+    assert_all_free(engine)
+    texts = [engine.tokenizer.decode(tokens[str(i)], skip_special_tokens=True) for i in range(100)]
+    unfinished = [(i, texts[i]) for i in range(NUM_SCHEMAS) if finish[str(i)] != "stop"]
+    assert unfinished == []
+    for schema, text in zip(schemas, texts, strict=True):
+        jsonschema.validate(json.loads(text), schema)
