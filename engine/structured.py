@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
@@ -128,27 +129,41 @@ class GrammarMasker:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self._num_words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor()
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> None:
         """In place: each row whose matcher is not None keeps only the tokens it allows.
         `logits` is [rows, >= vocab_size]; columns past the tokenizer's vocabulary (padding
         of the LM head) are never allowed."""
-        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        # llguidance.torch is not imported: it runs torch.compile (inductor) at import time.
-        num_words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty((len(rows), num_words), dtype=torch.int32)  # [k, words]
+        blocked = torch.from_numpy(self._blocked([m for m in matchers if m is not None]))
+        if blocked.shape[1] < logits.shape[1]:  # [k, vocab] -> [k, logits width]
+            padding = torch.ones((len(rows), logits.shape[1] - blocked.shape[1]), dtype=torch.bool)
+            blocked = torch.cat([blocked, padding], dim=1)
+        blocked = blocked.to(logits.device)
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(blocked, float("-inf"))
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+
+    def _blocked(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        """[k, vocab_size] bool: True where the row's grammar forbids the token. llguidance
+        writes one bit per token (32-bit words, little-endian as on x86 and ARM) into our
+        buffer, in parallel;
+        unpackbits turns them into bytes in C (a torch shift-and-mask was 10x slower here)."""
+        bitmask = np.empty((len(matchers), self._num_words), dtype=np.int32)  # [k, words]
         self._executor.unsafe_compute_mask_ptr(
-            [(m, k) for k, (m, _) in enumerate(rows)], bitmask.data_ptr(), num_words * 4, len(rows)
+            [(m, k) for k, m in enumerate(matchers)],
+            bitmask.ctypes.data,
+            self._num_words * 4,
+            len(matchers),
         )
-        # [k, words] int32 -> [k, words * 32] allowed flags, one bit per token id
-        allowed = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).flatten(1).bool()
-        index = torch.tensor([i for _, i in rows], device=logits.device)
-        constrained = logits[index]
-        width = min(constrained.shape[1], allowed.shape[1])
-        blocked = torch.ones_like(constrained, dtype=torch.bool)
-        blocked[:, :width] = ~allowed[:, :width].to(logits.device)
-        logits[index] = constrained.masked_fill(blocked, float("-inf"))
+        bits = np.unpackbits(
+            bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little"
+        )
+        blocked: np.ndarray = np.equal(bits, 0)
+        return blocked

@@ -1,23 +1,30 @@
-"""In-process engine benchmark: prefix registry vs caching off on the `intent` workload.
+"""In-process engine benchmark on the seed's intent service.
 
     .venv/bin/python tools/bench_engine.py --workload intent [--dtype bfloat16] [--out r.json]
+    .venv/bin/python tools/bench_engine.py --workload intent-json [--dtype bfloat16]
 
-One run measures, on the same machine and model:
+`intent` measures, on the same machine and model:
   1. sequential TTFT (p50/p95) with the registry, with caching off, and for the suffix alone
      (the user turn as the whole prompt: what an ideal prefix cache would cost);
   2. N requests at concurrency C, both ways: TTFT, latency, output tokens/s.
+`intent-json` runs the same requests with the registry twice: free text (today's `intent`:
+`--max-tokens` tokens) and under the intent-classifier entry's declared contract (its label
+schema, constrained decoding, greedy, the request ends when the JSON does); and the cost of
+the grammar masks per decode step at batch 1 and 32.
 TTFT here is engine time from add_request to the step that returns the first token.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import engine.llm_engine as llm_engine_module
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import chat_prompt_ids
 from engine.registry_file import load_prefix_file
+from engine.structured import GrammarMasker
 from tools.workloads import intent_messages
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,9 +53,11 @@ class Summary:
     latency_p95_ms: float
     output_tokens_per_s: float
     cached_tokens_mean: float
+    output_tokens_mean: float
 
 
 RunResult = tuple[list[float], list[float], int, float, list[int]]
+GrammarTimer = dict[str, float]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -102,6 +113,7 @@ def summarize(
         latency_p95_ms=1000 * _pct(latency, 0.95),
         output_tokens_per_s=num_tokens / wall,
         cached_tokens_mean=statistics.fmean(cached),
+        output_tokens_mean=num_tokens / len(ttft),
     )
 
 
@@ -139,7 +151,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", choices=["intent"], default="intent")
+    parser.add_argument("--workload", choices=["intent", "intent-json"], default="intent")
     parser.add_argument("--model", default=None)
     parser.add_argument("--prefixes", type=Path, default=REPO / "prefixes.yaml")
     parser.add_argument("--prefix-name", default="intent-classifier")
@@ -168,6 +180,8 @@ def main() -> int:
     suffixes = [chat_prompt_ids(tokenizer, c[1:]) for c in conversations]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     seq, conc = prompts[: args.num_sequential], prompts[args.num_sequential :]
+    if args.workload == "intent-json":
+        return _intent_json(args, registry_engine, prompts, params)
 
     results: list[Summary] = []
     _warm(registry_engine, prompts[-1], params)
@@ -200,6 +214,126 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _intent_json(
+    args: argparse.Namespace, engine: LLMEngine, prompts: list[list[int]], free: SamplingParams
+) -> int:
+    """Free text vs the entry's contract on the same prompts, then the masks' per-step cost."""
+    contract = engine.prefix_contract(prompts[0])
+    assert contract is not None and contract.grammar is not None, "the entry declares no format"
+    constrained = SamplingParams(
+        temperature=contract.temperature or 0.0,
+        max_tokens=contract.max_tokens or args.max_tokens,
+        grammar=contract.grammar,
+    )
+    seq, conc = prompts[: args.num_sequential], prompts[args.num_sequential :]
+    results: list[Summary] = []
+    for label, params in (("free text", free), ("label schema", constrained)):
+        _warm(engine, prompts[-1], params)
+        results.append(summarize(f"{label}, sequential", run_requests(engine, seq, params, 1)))
+        results.append(
+            summarize(
+                f"{label}, concurrency {args.concurrency}",
+                run_requests(engine, conc, params, args.concurrency),
+            )
+        )
+    costs = {n: _mask_cost(engine, prompts[:n], constrained) for n in (1, 32)}
+    report = {**_header(args), "results": [asdict(r) for r in results], "mask_cost": costs}
+    print(_json_table(report))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _mask_cost(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, float]:
+    """Decode steps with `len(prompts)` constrained sequences: the step's time and the part
+    spent computing and applying masks and advancing matchers (the grammar's share)."""
+    batch = len(prompts)
+    spent = {"grammar": 0.0}
+    masker_apply = GrammarMasker.apply
+    advance = llm_engine_module._advance
+
+    def timed_apply(self: Any, logits: torch.Tensor, matchers: Any) -> None:
+        start = time.perf_counter()
+        masker_apply(self, logits, matchers)
+        spent["grammar"] += time.perf_counter() - start
+
+    def timed_advance(matcher: Any, token_id: int) -> bool:
+        start = time.perf_counter()
+        done = advance(matcher, token_id)
+        spent["grammar"] += time.perf_counter() - start
+        return done
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"mask-{batch}-{i}", prompt, params)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.num_waiting:
+        engine.step()  # prefills (and the first token)
+    steps, step_time = 0, 0.0
+    with _patched(timed_apply, timed_advance):
+        spent["grammar"] = 0.0
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            step_time += time.perf_counter() - start
+            steps += 1
+    return {
+        "batch": batch,
+        "decode_steps": steps,
+        "step_ms": 1000 * step_time / steps,
+        "grammar_ms_per_step": 1000 * spent["grammar"] / steps,
+        "grammar_share": spent["grammar"] / step_time,
+    }
+
+
+@contextlib.contextmanager
+def _patched(apply: Any, advance: Any) -> Iterator[None]:
+    original = (GrammarMasker.apply, llm_engine_module._advance)
+    GrammarMasker.apply, llm_engine_module._advance = apply, advance  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GrammarMasker.apply, llm_engine_module._advance = original  # type: ignore[method-assign]
+
+
+def _header(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "command": " ".join(sys.argv),
+        "git_revision": _git_revision(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "device": args.device,
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _json_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"# {report['command']}",
+        f"# {report['model']}, {report['device']} {report['dtype']} ({report['cpu_capability']})"
+        f", torch {report['torch']}, {report['threads']} threads, git {report['git_revision']}",
+        "| run | requests | TTFT p50 ms | latency p50 ms | latency p95 ms | output tokens "
+        "| output tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['label']} | {r['num_requests']} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['latency_p50_ms']:.0f} | {r['latency_p95_ms']:.0f} | "
+            f"{r['output_tokens_mean']:.1f} | {r['output_tokens_per_s']:.1f} |"
+        )
+    for cost in report["mask_cost"].values():
+        lines.append(
+            f"\nbatch {cost['batch']}: decode step {cost['step_ms']:.1f} ms, grammar "
+            f"{cost['grammar_ms_per_step']:.2f} ms ({100 * cost['grammar_share']:.1f}%, "
+            "target < 5%)"
+        )
+    return "\n".join(lines)
 
 
 def _report(
