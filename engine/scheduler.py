@@ -18,7 +18,9 @@ confirm a guess of another client's prompt.
 
 When a sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it goes back to the front of the waiting queue to be recomputed
-later (prompt + the tokens it already produced), instead of the engine failing.
+later (prompt + the tokens it already produced), instead of the engine failing. It is
+admitted again only when its whole recompute fits, so it cannot be preempted again before
+it has caught up.
 """
 
 from __future__ import annotations
@@ -175,7 +177,11 @@ class Scheduler:
             return self._admit_duplicate(seq, leaders[key], out)
         match = self._attach_prefix(seq) if self.registry and seq.num_computed_tokens == 0 else None
         num_new = min(seq.num_uncomputed_tokens, budget)
-        if (num_new == 0 and seq.num_uncomputed_tokens > 0) or not self._reserve(seq, num_new):
+        if (
+            (num_new == 0 and seq.num_uncomputed_tokens > 0)
+            or not self._has_room_to_recompute(seq)
+            or not self._reserve(seq, num_new)
+        ):
             self._release_blocks(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
             return None
@@ -186,6 +192,16 @@ class Scheduler:
             leaders[key] = seq
         exact_logits = match.prefix.last_logits if match is not None and num_new == 0 else None
         return ScheduledSequence(seq, num_new, exact_logits)
+
+    def _has_room_to_recompute(self, seq: Sequence) -> bool:
+        """A preempted sequence comes back only when all it must recompute, and its next
+        token, fit in free blocks. Admitted on its first chunk alone, it was preempted again
+        before it caught up, its recompute thrown away (six 256-token requests in 48 blocks:
+        30 preemptions, 5,490 tokens computed for 1,596 needed)."""
+        if seq.num_preemptions == 0:
+            return True
+        needed = num_blocks_for(seq.num_tokens + 1, self.pool.block_size) - len(seq.block_table)
+        return self.pool.can_allocate(max(needed, 0))
 
     def _attach_prefix(self, seq: Sequence) -> PrefixMatch | None:
         """Share the longest matching registry prefix's blocks (its KV is already there)."""

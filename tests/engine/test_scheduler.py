@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import torch
 
+from engine import EngineConfig, LLMEngine
 from engine.kv_cache import BlockPool, KVCacheSpec
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -117,3 +121,45 @@ def test_finish_releases_blocks_of_waiting_and_running_sequences() -> None:
     assert not sched.has_unfinished()
     assert sched.pool.num_free_blocks == sched.pool.num_blocks
     sched.pool.check_integrity()
+
+
+def test_a_preempted_sequence_waits_until_its_whole_recompute_fits() -> None:
+    """r1 was preempted holding 10 tokens: its next chunk (3 tokens, 1 block) fits in the 2
+    free blocks, but its whole recompute plus its next token (3 blocks) does not, and coming
+    back on a chunk alone it would be preempted again before catching up."""
+    sched = _scheduler(num_blocks=5, budget=4)
+    sched.add(_seq(0, 8))
+    for _ in range(2):  # r0's prompt in two chunks of 4; it samples a token
+        _finish_step(sched, sched.schedule())
+    r1 = Sequence("r1", [*range(8), 7, 7], 8, SamplingParams(), 1, num_preemptions=1)
+    sched.add(r1)
+    assert _plan(sched.schedule()) == [("r0", 1)]  # r0 takes its 3rd block; 2 stay free
+    assert sched.pool.num_free_blocks == 2 and r1 in sched.waiting
+    sched.finish(sched.running[0], "stop")
+    assert _plan(sched.schedule()) == [("r1", 4)]  # now all of it fits: it catches up
+    sched.pool.check_integrity()
+
+
+def test_no_sequence_is_preempted_again_before_it_catches_up(tiny_llama_path: Path) -> None:
+    """Six 256-token requests in a 48-block pool: every sequence preempted twice had computed
+    more tokens by its second preemption than it held at its first (no thrashing)."""
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama_path), block_size=16, num_kv_blocks=48, max_model_len=512)
+    )
+    history: dict[str, list[tuple[int, int]]] = {}  # request id -> (computed, held) per preemption
+    preempt = engine.scheduler._preempt
+
+    def recording(seq: Sequence) -> None:
+        history.setdefault(seq.request_id, []).append((seq.num_computed_tokens, seq.num_tokens))
+        preempt(seq)
+
+    engine.scheduler._preempt = recording  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    engine.generate(
+        [engine.tokenizer(f"prompt {i} says hi")["input_ids"] for i in range(6)], params
+    )
+    assert engine.scheduler.num_preemptions > 0
+    for events in history.values():
+        for (_, held_before), (computed, _) in itertools.pairwise(events):
+            assert computed > held_before
+    engine.check_integrity()
