@@ -238,12 +238,24 @@ def _intent_json(
                 run_requests(engine, conc, params, args.concurrency),
             )
         )
-    costs = {n: _mask_cost(engine, prompts[:n], constrained) for n in (1, 32)}
+    costs = {n: _median_cost(engine, prompts[:n], constrained) for n in (1, 32)}
     report = {**_header(args), "results": [asdict(r) for r in results], "mask_cost": costs}
     print(_json_table(report))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _median_cost(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, repeats: int = 5
+) -> dict[str, float]:
+    """The median of `repeats` runs by grammar share: a single run of ~7 steps swings with
+    whatever else the two cores did meanwhile."""
+    runs = sorted(
+        (_mask_cost(engine, prompts, params) for _ in range(repeats)),
+        key=lambda cost: cost["grammar_share"],
+    )
+    return {**runs[len(runs) // 2], "repeats": repeats, "max_share": runs[-1]["grammar_share"]}
 
 
 def _mask_cost(
@@ -330,8 +342,8 @@ def _json_table(report: dict[str, Any]) -> str:
     for cost in report["mask_cost"].values():
         lines.append(
             f"\nbatch {cost['batch']}: decode step {cost['step_ms']:.1f} ms, grammar "
-            f"{cost['grammar_ms_per_step']:.2f} ms ({100 * cost['grammar_share']:.1f}%, "
-            "target < 5%)"
+            f"{cost['grammar_ms_per_step']:.2f} ms ({100 * cost['grammar_share']:.1f}%, median of "
+            f"{cost['repeats']}, max {100 * cost['max_share']:.1f}%; target < 5%)"
         )
     return "\n".join(lines)
 
