@@ -71,7 +71,7 @@ class ModelRunner:
 
     def _masker(self, vocab_size: int) -> GrammarMasker:
         if self.masker is None:
-            self.masker = GrammarMasker(vocab_size)
+            self.masker = GrammarMasker(vocab_size, parallel=self.device.type == "cuda")
         return self.masker
 
     def _logits_rows(

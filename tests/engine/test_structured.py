@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from engine.sampling_params import GrammarSpec
@@ -218,3 +219,27 @@ def test_a_token_the_grammar_refuses_fails_that_request_alone(
     assert outputs["bad"][-1].error is not None
     assert "the grammar refused token" in outputs["bad"][-1].error
     assert outputs["free"][-1].finish_reason == "length"
+
+
+def test_parallel_and_serial_masks_agree(engine: LLMEngine) -> None:
+    """The CUDA path computes masks on llguidance's pool, the CPU path one by one: same
+    masks, applied to constrained rows only (row 1 has no grammar)."""
+    compiled = engine.grammars.compile(GrammarSpec.json_schema(SCHEMA))
+    matchers = [compiled.new_matcher(), None, compiled.new_matcher()]
+    assert matchers[2] is not None and matchers[2].consume_tokens(
+        engine.tokenizer('{"intent":"re', add_special_tokens=False)["input_ids"]
+    )
+    logits = torch.randn(3, engine.vocab_size + 7)  # an LM head padded past the vocabulary
+    results = []
+    for parallel in (True, False):
+        masked = logits.clone()
+        GrammarMasker(engine.vocab_size, parallel=parallel).apply(masked, matchers)
+        results.append(masked)
+    assert torch.equal(results[0], results[1])
+    parallel_result = results[0]
+    assert torch.equal(parallel_result[1], logits[1])
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in parallel_result]
+    assert engine.tokenizer.decode(sorted(allowed[0])).strip().startswith("{")
+    # After '{"intent":"re' only "refund" can go on: each allowed piece continues 'fund"'.
+    pieces = {engine.tokenizer.decode([t]) for t in allowed[2]}
+    assert pieces and all('fund"'.startswith(p) or p.startswith('fund"') for p in pieces)
