@@ -314,6 +314,9 @@ def request_bodies(
         "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # Free text, as OpenAI's default says: the shipped intent-classifier entry otherwise
+        # constrains its hits to its label schema. `--extra-body` may set another format.
+        "response_format": {"type": "text"},
     }
     return [json.dumps({**base, "messages": r.messages, **extra}).encode() for r in requests]
 

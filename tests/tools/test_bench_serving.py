@@ -363,6 +363,7 @@ def test_fixed_concurrency_records_tokens_cached_tokens_and_errors() -> None:
     body = server.bodies[0]
     assert body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
+    assert body["response_format"] == {"type": "text"}
     assert (body["model"], body["max_tokens"], body["temperature"]) == ("fake-model", 5, 0.0)
     assert body["cache_prompt"] is False
     summary = bs.summarize(records, duration)
