@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from pathlib import Path
+from typing import Any
+
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+
+
+def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:
+    """An engine on a tiny test model: 4-token blocks, a 256-block pool, 64-token steps, and
+    the block accounting checked after every step."""
+    settings: dict[str, Any] = {
+        "model": str(path),
+        "block_size": 4,
+        "num_kv_blocks": 256,
+        "max_num_batched_tokens": 64,
+        "debug_check_integrity": True,
+    }
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
 
 
 def run_staggered(

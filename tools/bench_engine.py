@@ -321,6 +321,7 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
     }
 
 
@@ -360,15 +361,7 @@ def _report(
     suffix_only = by["suffix only, sequential"].ttft_p50_ms
     caching_off = by["caching off, sequential"].ttft_p50_ms
     return {
-        "command": " ".join(sys.argv),
-        "git_revision": _git_revision(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-        "device": args.device,
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        **_header(args),
         "prefix_tokens": prefix_tokens,
         "prompt_tokens_mean": statistics.fmean(len(p) for p in prompts),
         "suffix_tokens_mean": statistics.fmean(len(s) for s in suffixes),

@@ -10,14 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import (
-    EngineConfig,
     InvalidRequestError,
     LLMEngine,
     PromptTooLongError,
     SamplingParams,
 )
 from tests.helpers import assert_all_free as _assert_all_free
-from tests.helpers import run_staggered, tokens_of
+from tests.helpers import run_staggered, tiny_engine, tokens_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [
@@ -28,16 +27,7 @@ PROMPTS = [
 ]
 
 
-def _engine(path: Path, **overrides: Any) -> LLMEngine:
-    settings: dict[str, Any] = {
-        "model": str(path),
-        "block_size": 4,
-        "num_kv_blocks": 256,
-        "max_num_batched_tokens": 64,
-        "debug_check_integrity": True,
-    }
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
+_engine = tiny_engine
 
 
 def _hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:

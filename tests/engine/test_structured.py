@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 import torch
 
-from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from engine import InvalidRequestError, LLMEngine, SamplingParams
 from engine.sampling_params import GrammarSpec
 from engine.structured import GrammarMasker
-from tests.helpers import assert_all_free, tokens_of
+from tests.helpers import assert_all_free, tiny_engine, tokens_of
 
 PROMPT = "Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 appear in text too"
 SCHEMA: dict[str, Any] = {
@@ -31,16 +31,7 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-def _engine(path: Path, **overrides: Any) -> LLMEngine:
-    settings: dict[str, Any] = {
-        "model": str(path),
-        "block_size": 4,
-        "num_kv_blocks": 256,
-        "max_num_batched_tokens": 64,
-        "debug_check_integrity": True,
-    }
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
+_engine = tiny_engine
 
 
 @pytest.fixture(scope="module")
