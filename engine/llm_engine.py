@@ -218,7 +218,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 param="prompt" if num_prompt >= self.max_model_len else "max_tokens",
             )
-        num_needed = min(num_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
+        num_output = self.max_model_len if params.max_tokens is None else params.max_tokens
+        num_needed = min(num_prompt + num_output, self.max_model_len)
         num_usable = self.pool.num_blocks - self.pool.num_pinned_blocks
         if num_blocks_for(num_needed, self.pool.block_size) > num_usable:
             raise PromptTooLongError(
@@ -354,6 +355,8 @@ class LLMEngine:
     def _append(self, sampled: SampledToken) -> RequestOutput:
         seq, token_id = sampled.seq, sampled.token_id
         state = self._requests[seq.request_id]
+        if seq.params.max_tokens == 0:  # the prompt was only to be scored
+            return self._finish(state, "", [], "length", None, None)
         seq.token_ids.append(token_id)
         is_grammar_complete = seq.matcher is not None and _advance(seq.matcher, token_id)
         logprobs = [sampled.logprobs] if sampled.logprobs is not None else None
@@ -373,10 +376,26 @@ class LLMEngine:
         if finish_reason is not None and not isinstance(stop_reason, str):
             text += state.detokenizer.flush()
         if finish_reason is not None:
-            del self._requests[seq.request_id]
-            self.scheduler.finish(seq, finish_reason)
-            seq.stop_reason = stop_reason
-        return self._output(state, text, [token_id], finish_reason, stop_reason, logprobs)
+            return self._finish(state, text, [token_id], finish_reason, stop_reason, logprobs)
+        return self._output(state, text, [token_id], None, None, logprobs)
+
+    def _finish(
+        self,
+        state: _RequestState,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str,
+        stop_reason: str | int | None,
+        logprobs: list[SampleLogprobs] | None,
+    ) -> RequestOutput:
+        seq = state.seq
+        del self._requests[seq.request_id]
+        self.scheduler.finish(seq, finish_reason)
+        seq.stop_reason = stop_reason
+        output = self._output(state, text, token_ids, finish_reason, stop_reason, logprobs)
+        if seq.params.prompt_logprobs is not None:
+            output.prompt_logprobs = list(seq.prompt_logprobs)
+        return output
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         if token_id in seq.params.stop_token_ids:

@@ -10,7 +10,7 @@ from engine.attention import DecodeGroup, ForwardBatch, PrefillSpan, decode_mask
 from engine.kv_cache import BlockPool
 from engine.models import CausalLM
 from engine.outputs import SampleLogprobs
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler, SamplingBatch, score_tokens
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured import GrammarMasker
@@ -84,6 +84,7 @@ class ModelRunner:
         if computed:
             batch = self.build_batch(computed)
             hidden = self.model(batch)  # [num_tokens, hidden]
+            self._score_prompts(computed, hidden)
             forward_logits = self.model.compute_logits(hidden[batch.logits_indices])
             self.num_forward_calls += 1
             self.num_forward_tokens += len(batch.input_ids)
@@ -100,6 +101,25 @@ class ModelRunner:
                 source = item.leader if item.leader is not None else item.seq
                 rows.append(forward_logits[row_of[id(source)]])
         return torch.stack(rows)  # [len(sampling), vocab]
+
+    def _score_prompts(self, computed: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        """Prompt logprobs of the sequences that asked for them: position p's logits score
+        prompt token p + 1. Recorded once per token (a recomputed chunk adds nothing)."""
+        token_start = 0
+        for item in computed:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            if seq.params.prompt_logprobs is not None:
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)  # the first token has no context
+                first = len(seq.prompt_logprobs) - 1  # the position scoring the next new token
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    rows = hidden[token_start + first - start : token_start + last - start]
+                    targets = seq.token_ids[first + 1 : last + 1]
+                    seq.prompt_logprobs += score_tokens(
+                        self.model.compute_logits(rows), targets, seq.params.prompt_logprobs
+                    )
+            token_start += n
 
     def build_batch(self, ordered: list[ScheduledSequence]) -> ForwardBatch:
         """Flatten the step's chunks (in `batch_order`) into the tensors the model reads."""

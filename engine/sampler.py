@@ -238,6 +238,26 @@ def _gather_logprobs(
     return result
 
 
+def score_tokens(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[SampleLogprobs]:
+    """Each row's logprob of its token plus its top `num_top` alternatives (prompt scoring).
+    `logits` is [len(token_ids), vocab_size]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab_size]
+    chosen = logprobs.gather(1, _index(token_ids, logits.device).unsqueeze(1)).flatten().tolist()
+    top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [
+        SampleLogprobs(
+            token_id,
+            chosen[row],
+            tuple(
+                TokenLogprob(t, v)
+                for t, v in zip(ids[row][:num_top], values[row][:num_top], strict=True)
+            ),
+        )
+        for row, token_id in enumerate(token_ids)
+    ]
+
+
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 

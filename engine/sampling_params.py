@@ -46,8 +46,11 @@ class GrammarSpec:
 class SamplingParams:
     """What to generate and when to stop. `temperature == 0` means greedy.
 
-    `max_tokens=None` means "until EOS or `max_model_len`". `logprobs=None` returns none;
-    `logprobs=k` returns the chosen token's logprob plus the top-k alternatives.
+    `max_tokens=None` means "until EOS or `max_model_len`"; `max_tokens=0` only scores the
+    prompt (with `prompt_logprobs`). `logprobs=None` returns none; `logprobs=k` returns the
+    chosen token's logprob plus the top-k alternatives. `prompt_logprobs=k` does the same for
+    every prompt token after the first (scoring needs every position computed, so such a
+    request shares no cached prefix).
     """
 
     max_tokens: int | None = 16
@@ -65,11 +68,22 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must match
+    prompt_logprobs: int | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         _check(
-            self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", "max_tokens"
+            self.max_tokens is None or self.max_tokens >= 1 or self.prompt_logprobs is not None,
+            "max_tokens must be >= 1 (0 only to score a prompt with prompt_logprobs)",
+            "max_tokens",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0", "max_tokens"
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
+            "prompt_logprobs",
         )
         _check(0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]", "temperature")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")

@@ -167,15 +167,17 @@ class Scheduler:
         leaders: dict[_DedupKey, Sequence],
         out: SchedulerOutput,
     ) -> ScheduledSequence | None:
+        # A request that scores its prompt needs every position computed: no shared work.
+        can_share = self.registry is not None and seq.params.prompt_logprobs is None
         can_dedup = (
-            self.registry is not None
+            can_share
             and seq.num_computed_tokens == 0
             and (seq.num_output_tokens == 0 and not seq.is_prefix_fill)
         )
         key: _DedupKey = (seq.cache_salt, tuple(seq.token_ids)) if can_dedup else None
         if key is not None and key in leaders:
             return self._admit_duplicate(seq, leaders[key], out)
-        match = self._attach_prefix(seq) if self.registry and seq.num_computed_tokens == 0 else None
+        match = self._attach_prefix(seq) if can_share and seq.num_computed_tokens == 0 else None
         num_new = min(seq.num_uncomputed_tokens, budget)
         if (
             (num_new == 0 and seq.num_uncomputed_tokens > 0)

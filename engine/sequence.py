@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.outputs import SampleLogprobs
 from engine.registry_file import PrefixSpec
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +53,8 @@ class Sequence:
     # Structured output: which tokens may come next. It has consumed every output token, so a
     # preempted sequence that recomputes its blocks keeps it as it is.
     matcher: LLMatcher | None = None
+    # Scored prompt tokens (params.prompt_logprobs): None for the first, which has no context.
+    prompt_logprobs: list[SampleLogprobs | None] = field(default_factory=list)
 
     @property
     def is_prefix_fill(self) -> bool:
