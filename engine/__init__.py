@@ -4,7 +4,7 @@ This module is the engine's public API; the gateway imports only from here.
 """
 
 from engine.async_engine import AsyncEngine
-from engine.chat import chat_prompt_ids, text_prompt_ids
+from engine.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.config import EngineConfig, option
 from engine.errors import (
     EngineDeadError,
@@ -52,6 +52,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "chat_prompt_ids",
+    "fim_prompt_ids",
     "load_prefix_file",
     "option",
     "text_prompt_ids",

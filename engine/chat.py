@@ -64,6 +64,32 @@ def text_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return _as_token_ids(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+# Fill-in-the-middle tokens, as the StarCoder and Qwen-Coder families spell them.
+FIM_TOKENS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
+
+
+def fim_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, prefix: str | list[int], suffix: str
+) -> list[int]:
+    """`<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>`: the model writes the middle.
+    Raises InvalidRequestError (param "suffix") for a model without these tokens."""
+    vocab = tokenizer.get_vocab()
+    names = next((names for names in FIM_TOKENS if all(n in vocab for n in names)), None)
+    if names is None:
+        raise InvalidRequestError(
+            "suffix needs a model with a fill-in-the-middle format, and this model has none "
+            "(no <fim_prefix>, <fim_suffix> and <fim_middle> tokens)",
+            param="suffix",
+            code="unsupported_value",
+        )
+    prefix_token, suffix_token, middle_token = (vocab[name] for name in names)
+    prefix_ids = prefix if isinstance(prefix, list) else _encode(tokenizer, prefix)
+    return [prefix_token, *prefix_ids, suffix_token, *_encode(tokenizer, suffix), middle_token]
+
+
 def _render(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],

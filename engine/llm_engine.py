@@ -392,10 +392,7 @@ class LLMEngine:
         del self._requests[seq.request_id]
         self.scheduler.finish(seq, finish_reason)
         seq.stop_reason = stop_reason
-        output = self._output(state, text, token_ids, finish_reason, stop_reason, logprobs)
-        if seq.params.prompt_logprobs is not None:
-            output.prompt_logprobs = list(seq.prompt_logprobs)
-        return output
+        return self._output(state, text, token_ids, finish_reason, stop_reason, logprobs)
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         if token_id in seq.params.stop_token_ids:
@@ -422,6 +419,8 @@ class LLMEngine:
         logprobs: list[SampleLogprobs] | None = None,
     ) -> RequestOutput:
         seq = state.seq
+        # Prompt logprobs are complete once the prompt is computed: the first output has them.
+        is_first = seq.num_output_tokens <= 1 and seq.params.prompt_logprobs is not None
         return RequestOutput(
             request_id=seq.request_id,
             text=text,
@@ -432,6 +431,7 @@ class LLMEngine:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             logprobs=logprobs,
+            prompt_logprobs=list(seq.prompt_logprobs) if is_first else None,
         )
 
     # -- conveniences -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[SampleLogprobs] | None = None
-    # On a request's final output when it asked for prompt_logprobs: one per prompt token.
+    # On a request's first output when it asked for prompt_logprobs: one per prompt token.
     prompt_logprobs: list[SampleLogprobs | None] | None = None
     error: str | None = field(default=None)
 

@@ -25,6 +25,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampleLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[SampleLogprobs | None] | None = None  # when the request scored it
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -35,6 +36,8 @@ class Choice:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens

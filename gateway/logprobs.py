@@ -86,14 +86,32 @@ def completion_logprobs(
 ) -> CompletionLogprobs:
     """`text_offset` of a token: characters of completed text before it (a token that ends
     mid-character adds nothing until the character is complete)."""
+    return _legacy_logprobs(tokenizer, [(s.token_id, s) for s in samples], text_offset)
+
+
+def echo_logprobs(
+    tokenizer: Any, prompt_ids: list[int], prompt_logprobs: list[SampleLogprobs | None] | None
+) -> CompletionLogprobs:
+    """An echoed prompt's tokens; the first has null logprobs, as nothing precedes it."""
+    scored = prompt_logprobs or [None] * len(prompt_ids)
+    return _legacy_logprobs(tokenizer, list(zip(prompt_ids, scored, strict=True)), 0)
+
+
+def _legacy_logprobs(
+    tokenizer: Any, entries: list[tuple[int, SampleLogprobs | None]], text_offset: int
+) -> CompletionLogprobs:
     tokens, token_logprobs, tops, offsets = [], [], [], []
     emitted = b""
-    for sample in samples:
-        tokens.append(_piece(tokenizer, sample.token_id))
-        token_logprobs.append(sample.logprob)
-        tops.append({_piece(tokenizer, alt.token_id): alt.logprob for alt in sample.top})
+    for token_id, sample in entries:
+        tokens.append(_piece(tokenizer, token_id))
+        token_logprobs.append(sample.logprob if sample is not None else None)
+        tops.append(
+            {_piece(tokenizer, alt.token_id): alt.logprob for alt in sample.top}
+            if sample is not None
+            else None
+        )
         offsets.append(text_offset + len(emitted.decode("utf-8", errors="ignore")))
-        emitted += token_bytes(tokenizer, sample.token_id)
+        emitted += token_bytes(tokenizer, token_id)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
     )

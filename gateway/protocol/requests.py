@@ -298,7 +298,11 @@ class GenerationRequest(RequestModel):
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, contract: PrefixContract | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        contract: PrefixContract | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """`contract`: the registry entry the prompt hit; its fields fill what the request
         left unset (its own format, `response_format: text` included, wins)."""
@@ -327,6 +331,7 @@ class GenerationRequest(RequestModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             grammar=grammar,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
@@ -474,26 +479,30 @@ class CompletionRequest(GenerationRequest):
         | NonEmpty[list[NonEmpty[list[TokenId]]]],
         BeforeValidator(_check_prompt),
     ]
-    max_tokens: int | None = Field(default=COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    echo: bool = False  # before max_tokens, whose validator reads it
+    max_tokens: int | None = Field(
+        default=COMPLETION_DEFAULT_MAX_TOKENS, ge=0, description="0 only with echo"
+    )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(default=False, json_schema_extra={"enum": [False, None]})
-    suffix: str | None = Field(default=None, json_schema_extra={"type": "null"})
+    suffix: str | None = Field(
+        default=None, description="needs a model with a fill-in-the-middle format"
+    )
     best_of: int | None = Field(
         default=None, ge=1, description="must equal n (candidates beyond n are not supported)"
     )
 
     @field_validator("echo", mode="before")
     @classmethod
-    def _no_echo(cls, value: Any) -> Any:
-        if value is True:
-            raise _unsupported()
+    def _null_echo(cls, value: Any) -> Any:
         return False if value is None else value
 
-    @field_validator("suffix")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise _unsupported()
+    def _zero_tokens_need_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise PydanticCustomError(
+                "invalid_value", "may be 0 only with 'echo': true (to score the prompt alone)"
+            )
         return value
 
     @field_validator("best_of")
@@ -525,5 +534,11 @@ class CompletionRequest(GenerationRequest):
         """`max_tokens` absent or null: the hit entry's, else OpenAI's default (16)."""
         entry_max = contract.max_tokens if contract is not None else None
         own_max = self.max_tokens if "max_tokens" in self.model_fields_set else None
-        max_tokens = own_max or entry_max or COMPLETION_DEFAULT_MAX_TOKENS
-        return self._sampling_params(max_tokens, self.logprobs, contract)
+        if own_max is None:
+            own_max = entry_max or COMPLETION_DEFAULT_MAX_TOKENS
+        # An echoed prompt comes with its logprobs when logprobs are asked for; max_tokens 0
+        # (echo only) is a scoring request for the engine either way.
+        prompt_logprobs = self.logprobs if self.echo else None
+        if own_max == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
+        return self._sampling_params(own_max, self.logprobs, contract, prompt_logprobs)

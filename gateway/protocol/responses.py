@@ -119,12 +119,21 @@ class ChatCompletionStreamResponse(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+    """Legacy completions logprobs: parallel lists, one entry per token (an echoed prompt's
+    first token has null logprobs)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Logprob] = Field(default_factory=list)
-    top_logprobs: list[dict[str, Logprob]] = Field(default_factory=list)
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def extended(self, rest: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            tokens=self.tokens + rest.tokens,
+            token_logprobs=self.token_logprobs + rest.token_logprobs,
+            top_logprobs=self.top_logprobs + rest.top_logprobs,
+            text_offset=self.text_offset + rest.text_offset,
+        )
 
 
 class CompletionChoice(BaseModel):

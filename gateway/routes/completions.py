@@ -1,19 +1,32 @@
-"""POST /v1/completions: prompts as text, a list of texts, token ids or lists of token ids."""
+"""POST /v1/completions: prompts as text, a list of texts, token ids or lists of token ids;
+`echo` returns each prompt before its completion (with its tokens' logprobs when `logprobs`
+is set: how evaluation harnesses score log-likelihoods, `max_tokens: 0` to score only), and
+`suffix` asks a fill-in-the-middle model for what goes between prompt and suffix."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import AsyncEngine, EngineRequest, SamplingParams, text_prompt_ids
+from engine import (
+    AsyncEngine,
+    EngineRequest,
+    SampleLogprobs,
+    SamplingParams,
+    fim_prompt_ids,
+    text_prompt_ids,
+)
 from gateway.admission import Admitted, admit, gateway_of
-from gateway.generation import Job, fan_out
-from gateway.logprobs import completion_logprobs
+from gateway.generation import Choice, Job, fan_out
+from gateway.logprobs import completion_logprobs, echo_logprobs
 from gateway.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
@@ -32,6 +45,35 @@ from gateway.routes.common import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """How choices are written: with their echoed prompts (texts per choice) or not."""
+
+    model: str
+    want_logprobs: bool
+    echoes: list[str] | None
+    tokenizer: Any
+
+    def text(self, choice_index: int, text: str, is_first: bool) -> str:
+        return self.echoes[choice_index] + text if self.echoes and is_first else text
+
+    def logprobs(
+        self,
+        choice_index: int,
+        samples: list[SampleLogprobs],
+        prompt: tuple[list[int], list[SampleLogprobs | None] | None] | None,
+        text_offset: int,
+    ) -> CompletionLogprobs | None:
+        """The choice's logprobs; `prompt` (ids, their logprobs) leads the first chunk."""
+        if not self.want_logprobs:
+            return None
+        if prompt is None or not self.echoes:
+            return completion_logprobs(self.tokenizer, samples, text_offset)
+        echo = echo_logprobs(self.tokenizer, *prompt)
+        rest = completion_logprobs(self.tokenizer, samples, len(self.echoes[choice_index]))
+        return echo.extended(rest)
+
+
 async def create_completion(request: Request) -> Response:
     admitted = await admit(request, CompletionRequest)
     return await respond(admitted.ticket, _respond(request, admitted))
@@ -43,17 +85,23 @@ async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> R
     prepared = await gateway.run_blocking(_prepare, engine, body)
     per_choice = [r for p in prepared for r in fan_out(p, body.n)]  # choice i: prompt i // n
     job = Job(gateway, engine, admitted.ticket, random_id("cmpl"), per_choice)
-    want_logprobs = body.logprobs is not None
+    echoes = _echoes(body, engine.tokenizer) if body.echo else None
+    output = _Output(gateway.model_name, body.logprobs is not None, echoes, gateway.tokenizer)
     if body.stream:
-        events = _stream(job, gateway.model_name, want_logprobs, body.include_usage)
-        return sse_response(events, gateway, admitted.ticket)
-    return await unless_disconnected(request, _complete(job, gateway.model_name, want_logprobs))
+        return sse_response(_stream(job, output, body.include_usage), gateway, admitted.ticket)
+    return await unless_disconnected(request, _complete(job, output))
 
 
 def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest]:
     """Tokenize the text prompts (worker pool); token id prompts go as they are."""
+    tokenizer = engine.tokenizer
     prompts = [
-        p if isinstance(p, list) else text_prompt_ids(engine.tokenizer, p) for p in body.prompts()
+        fim_prompt_ids(tokenizer, p, body.suffix)
+        if body.suffix is not None
+        else p
+        if isinstance(p, list)
+        else text_prompt_ids(tokenizer, p)
+        for p in body.prompts()
     ]
 
     def params_for(prompt: list[int]) -> SamplingParams:
@@ -64,19 +112,28 @@ def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest
     )
 
 
-async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:
+def _echoes(body: CompletionRequest, tokenizer: Any) -> list[str]:
+    """Each choice's echoed prompt: the text as sent, or token ids decoded."""
+    texts = [p if isinstance(p, str) else str(tokenizer.decode(p)) for p in body.prompts()]
+    return [text for text in texts for _ in range(body.n)]
+
+
+def _prompt_of(job: Job, choice: Choice) -> tuple[list[int], list[SampleLogprobs | None] | None]:
+    return job.requests[choice.index].prompt_token_ids, choice.prompt_logprobs
+
+
+async def _complete(job: Job, output: _Output) -> JSONResponse:
     await job.collect()
-    tokenizer = job.gateway.tokenizer
     response = CompletionResponse(
         id=job.request_id,
         created=int(time.time()),
-        model=model,
+        model=output.model,
         choices=[
             CompletionChoice(
                 index=c.index,
-                text=c.text,
+                text=output.text(c.index, c.text, is_first=True),
                 finish_reason=api_finish_reason(c.finish_reason) or "stop",
-                logprobs=completion_logprobs(tokenizer, c.logprobs) if want_logprobs else None,
+                logprobs=output.logprobs(c.index, c.logprobs, _prompt_of(job, c), 0),
             )
             for c in job.choices
         ],
@@ -85,24 +142,23 @@ async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def _stream(
-    job: Job, model: str, want_logprobs: bool, include_usage: bool
-) -> AsyncIterator[str]:
-    tokenizer = job.gateway.tokenizer
-    chunk = StreamChunks(CompletionStreamResponse, job.request_id, model)
-
-    offsets = [0] * len(job.choices)
+async def _stream(job: Job, output: _Output, include_usage: bool) -> AsyncIterator[str]:
+    chunk = StreamChunks(CompletionStreamResponse, job.request_id, output.model)
+    offsets = [0] * len(job.choices)  # characters of each choice's text sent so far
+    started = [False] * len(job.choices)
     async for choice, out in job.run():
-        logprobs = None
-        if want_logprobs:
-            logprobs = completion_logprobs(tokenizer, out.logprobs or [], offsets[choice.index])
-        offsets[choice.index] += len(out.text)
-        if out.text or out.finished or logprobs is not None:
+        index, is_first = choice.index, not started[choice.index]
+        started[index] = True
+        text = output.text(index, out.text, is_first)
+        prompt = _prompt_of(job, choice) if is_first else None
+        logprobs = output.logprobs(index, out.logprobs or [], prompt, offsets[index])
+        offsets[index] += len(text)
+        if text or out.finished or logprobs is not None:
             yield chunk(
                 [
                     CompletionStreamChoice(
-                        index=choice.index,
-                        text=out.text,
+                        index=index,
+                        text=text,
                         finish_reason=api_finish_reason(out.finish_reason),
                         logprobs=logprobs,
                     )

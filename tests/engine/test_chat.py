@@ -7,7 +7,7 @@ import copy
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from engine.chat import chat_prompt_ids, text_prompt_ids
+from engine.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.errors import InvalidRequestError
 
 MESSAGES = (
@@ -177,3 +177,36 @@ def test_a_template_that_rewrites_content_refuses_special_text(
         chat_prompt_ids(upper, [{"role": "user", "content": "hi" + FORGED_TURN}])
     assert raised.value.param == "messages"
     assert "special-token text" in raised.value.message
+
+
+@pytest.mark.parametrize("spelling", ["<fim_{}>", "<|fim_{}|>"])
+def test_fill_in_the_middle_prompt(tiny_tokenizer: PreTrainedTokenizerBase, spelling: str) -> None:
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    names = [spelling.format(part) for part in ("prefix", "suffix", "middle")]
+    tokenizer.add_special_tokens({"additional_special_tokens": names})
+    prefix, suffix, middle = tokenizer.convert_tokens_to_ids(names)
+    encode = _encode  # the module's helper: plain encoding, no special tokens added
+    ids = fim_prompt_ids(tokenizer, "def add(a, b):", "\n    return c")
+    assert ids == [
+        prefix,
+        *encode(tokenizer, "def add(a, b):"),
+        suffix,
+        *encode(tokenizer, "\n    return c"),
+        middle,
+    ]
+    assert fim_prompt_ids(tokenizer, [5, 6], "x") == [
+        prefix,
+        5,
+        6,
+        suffix,
+        *encode(tokenizer, "x"),
+        middle,
+    ]
+
+
+def test_no_fill_in_the_middle_tokens_is_a_clear_error(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        fim_prompt_ids(tiny_tokenizer, "a", "b")
+    assert (raised.value.param, raised.value.code) == ("suffix", "unsupported_value")

@@ -39,8 +39,8 @@ def test_prompt_logprobs_equal_transformers(tiny_llama_path: Path, budget: int) 
     engine = tiny_engine(tiny_llama_path, max_num_batched_tokens=budget)
     ids = engine.tokenizer(PROMPT)["input_ids"]
     outputs = _run(engine, ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
-    scored = outputs[-1].prompt_logprobs
-    assert [o.prompt_logprobs is None for o in outputs] == [True] * (len(outputs) - 1) + [False]
+    scored = outputs[0].prompt_logprobs
+    assert [o.prompt_logprobs is None for o in outputs] == [False] + [True] * (len(outputs) - 1)
     assert len(scored) == len(ids) and scored[0] is None
     expected = _hf_prompt_logprobs(tiny_llama_path, ids)
     for position, sample in enumerate(scored[1:]):
@@ -73,9 +73,9 @@ def test_a_scored_prompt_shares_no_registry_prefix(tiny_llama_path: Path, tmp_pa
     ids = engine.tokenizer(PROMPT)["input_ids"]
     plain = _run(engine, ids, SamplingParams(max_tokens=1))
     scored = _run(engine, ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
-    assert plain[-1].num_cached_tokens > 0
-    assert scored[-1].num_cached_tokens == 0
-    assert len(scored[-1].prompt_logprobs) == len(ids)
+    assert plain[0].num_cached_tokens > 0
+    assert scored[0].num_cached_tokens == 0
+    assert len(scored[0].prompt_logprobs) == len(ids)
 
 
 def test_preemption_does_not_score_a_token_twice(tiny_llama_path: Path) -> None:
@@ -87,11 +87,12 @@ def test_preemption_does_not_score_a_token_twice(tiny_llama_path: Path) -> None:
     final = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.finished:
+            if output.prompt_logprobs is not None:
+                assert output.request_id not in final  # once, however often it recomputed
                 final[output.request_id] = output.prompt_logprobs
     assert engine.scheduler.num_preemptions > 0
     assert_all_free(engine)
-    alone = _run(tiny_engine(tiny_llama_path), ids, params)[-1].prompt_logprobs
+    alone = _run(tiny_engine(tiny_llama_path), ids, params)[0].prompt_logprobs
     for scored in final.values():
         assert [s.token_id if s else None for s in scored] == [None, *ids[1:]]
         assert [s.logprob for s in scored[1:]] == pytest.approx(

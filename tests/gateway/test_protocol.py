@@ -444,8 +444,17 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
     ("prompt-empty-ids", "cmpl", cmpl(prompt=[[1], []]), ("prompt", "invalid_value", PROMPT_SHAPE)),
     ("prompt-negative-id", "cmpl", cmpl(prompt=[-1]), ("prompt", "invalid_value", PROMPT_SHAPE)),
     ("prompt-bool-id", "cmpl", cmpl(prompt=[True]), ("prompt", "invalid_value", PROMPT_SHAPE)),
-    ("echo", "cmpl", cmpl(echo=True), unsupported_param("echo")),
-    ("suffix", "cmpl", cmpl(suffix="x"), unsupported_param("suffix")),
+    (
+        "zero-tokens-without-echo",
+        "cmpl",
+        cmpl(max_tokens=0),
+        (
+            "max_tokens",
+            "invalid_value",
+            "Invalid value for 'max_tokens': may be 0 only with 'echo': true (to score the "
+            "prompt alone).",
+        ),
+    ),
     (
         "best-of",
         "cmpl",
@@ -470,10 +479,10 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         bad_type("logprobs", "an integer", "a boolean"),
     ),
     (
-        "cmpl-max-tokens-0",
+        "cmpl-max-tokens-negative",
         "cmpl",
-        cmpl(max_tokens=0),
-        bad_value("max_tokens", "input should be greater than or equal to 1"),
+        cmpl(max_tokens=-1),
+        bad_value("max_tokens", "input should be greater than or equal to 0"),
     ),
     (
         "cmpl-stream-options",

@@ -19,9 +19,10 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs
+from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs, SamplingParams
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.logprobs import _piece, completion_logprobs
 from tests.gateway.server_harness import Reference, greedy
 
 MODEL = "tiny-llama"
@@ -442,3 +443,68 @@ def test_x_request_id_is_echoed_when_usable(client: TestClient, sent: str, echoe
 def test_every_response_gets_its_own_request_id(client: TestClient) -> None:
     ids = {client.get("/health").headers["x-request-id"] for _ in range(3)}
     assert len(ids) == 3
+
+
+# -- completions: echo and suffix --------------------------------------------------------------
+
+
+def test_echo_returns_the_prompt_before_the_completion(client: TestClient) -> None:
+    plain = _post(client, "/v1/completions", COMPLETION)["choices"][0]["text"]
+    echoed = _post(client, "/v1/completions", {**COMPLETION, "echo": True})["choices"][0]
+    assert echoed["text"] == PROMPT + plain
+    by_ids = {**COMPLETION, "prompt": [285, 324, 375], "echo": True}
+    assert _post(client, "/v1/completions", by_ids)["choices"][0]["text"].startswith("The model")
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: TestClient, reference: Reference) -> None:
+    """lm-evaluation-harness's loglikelihood call: echo, logprobs, max_tokens 0."""
+    body = {**COMPLETION, "echo": True, "logprobs": 2, "max_tokens": 0}
+    [choice] = _post(client, "/v1/completions", body)["choices"]
+    ids = reference.text_ids(PROMPT)
+    [scored] = reference.run(ids, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    expected = completion_logprobs(reference.tokenizer, [s for s in scored.prompt_logprobs if s])
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [_piece(reference.tokenizer, ids[0]), *expected.tokens]
+    assert logprobs["token_logprobs"] == [None, *expected.token_logprobs]
+    assert logprobs["top_logprobs"] == [None, *expected.top_logprobs]
+    assert logprobs["text_offset"][0] == 0
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+
+
+def test_echo_logprobs_then_the_completions_own(client: TestClient, reference: Reference) -> None:
+    body = {**COMPLETION, "echo": True, "logprobs": 1, "max_tokens": 3}
+    [choice] = _post(client, "/v1/completions", body)["choices"]
+    ids = reference.text_ids(PROMPT)
+    completion = completion_logprobs(
+        reference.tokenizer, _samples(reference, ids, 1)[:3], len(PROMPT)
+    )
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 3
+    assert logprobs["tokens"][len(ids) :] == completion.tokens
+    assert logprobs["token_logprobs"][len(ids) :] == completion.token_logprobs
+    assert logprobs["text_offset"][len(ids) :] == completion.text_offset
+
+
+def test_echo_streams_the_prompt_in_the_first_chunk(client: TestClient) -> None:
+    body = {**COMPLETION, "echo": True, "logprobs": 1, "stream": True}
+    whole = _post(client, "/v1/completions", {**body, "stream": False})["choices"][0]
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"].startswith(PROMPT)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+    # The echoed prompt's offsets; the random model's completion holds invalid UTF-8, whose
+    # offsets the stream counts from the text it sent (replacement characters included).
+    num_prompt = len(whole["logprobs"]["tokens"]) - NUM_TOKENS
+    echoed = chunks[0]["logprobs"]["text_offset"][:num_prompt]
+    assert echoed == whole["logprobs"]["text_offset"][:num_prompt]
+
+
+def test_suffix_without_a_fill_in_the_middle_format_is_400(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={**COMPLETION, "suffix": "return x"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("suffix", "unsupported_value")
+    assert error["message"].startswith("suffix needs a model with a fill-in-the-middle format")

@@ -9,6 +9,8 @@ may get a 400, with exactly that error code:
   `top_logprobs` needs `logprobs`): cross-field rules, code `unsupported_value` /
   `invalid_value` on exactly those fields;
 - `too_many_sequences`: n x prompts must fit the waiting queue;
+- a completions `max_tokens` of 0 needs `echo` (`invalid_value` on max_tokens), and `suffix`
+  needs a model with a fill-in-the-middle format (`unsupported_value`; the tiny model has none);
 - a structured output constraint (`response_format`, `guided_*`, `structured_outputs`) must be
   a grammar llguidance can compile (`invalid_value` on that field), and a request sets at
   most one of them (`invalid_value`, no field, the message says so).
@@ -65,6 +67,8 @@ CROSS_FIELD_RULES = {
     ("n", "too_many_sequences"),
     ("model", "model_not_found"),
     ("prompt", "invalid_token_id"),
+    ("max_tokens", "invalid_value"),
+    ("suffix", "unsupported_value"),
     *(
         (field, "invalid_value")
         for field in (
