@@ -25,6 +25,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampleLogprobs] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # per token: where its text starts
     prompt_logprobs: list[SampleLogprobs | None] | None = None  # when the request scored it
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -33,6 +34,7 @@ class Choice:
 
     def add(self, out: RequestOutput) -> None:
         self.is_started = True
+        self.text_offsets += [len(self.text)] * len(out.token_ids)
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from typing import Any
@@ -82,36 +83,40 @@ def chat_logprobs(tokenizer: Any, samples: list[SampleLogprobs]) -> ChatCompleti
 
 
 def completion_logprobs(
-    tokenizer: Any, samples: list[SampleLogprobs], text_offset: int = 0
+    tokenizer: Any, samples: list[SampleLogprobs], text_offsets: list[int]
 ) -> CompletionLogprobs:
-    """`text_offset` of a token: characters of completed text before it (a token that ends
-    mid-character adds nothing until the character is complete)."""
-    return _legacy_logprobs(tokenizer, [(s.token_id, s) for s in samples], text_offset)
+    """`text_offsets`: where each token's text starts in the response's `text`, as the
+    detokenizer emitted it (a token that ends mid-character starts where the character's
+    emitted text does; bytes that are not UTF-8 count as the replacement character written)."""
+    entries: list[tuple[int, SampleLogprobs | None]] = [(s.token_id, s) for s in samples]
+    return _legacy_logprobs(tokenizer, entries, text_offsets)
 
 
 def echo_logprobs(
     tokenizer: Any, prompt_ids: list[int], prompt_logprobs: list[SampleLogprobs | None] | None
 ) -> CompletionLogprobs:
-    """An echoed prompt's tokens; the first has null logprobs, as nothing precedes it."""
+    """An echoed prompt's tokens; the first has null logprobs, as nothing precedes it.
+    Offsets count the characters the prompt's bytes decode to (a split character once
+    complete)."""
     scored = prompt_logprobs or [None] * len(prompt_ids)
-    return _legacy_logprobs(tokenizer, list(zip(prompt_ids, scored, strict=True)), 0)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, num_chars = [], 0
+    for token_id in prompt_ids:
+        offsets.append(num_chars)
+        num_chars += len(decoder.decode(token_bytes(tokenizer, token_id)))
+    entries = list(zip(prompt_ids, scored, strict=True))
+    return _legacy_logprobs(tokenizer, entries, offsets)
 
 
 def _legacy_logprobs(
-    tokenizer: Any, entries: list[tuple[int, SampleLogprobs | None]], text_offset: int
+    tokenizer: Any, entries: list[tuple[int, SampleLogprobs | None]], offsets: list[int]
 ) -> CompletionLogprobs:
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    emitted = b""
-    for token_id, sample in entries:
-        tokens.append(_piece(tokenizer, token_id))
-        token_logprobs.append(sample.logprob if sample is not None else None)
-        tops.append(
-            {_piece(tokenizer, alt.token_id): alt.logprob for alt in sample.top}
-            if sample is not None
-            else None
-        )
-        offsets.append(text_offset + len(emitted.decode("utf-8", errors="ignore")))
-        emitted += token_bytes(tokenizer, token_id)
+    tokens = [_piece(tokenizer, token_id) for token_id, _ in entries]
+    token_logprobs = [s.logprob if s is not None else None for _, s in entries]
+    tops = [
+        {_piece(tokenizer, alt.token_id): alt.logprob for alt in s.top} if s is not None else None
+        for _, s in entries
+    ]
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
     )

@@ -62,16 +62,17 @@ class _Output:
         choice_index: int,
         samples: list[SampleLogprobs],
         prompt: tuple[list[int], list[SampleLogprobs | None] | None] | None,
-        text_offset: int,
+        text_offsets: list[int],
     ) -> CompletionLogprobs | None:
-        """The choice's logprobs; `prompt` (ids, their logprobs) leads the first chunk."""
+        """The choice's logprobs; `prompt` (ids, their logprobs) leads the first chunk, and
+        then the completion's offsets count the echoed prompt too."""
         if not self.want_logprobs:
             return None
         if prompt is None or not self.echoes:
-            return completion_logprobs(self.tokenizer, samples, text_offset)
-        echo = echo_logprobs(self.tokenizer, *prompt)
-        rest = completion_logprobs(self.tokenizer, samples, len(self.echoes[choice_index]))
-        return echo.extended(rest)
+            return completion_logprobs(self.tokenizer, samples, text_offsets)
+        shift = len(self.echoes[choice_index])
+        rest = completion_logprobs(self.tokenizer, samples, [o + shift for o in text_offsets])
+        return echo_logprobs(self.tokenizer, *prompt).extended(rest)
 
 
 async def create_completion(request: Request) -> Response:
@@ -133,7 +134,7 @@ async def _complete(job: Job, output: _Output) -> JSONResponse:
                 index=c.index,
                 text=output.text(c.index, c.text, is_first=True),
                 finish_reason=api_finish_reason(c.finish_reason) or "stop",
-                logprobs=output.logprobs(c.index, c.logprobs, _prompt_of(job, c), 0),
+                logprobs=output.logprobs(c.index, c.logprobs, _prompt_of(job, c), c.text_offsets),
             )
             for c in job.choices
         ],
@@ -151,7 +152,10 @@ async def _stream(job: Job, output: _Output, include_usage: bool) -> AsyncIterat
         started[index] = True
         text = output.text(index, out.text, is_first)
         prompt = _prompt_of(job, choice) if is_first else None
-        logprobs = output.logprobs(index, out.logprobs or [], prompt, offsets[index])
+        samples = out.logprobs or []
+        # This output's tokens start where the text sent so far ends (on the first chunk,
+        # `output.logprobs` shifts them past the echoed prompt).
+        logprobs = output.logprobs(index, samples, prompt, [offsets[index]] * len(samples))
         offsets[index] += len(text)
         if text or out.finished or logprobs is not None:
             yield chunk(

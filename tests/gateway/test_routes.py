@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs, SamplingParams
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.logprobs import _piece, completion_logprobs
+from gateway.logprobs import _piece, completion_logprobs, echo_logprobs
 from tests.gateway.server_harness import Reference, greedy
 
 MODEL = "tiny-llama"
@@ -262,8 +262,9 @@ def test_completion_logprobs(client: TestClient, reference: Reference) -> None:
     assert logprobs["top_logprobs"] == [
         {_expected_piece(tok, alt.token_id)[0]: alt.logprob for alt in s.top} for s in samples
     ]
-    prefix_bytes = [b"".join(bytes(raw) for _, raw in pieces[:i]) for i in range(len(pieces))]
-    assert logprobs["text_offset"] == [len(b.decode(errors="ignore")) for b in prefix_bytes]
+    # Where each token's text starts in `text`, as the detokenizer emitted it.
+    emitted = [o.text for o in reference.run(reference.text_ids(PROMPT), greedy(NUM_TOKENS))]
+    assert logprobs["text_offset"] == [len("".join(emitted[:i])) for i in range(len(emitted))]
     assert {len(v) for v in logprobs.values()} == {NUM_TOKENS}
     assert b"".join(bytes(raw) for _, raw in pieces).decode(errors="replace") == choice["text"]
 
@@ -462,23 +463,24 @@ def test_echo_with_logprobs_scores_the_prompt(client: TestClient, reference: Ref
     [choice] = _post(client, "/v1/completions", body)["choices"]
     ids = reference.text_ids(PROMPT)
     [scored] = reference.run(ids, SamplingParams(max_tokens=0, prompt_logprobs=2))
-    expected = completion_logprobs(reference.tokenizer, [s for s in scored.prompt_logprobs if s])
+    expected = echo_logprobs(reference.tokenizer, ids, scored.prompt_logprobs)
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
     logprobs = choice["logprobs"]
-    assert logprobs["tokens"] == [_piece(reference.tokenizer, ids[0]), *expected.tokens]
-    assert logprobs["token_logprobs"] == [None, *expected.token_logprobs]
-    assert logprobs["top_logprobs"] == [None, *expected.top_logprobs]
-    assert logprobs["text_offset"][0] == 0
-    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    assert logprobs == expected.model_dump(mode="json")
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    values = [s.logprob for s in scored.prompt_logprobs[1:]]
+    assert logprobs["token_logprobs"][1:] == values
+    assert logprobs["tokens"][0] == _piece(reference.tokenizer, ids[0])
 
 
 def test_echo_logprobs_then_the_completions_own(client: TestClient, reference: Reference) -> None:
     body = {**COMPLETION, "echo": True, "logprobs": 1, "max_tokens": 3}
     [choice] = _post(client, "/v1/completions", body)["choices"]
     ids = reference.text_ids(PROMPT)
-    completion = completion_logprobs(
-        reference.tokenizer, _samples(reference, ids, 1)[:3], len(PROMPT)
-    )
+    outputs = reference.run(ids, greedy(3, logprobs=1))
+    offsets = [len(PROMPT) + len("".join(o.text for o in outputs[:i])) for i in range(3)]
+    samples = [s for o in outputs for s in o.logprobs or []]
+    completion = completion_logprobs(reference.tokenizer, samples, offsets)
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) + 3
     assert logprobs["tokens"][len(ids) :] == completion.tokens
@@ -495,11 +497,8 @@ def test_echo_streams_the_prompt_in_the_first_chunk(client: TestClient) -> None:
     assert chunks[0]["text"].startswith(PROMPT)
     assert "".join(c["text"] for c in chunks) == whole["text"]
     assert [t for c in chunks for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
-    # The echoed prompt's offsets; the random model's completion holds invalid UTF-8, whose
-    # offsets the stream counts from the text it sent (replacement characters included).
-    num_prompt = len(whole["logprobs"]["tokens"]) - NUM_TOKENS
-    echoed = chunks[0]["logprobs"]["text_offset"][:num_prompt]
-    assert echoed == whole["logprobs"]["text_offset"][:num_prompt]
+    offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
 
 
 def test_suffix_without_a_fill_in_the_middle_format_is_400(client: TestClient) -> None:

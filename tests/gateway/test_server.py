@@ -806,7 +806,11 @@ def test_sigterm_on_an_idle_server_exits_0(
 def test_sigterm_lets_an_in_flight_stream_finish(
     fresh_servers: ServerFactory, long_llama_path: Path
 ) -> None:
-    server = fresh_servers("--model", str(long_llama_path), *LONG_ARGS, name="sigterm")
+    # A grace far above the stream's ~12 s alone on 2 cores: on a loaded machine the default
+    # 30 s was seen to run out first (the stream then ends with the drain's error event).
+    server = fresh_servers(
+        "--model", str(long_llama_path), *LONG_ARGS, "--shutdown-grace", "120", name="sigterm"
+    )
     events = _stream_then_sigterm(server)
     server.stop()
     assert not server.was_killed  # it exited on its own, after the stream
