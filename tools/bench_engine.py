@@ -21,7 +21,6 @@ import contextlib
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.chat import chat_prompt_ids
 from engine.registry_file import load_prefix_file
 from engine.structured import GrammarMasker
+from tools.provenance import git_revision
 from tools.workloads import intent_messages
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,15 +115,6 @@ def summarize(
         cached_tokens_mean=statistics.fmean(cached),
         output_tokens_mean=num_tokens / len(ttft),
     )
-
-
-def _git_revision() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _engine(args: argparse.Namespace, *, cached: bool) -> LLMEngine:
@@ -313,7 +304,7 @@ def _patched(apply: Any, advance: Any) -> Iterator[None]:
 def _header(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": " ".join(sys.argv),
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "device": args.device,

@@ -33,7 +33,6 @@ import json
 import math
 import random
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -46,6 +45,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tools.provenance import git_revision
 from tools.workloads import DEFAULT_MAX_TOKENS, WORKLOADS, WorkloadRequest, build_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -483,15 +483,6 @@ def _header(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "steps": [],
         "sweep": None,
     }
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from dataclasses import asdict
 from typing import Any
 
-from tools.soak.config import REPO, SoakConfig
+from tools.provenance import git_revision
+from tools.soak.config import SoakConfig
 from tools.soak.runner import Run
 
 SCHEMA = "prefixgate.soak/1"
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def cpu_capability() -> tuple[str, str]:
