@@ -22,6 +22,7 @@ from engine.registry_file import PrefixContract, PrefixSpec, RegistryFileError, 
 from engine.request import EngineRequest
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
 from engine.stats import EngineStats, PrefixInfo
+from engine.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -37,6 +38,7 @@ __all__ = [
     "LLMEngine",
     "MatchReport",
     "ModelLoadError",
+    "ParsedToolCall",
     "PrefixBudgetError",
     "PrefixContract",
     "PrefixInfo",
@@ -55,5 +57,7 @@ __all__ = [
     "fim_prompt_ids",
     "load_prefix_file",
     "option",
+    "parse_tool_calls",
     "text_prompt_ids",
+    "tool_call_grammar",
 ]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from engine.errors import InvalidRequestError
+from engine.tool_format import messages_for_template, template_takes_tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,6 +33,7 @@ def chat_prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Render `messages` with the model's chat template and tokenize the result.
 
@@ -42,11 +44,16 @@ def chat_prompt_ids(
     content beyond trimming it (its markup could then not be told from the content's).
     """
     conversation = [dict(message) for message in messages]
-    text = _render(tokenizer, conversation, add_generation_prompt)
+    has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
+    if (tools or has_tool_turns) and not template_takes_tools(tokenizer.chat_template):
+        conversation, tools = messages_for_template(conversation, tools or []), None
+    text = _render(tokenizer, conversation, add_generation_prompt, tools)
     pattern = _special_token_pattern(tokenizer)
     if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):
         return _encode(tokenizer, text)
-    segments = _split_content_specials(tokenizer, conversation, add_generation_prompt, pattern)
+    segments = _split_content_specials(
+        tokenizer, conversation, add_generation_prompt, pattern, tools
+    )
     if "".join(segment for segment, _ in segments) != text:
         raise InvalidRequestError(
             "message content contains special-token text that this model's chat template "
@@ -94,6 +101,7 @@ def _render(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     if not tokenizer.chat_template:
         raise InvalidRequestError(
@@ -102,7 +110,10 @@ def _render(
         )
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            tools=[dict(tool) for tool in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(
@@ -139,6 +150,7 @@ def _split_content_specials(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     pattern: re.Pattern[str],
+    tools: Sequence[Mapping[str, Any]] | None,
 ) -> list[tuple[str, bool]]:
     """The prompt's text as segments; True marks special-token text written by content.
 
@@ -156,7 +168,7 @@ def _split_content_specials(
             markers[marker] = content
             message = {**message, "content": f" {marker} "}
         probed.append(message)
-    template_text = _render(tokenizer, probed, add_generation_prompt)
+    template_text = _render(tokenizer, probed, add_generation_prompt, tools)
     split = re.split("( ?(?:" + "|".join(markers) + ") ?)", template_text)
     segments: list[tuple[str, bool]] = []
     for i, piece in enumerate(split):

@@ -11,10 +11,11 @@ from pydantic import BaseModel, ConfigDict, model_validator
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
+MAX_TOOLS = 128
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default length for /v1/completions
 MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class RequestModel(BaseModel):

@@ -16,10 +16,18 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, PrefixContract, SamplingParams
+from engine import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    GrammarSpec,
+    PrefixContract,
+    SamplingParams,
+    tool_call_grammar,
+)
 from gateway.protocol.common import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_N,
+    MAX_TOOLS,
     RequestModel,
     json_type_name,
 )
@@ -28,6 +36,12 @@ from gateway.protocol.structured import (
     ResponseFormat,
     StructuredOutputs,
     guided_specs,
+)
+from gateway.protocol.tools import (
+    ChatCompletionTool,
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
 )
 
 logger = logging.getLogger(__name__)
@@ -110,34 +124,51 @@ MessageContent = Annotated[
 
 
 def _content_nullable_for_assistants_only(schema: dict[str, Any]) -> None:
-    # What `_content_required` enforces, said in the schema: clients generated from the
-    # OpenAPI document must not believe a null user message is valid.
-    schema["if"] = {
-        "properties": {"role": {"enum": ["system", "developer", "user"]}},
-        "required": ["role"],
-    }
-    schema["then"] = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
+    # What the validators below enforce, said in the schema: clients generated from the
+    # OpenAPI document must not believe a null user message, a tool result without the call
+    # it answers, or a user message with tool calls is valid.
+    def role_is(*roles: str) -> dict[str, Any]:
+        return {"properties": {"role": {"enum": list(roles)}}, "required": ["role"]}
+
+    not_null = {"not": {"type": "null"}}
+    schema["allOf"] = [
+        {
+            "if": role_is("system", "developer", "user", "tool"),
+            "then": {"required": ["content"], "properties": {"content": not_null}},
+        },
+        {
+            "if": role_is("tool"),
+            "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": not_null}},
+            "else": {"properties": {"tool_call_id": {"type": "null"}}},
+        },
+        {
+            "if": role_is("assistant"),
+            "else": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
+        },
+    ]
 
 
 class ChatMessage(RequestModel):
     """One input message. "developer" is treated as "system"; `content` may be null only for
-    "assistant" messages (it then counts as empty text)."""
+    "assistant" messages (it then counts as empty text); an assistant turn may carry the
+    `tool_calls` it made, and a "tool" message answers one of them (`tool_call_id`)."""
 
     model_config = ConfigDict(json_schema_extra=_content_nullable_for_assistants_only)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None
     name: str | None = None
-    tool_calls: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role", mode="before")
     @classmethod
-    def _no_tool_roles(cls, value: Any) -> Any:
-        if value in ("tool", "function"):
+    def _no_function_role(cls, value: Any) -> Any:
+        if value == "function":
             raise PydanticCustomError(
                 "unsupported_value",
-                "is '{role}'; {role} messages are not supported by this server",
-                {"role": value},
+                "is 'function'; the deprecated function messages are not supported by this "
+                "server (send 'tool' messages)",
             )
         return value
 
@@ -155,14 +186,43 @@ class ChatMessage(RequestModel):
 
     @field_validator("tool_calls")
     @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise _unsupported()
+    def _calls_from_the_assistant(
+        cls, value: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages make tool calls")
         return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_for_tool_results(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "tool":
+            raise PydanticCustomError("invalid_value", "only tool messages answer a tool call")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError(
+                "invalid_value", "a tool message needs the 'tool_call_id' it answers"
+            )
+        return self
 
     @property
     def text(self) -> str:
         return "".join(part.text for part in self.content or ())
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's tool-calling convention)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text,
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 def _stop_as_list(value: Any) -> Any:
@@ -349,8 +409,9 @@ class ChatCompletionRequest(GenerationRequest):
     # Features this server does not have: accepted only in their "off" form.
     # The schema says what is accepted today, so generated clients and fuzzers agree with
     # the validators below (which give the friendlier errors).
-    tools: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
-    tool_choice: Any = Field(default=None, json_schema_extra={"enum": ["none", None]})
+    tools: list[ChatCompletionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra=_NONE_YET)
     function_call: Any = Field(default=None, json_schema_extra={"enum": ["none", None]})
     response_format: ResponseFormat | None = None
@@ -372,7 +433,7 @@ class ChatCompletionRequest(GenerationRequest):
             raise PydanticCustomError("invalid_value", "only allowed when 'logprobs' is true")
         return value
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
     def _unsupported_list(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
@@ -386,14 +447,31 @@ class ChatCompletionRequest(GenerationRequest):
             raise _unsupported()
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
+    def _no_function_call(cls, value: Any) -> Any:
         if value is not None and value != "none":
             raise PydanticCustomError(
                 "unsupported_value",
-                "must be 'none': tool and function calling are not supported by this server",
+                "must be 'none': the deprecated function calling is not supported by this "
+                "server (send 'tools')",
             )
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if (value == "required" or isinstance(value, NamedToolChoice)) and not tools:
+            raise PydanticCustomError("invalid_value", "needs 'tools' to choose from")
+        if isinstance(value, NamedToolChoice):
+            names = [tool.function.name for tool in tools]
+            if value.function.name not in names:
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "names '{name}', which is not among 'tools'",
+                    {"name": value.function.name},
+                )
         return value
 
     @field_validator("modalities")
@@ -406,16 +484,34 @@ class ChatCompletionRequest(GenerationRequest):
             )
         return value
 
-    def flat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: role and plain-text content."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-            for m in self.messages
-        ]
+    def flat_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates take them (role, text, tool calls and results)."""
+        return [m.for_template() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered and the model may call them: its output is read for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def constraints(self) -> list[tuple[str, GrammarSpec]]:
         spec = self.response_format.spec() if self.response_format is not None else None
         own = [("response_format", spec)] if spec is not None else []
+        if self.uses_tools:
+            choice = self.tool_choice
+            own.append(
+                (
+                    "tools",
+                    tool_call_grammar(
+                        self.tool_dicts(),
+                        choice.function.name if isinstance(choice, NamedToolChoice) else None,
+                        is_required=choice == "required" or isinstance(choice, NamedToolChoice),
+                        parallel=self.parallel_tool_calls is not False,
+                    ),
+                )
+            )
         return own + super().constraints()
 
     @property

@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from gateway.protocol.common import MIN_LOGPROB, FinishReason, random_id
+from gateway.protocol.tools import ToolCallDelta, ToolCallOut
 
 
 def _clamp_logprob(value: float) -> float:
@@ -64,8 +65,18 @@ class ChatCompletionLogprobs(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
+    """`tool_calls` appears only when the model called tools (as OpenAI sends it)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -91,6 +102,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import AsyncEngine, EngineRequest, chat_prompt_ids
+from engine import (
+    AsyncEngine,
+    EngineRequest,
+    ParsedToolCall,
+    chat_prompt_ids,
+    parse_tool_calls,
+)
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.generation import Choice, Job, fan_out
 from gateway.logprobs import chat_logprobs
@@ -23,6 +30,7 @@ from gateway.protocol import (
     api_finish_reason,
     random_id,
 )
+from gateway.protocol.tools import FunctionCallOut, ToolCallDelta, ToolCallOut
 from gateway.routes.common import (
     SSE_DONE,
     StreamChunks,
@@ -45,9 +53,12 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     prepared = await gateway.run_blocking(_prepare, engine, body, gateway.config.default_max_tokens)
     job = Job(gateway, engine, admitted.ticket, random_id("chatcmpl"), fan_out(prepared, body.n))
     if body.stream:
-        events = _stream(job, gateway.model_name, body.logprobs, body.include_usage)
+        events = _stream(
+            job, gateway.model_name, body.logprobs, body.include_usage, body.uses_tools
+        )
         return sse_response(events, gateway, admitted.ticket)
-    return await unless_disconnected(request, _complete(job, gateway.model_name, body.logprobs))
+    completion = _complete(job, gateway.model_name, body.logprobs, body.uses_tools)
+    return await unless_disconnected(request, completion)
 
 
 def _prepare(
@@ -56,7 +67,8 @@ def _prepare(
     """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
     may write `default_max_tokens` (--default-max-tokens) or what is left of the context,
     whichever is less: never the whole context by accident, for n choices at once."""
-    prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages())
+    tools = body.tool_dicts() or None
+    prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages(), tools=tools)
     room = max(engine.max_model_len - len(prompt_ids), 1)
     contract = engine.prefix_contract(prompt_ids)
     params = body.to_sampling_params(min(default_max_tokens, room), contract)
@@ -66,64 +78,83 @@ def _prepare(
     return prepared
 
 
-async def _complete(job: Job, model: str, want_logprobs: bool) -> JSONResponse:
+async def _complete(job: Job, model: str, want_logprobs: bool, uses_tools: bool) -> JSONResponse:
     tokenizer = job.gateway.tokenizer
     await job.collect()
     response = ChatCompletionResponse(
         id=job.request_id,
         created=int(time.time()),
         model=model,
-        choices=[_final_choice(c, tokenizer, want_logprobs) for c in job.choices],
+        choices=[_final_choice(c, tokenizer, want_logprobs, uses_tools) for c in job.choices],
         usage=usage_of(job),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
 
 def _final_choice(
-    choice: Choice, tokenizer: object, want_logprobs: bool
+    choice: Choice, tokenizer: object, want_logprobs: bool, uses_tools: bool
 ) -> ChatCompletionResponseChoice:
+    content, calls = parse_tool_calls(choice.text) if uses_tools else (choice.text, [])
+    finish_reason = api_finish_reason(choice.finish_reason) or "stop"
     return ChatCompletionResponseChoice(
         index=choice.index,
-        message=ChatMessageOut(role="assistant", content=choice.text),
-        finish_reason=api_finish_reason(choice.finish_reason) or "stop",
+        message=ChatMessageOut(
+            role="assistant",
+            content=content,
+            tool_calls=[_call_out(call) for call in calls] or None,
+        ),
+        finish_reason="tool_calls" if calls and finish_reason == "stop" else finish_reason,
         logprobs=chat_logprobs(tokenizer, choice.logprobs) if want_logprobs else None,
     )
 
 
+def _call_out(call: ParsedToolCall) -> ToolCallOut:
+    return ToolCallOut(id=random_id("call"), function=_function(call))
+
+
 async def _stream(
-    job: Job, model: str, want_logprobs: bool, include_usage: bool
+    job: Job, model: str, want_logprobs: bool, include_usage: bool, uses_tools: bool
 ) -> AsyncIterator[str]:
+    """Content deltas as they come. With tools, a choice whose text starts with '<' is
+    writing calls (the grammar lets a text answer start with anything else): its text is
+    held until it finishes and then sent as tool-call deltas, each call whole."""
     tokenizer = job.gateway.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
+    held = ["" if uses_tools else None for _ in job.choices]  # per choice: None = streaming
+
+    def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
+        return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])
 
     for choice in job.choices:  # the first delta of each choice carries the role
-        yield chunk(
-            [
-                ChatCompletionStreamChoice(
-                    index=choice.index, delta=DeltaMessage(role="assistant", content="")
-                )
-            ]
-        )
+        yield delta(choice.index, DeltaMessage(role="assistant", content=""))
     async for choice, out in job.run():
+        index, text = choice.index, out.text
+        pending = held[index]
+        if pending is not None:
+            pending += text
+            is_call = pending.lstrip().startswith("<")
+            held[index] = pending if is_call or not pending.strip() else None
+            text = "" if held[index] is not None else pending
         logprobs = chat_logprobs(tokenizer, out.logprobs or []) if want_logprobs else None
-        if out.text or logprobs is not None:
-            yield chunk(
-                [
-                    ChatCompletionStreamChoice(
-                        index=choice.index, delta=DeltaMessage(content=out.text), logprobs=logprobs
-                    )
-                ]
-            )
+        if text or logprobs is not None:
+            yield delta(index, DeltaMessage(content=text), logprobs=logprobs)
         if out.finished:
-            yield chunk(
-                [
-                    ChatCompletionStreamChoice(
-                        index=choice.index,
-                        delta=DeltaMessage(),
-                        finish_reason=api_finish_reason(out.finish_reason),
-                    )
+            reason = api_finish_reason(out.finish_reason)
+            content, calls = parse_tool_calls(held[index] or "")
+            if content:
+                yield delta(index, DeltaMessage(content=content))
+            if calls:
+                deltas = [
+                    ToolCallDelta(index=i, id=random_id("call"), function=_function(call))
+                    for i, call in enumerate(calls)
                 ]
-            )
+                yield delta(index, DeltaMessage(tool_calls=deltas))
+                reason = "tool_calls" if reason == "stop" else reason
+            yield delta(index, DeltaMessage(), finish_reason=reason)
     if include_usage:
         yield chunk([], usage=usage_of(job))
     yield SSE_DONE
+
+
+def _function(call: ParsedToolCall) -> FunctionCallOut:
+    return FunctionCallOut(name=call.name, arguments=call.arguments)

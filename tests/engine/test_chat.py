@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -113,7 +114,7 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str, as_text: bool = False
     return list(ids)
 
 
-@pytest.mark.parametrize("role", ["user", "tool", "assistant"])
+@pytest.mark.parametrize("role", ["user", "assistant"])
 def test_special_token_text_in_content_is_plain_text(
     tiny_tokenizer: PreTrainedTokenizerBase, role: str
 ) -> None:
@@ -210,3 +211,28 @@ def test_no_fill_in_the_middle_tokens_is_a_clear_error(
     with pytest.raises(InvalidRequestError) as raised:
         fim_prompt_ids(tiny_tokenizer, "a", "b")
     assert (raised.value.param, raised.value.code) == ("suffix", "unsupported_value")
+
+
+def test_tool_turns_for_a_template_without_tools(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    """The tiny ChatML template takes no `tools`: they are described in the system turn, an
+    assistant's calls are written back as tagged JSON, a tool result becomes a user turn."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    ids = chat_prompt_ids(tiny_tokenizer, messages, tools=tools)
+    text = tiny_tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou may call these functions:\n<tools>\n")
+    assert json.dumps(tools[0]["function"]) in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    ) in text
+    plain = [{"role": "user", "content": "Weather?"}]
+    assert chat_prompt_ids(tiny_tokenizer, plain) == chat_prompt_ids(
+        tiny_tokenizer, plain, tools=[]
+    )

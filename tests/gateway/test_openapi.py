@@ -56,10 +56,14 @@ def test_request_and_response_bodies_are_the_validating_models() -> None:
         ]
     }
     message = schema["components"]["schemas"]["ChatMessage"]
-    assert message["then"] == {
+    content_rule, tool_result_rule, tool_calls_rule = message["allOf"]
+    assert content_rule["then"] == {
         "required": ["content"],
         "properties": {"content": {"not": {"type": "null"}}},
     }
+    assert tool_result_rule["if"]["properties"]["role"] == {"enum": ["tool"]}
+    assert tool_result_rule["then"]["required"] == ["tool_call_id"]
+    assert tool_calls_rule["if"]["properties"]["role"] == {"enum": ["assistant"]}
 
 
 @pytest.mark.parametrize(

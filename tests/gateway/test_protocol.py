@@ -100,8 +100,8 @@ def missing(param: str) -> tuple[str, str, str]:
 
 
 NO_TOOLS = (
-    "Unsupported value: '{}' must be 'none': tool and function calling are not supported by "
-    "this server."
+    "Unsupported value: '{}' must be 'none': the deprecated function calling is not supported "
+    "by this server (send 'tools')."
 )
 PART = (
     "Unsupported value: 'messages[0].content[{}]' has type '{t}'; {t} content parts are not "
@@ -134,23 +134,21 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         "chat",
         msgs({"role": "robot", "content": "hi"}),
         bad_value(
-            "messages[0].role", "input should be 'system', 'developer', 'user' or 'assistant'"
+            "messages[0].role",
+            "input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
         ),
     ),
-    *[
+    (
+        "role-function",
+        "chat",
+        msgs(USER, {"role": "function", "content": "x"}),
         (
-            f"role-{role}",
-            "chat",
-            msgs(USER, {"role": role, "content": "x"}),
-            (
-                "messages[1].role",
-                "unsupported_value",
-                f"Unsupported value: 'messages[1].role' is '{role}'; {role} messages are not "
-                "supported by this server.",
-            ),
-        )
-        for role in ("tool", "function")
-    ],
+            "messages[1].role",
+            "unsupported_value",
+            "Unsupported value: 'messages[1].role' is 'function'; the deprecated function "
+            "messages are not supported by this server (send 'tool' messages).",
+        ),
+    ),
     ("content-missing", "chat", msgs({"role": "user"}), missing("messages[0].content")),
     (
         "content-null",
@@ -196,7 +194,7 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         "tool-calls",
         "chat",
         msgs(USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}),
-        unsupported_param("messages[1].tool_calls"),
+        missing("messages[1].tool_calls[0].type"),
     ),
     (
         "name-type",
@@ -341,12 +339,12 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         chat(stream=True, stream_options={"include_usage": "yes"}),
         bad_type("stream_options.include_usage", "a boolean", "a string"),
     ),
-    ("tools", "chat", chat(tools=[{"type": "function"}]), unsupported_param("tools")),
+    ("tools", "chat", chat(tools=[{"type": "function"}]), missing("tools[0].function")),
     (
         "tool-choice",
         "chat",
-        chat(tool_choice="auto"),
-        ("tool_choice", "unsupported_value", NO_TOOLS.format("tool_choice")),
+        chat(tool_choice="sometimes"),
+        bad_value("tool_choice", "input should be 'none', 'auto' or 'required'"),
     ),
     ("functions", "chat", chat(functions=[{"name": "f"}]), unsupported_param("functions")),
     (

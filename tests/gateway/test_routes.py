@@ -344,20 +344,6 @@ def test_unknown_fields_are_accepted_and_ignored(client: TestClient, reference: 
     assert completion["choices"][0]["text"] == reference.completion(PROMPT, NUM_TOKENS)
 
 
-def test_tools_are_refused(client: TestClient) -> None:
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
-    response = client.post("/v1/chat/completions", json={**CHAT, "tools": [tool]})
-    assert response.status_code == 400
-    assert response.json() == {
-        "error": {
-            "message": "Unsupported parameter: 'tools' is not supported by this server.",
-            "type": "invalid_request_error",
-            "param": "tools",
-            "code": "unsupported_parameter",
-        }
-    }
-
-
 @pytest.mark.parametrize(
     ("route", "body", "field"),
     [

@@ -11,9 +11,11 @@ may get a 400, with exactly that error code:
 - `too_many_sequences`: n x prompts must fit the waiting queue;
 - a completions `max_tokens` of 0 needs `echo` (`invalid_value` on max_tokens), and `suffix`
   needs a model with a fill-in-the-middle format (`unsupported_value`; the tiny model has none);
-- a structured output constraint (`response_format`, `guided_*`, `structured_outputs`) must be
-  a grammar llguidance can compile (`invalid_value` on that field), and a request sets at
-  most one of them (`invalid_value`, no field, the message says so).
+- `tool_choice` `required` or a named function needs `tools` holding it (`invalid_value`);
+- a structured output constraint (`response_format`, `tools`, `guided_*`,
+  `structured_outputs`) must be a grammar llguidance can compile (`invalid_value` on that
+  field), and a request sets at most one of them (`invalid_value`, no field, the message
+  says so).
 Two more depend on the model, not on the request's shape: token ids must be below the
 vocabulary size (`invalid_token_id`), and an unknown `model` is a 404 `model_not_found` (as
 Schemathesis itself accepts for schema-valid data: a resource that does not exist).
@@ -73,6 +75,8 @@ CROSS_FIELD_RULES = {
         (field, "invalid_value")
         for field in (
             "response_format",
+            "tools",
+            "tool_choice",
             "guided_json",
             "guided_regex",
             "guided_choice",
