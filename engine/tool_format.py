@@ -81,22 +81,29 @@ def tool_call_grammar(
 ) -> GrammarSpec:
     """Calls as a grammar: one call (several if `parallel`) of any tool, or of `only`; when
     not `is_required` the model may instead answer in text that does not start with '<'."""
-    schemas = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-        if only is None or t["function"]["name"] == only
-    ]
+    schemas, defs = [], {}
+    for tool in tools:
+        name = tool["function"]["name"]
+        if only is not None and name != only:
+            continue
+        parameters = dict(tool["function"].get("parameters") or {"type": "object"})
+        # Pydantic-made schemas refer to "#/$defs/...": the definitions move to the root of
+        # the call's schema, where those references resolve.
+        defs.update(parameters.pop("$defs", {}))
+        schemas.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": name},
+                    "arguments": parameters,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     compact = {"x-guidance": {"whitespace_flexible": False}}  # as for response_format
     one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    call_schema = json.dumps({**one_of, **compact})
+    call_schema = json.dumps({**one_of, **compact, **({"$defs": defs} if defs else {})})
     calls = 'call ("\\n" call)*' if parallel else "call"
     lark = f'calls: {calls}\ncall: "{OPEN}\\n" %json {call_schema} "\\n{CLOSE}"\n'
     start = "start: calls\n" if is_required else "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"

@@ -161,6 +161,15 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _assistant_content_may_be_absent(cls, data: Any) -> Any:
+        # An assistant turn that only called tools often comes without `content` (the SDK's
+        # model_dump(exclude_none=True) drops it); every other role must send it.
+        if isinstance(data, dict) and data.get("role") == "assistant" and "content" not in data:
+            return {**data, "content": None}
+        return data
+
     @field_validator("role", mode="before")
     @classmethod
     def _no_function_role(cls, value: Any) -> Any:
@@ -508,7 +517,9 @@ class ChatCompletionRequest(GenerationRequest):
                         self.tool_dicts(),
                         choice.function.name if isinstance(choice, NamedToolChoice) else None,
                         is_required=choice == "required" or isinstance(choice, NamedToolChoice),
-                        parallel=self.parallel_tool_calls is not False,
+                        # A named function is called once, as OpenAI does.
+                        parallel=self.parallel_tool_calls is not False
+                        and not isinstance(choice, NamedToolChoice),
                     ),
                 )
             )

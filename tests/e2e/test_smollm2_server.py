@@ -265,3 +265,92 @@ def test_instructor_returns_validated_models(sdk: openai.OpenAI) -> None:
         max_retries=0,
     )
     assert isinstance(person, Person)
+
+
+# -- tool calling ------------------------------------------------------------------------------
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_sdk_tool_call_round_trip(sdk: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = sdk.chat.completions.create(
+        model=_model(sdk),
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert set(json.loads(call.function.arguments)) == {"city"}  # type: ignore[union-attr]
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
+    second = sdk.chat.completions.create(
+        model=_model(sdk), messages=messages, tools=[WEATHER_TOOL], tool_choice="none"
+    )
+    answer = second.choices[0].message
+    assert answer.tool_calls is None and answer.content
+
+
+def test_sdk_streams_a_tool_call(sdk: openai.OpenAI) -> None:
+    stream = sdk.chat.completions.create(
+        model=_model(sdk),
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert [call.function.name for call in calls] == ["get_weather"]  # type: ignore[union-attr]
+    json.loads(calls[0].function.arguments or "")  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_langchain_bind_tools(real_server: Server, sdk: openai.OpenAI) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model=_model(sdk),
+        base_url=f"{real_server.url}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        temperature=0,
+        max_retries=0,
+    )
+    reply = chat.bind_tools([WEATHER_TOOL], tool_choice="get_weather").invoke("Weather in Rome?")
+    [call] = reply.tool_calls  # type: ignore[attr-defined]
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
+
+
+def test_instructor_tools_mode(sdk: openai.OpenAI) -> None:
+    import instructor
+
+    client = instructor.from_openai(sdk, mode=instructor.Mode.TOOLS)
+    person = client.chat.completions.create(
+        model=_model(sdk),
+        response_model=Person,
+        messages=[{"role": "user", "content": "Invent a person who has one pet."}],
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
+    )
+    assert isinstance(person, Person)
