@@ -230,16 +230,20 @@ def test_a_schema_that_cannot_compile_is_a_bad_request(sdk: openai.OpenAI) -> No
 # -- client libraries built on the openai SDK ---------------------------------------------------
 
 
-def test_langchain_with_structured_output(real_server: Server, sdk: openai.OpenAI) -> None:
+def _langchain(server: Server, sdk: openai.OpenAI) -> Any:
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(
+    return ChatOpenAI(
         model=_model(sdk),
-        base_url=f"{real_server.url}/v1",
+        base_url=f"{server.url}/v1",
         api_key="unused",  # type: ignore[arg-type]
         temperature=0,
         max_retries=0,
     )
+
+
+def test_langchain_with_structured_output(real_server: Server, sdk: openai.OpenAI) -> None:
+    chat = _langchain(real_server, sdk)
     structured = chat.with_structured_output(Person, method="json_schema", strict=True)
     person = structured.invoke("Invent a person who has one pet.")
     assert isinstance(person, Person)
@@ -249,13 +253,15 @@ def test_langchain_with_structured_output(real_server: Server, sdk: openai.OpenA
     assert isinstance(intent, Intent)
 
 
-def test_instructor_returns_validated_models(sdk: openai.OpenAI) -> None:
-    """instructor's JSON_SCHEMA mode (response_format json_schema). Its JSON mode asks for
-    any JSON object (json_object) with the schema only in the prompt: the grammar then keeps
-    the output an object, but this 135M model does not close it within 200 tokens."""
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+def test_instructor_returns_validated_models(sdk: openai.OpenAI, mode: str) -> None:
+    """instructor's JSON_SCHEMA mode (response_format json_schema) and TOOLS mode (a forced
+    tool call). Its JSON mode asks for any JSON object (json_object) with the schema only in
+    the prompt: the grammar keeps the output an object, but this 135M model does not close
+    it within 200 tokens."""
     import instructor
 
-    client = instructor.from_openai(sdk, mode=instructor.Mode.JSON_SCHEMA)
+    client = instructor.from_openai(sdk, mode=getattr(instructor.Mode, mode))
     person = client.chat.completions.create(
         model=_model(sdk),
         response_model=Person,
@@ -327,30 +333,7 @@ def test_sdk_streams_a_tool_call(sdk: openai.OpenAI) -> None:
 
 
 def test_langchain_bind_tools(real_server: Server, sdk: openai.OpenAI) -> None:
-    from langchain_openai import ChatOpenAI
-
-    chat = ChatOpenAI(
-        model=_model(sdk),
-        base_url=f"{real_server.url}/v1",
-        api_key="unused",  # type: ignore[arg-type]
-        temperature=0,
-        max_retries=0,
-    )
+    chat = _langchain(real_server, sdk)
     reply = chat.bind_tools([WEATHER_TOOL], tool_choice="get_weather").invoke("Weather in Rome?")
     [call] = reply.tool_calls  # type: ignore[attr-defined]
     assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
-
-
-def test_instructor_tools_mode(sdk: openai.OpenAI) -> None:
-    import instructor
-
-    client = instructor.from_openai(sdk, mode=instructor.Mode.TOOLS)
-    person = client.chat.completions.create(
-        model=_model(sdk),
-        response_model=Person,
-        messages=[{"role": "user", "content": "Invent a person who has one pet."}],
-        temperature=0,
-        max_tokens=200,
-        max_retries=0,
-    )
-    assert isinstance(person, Person)
