@@ -3,6 +3,7 @@ server lacks rejected with a clear error."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -328,7 +329,7 @@ class GenerationRequest(RequestModel):
 
     @model_validator(mode="after")
     def _one_constraint(self) -> GenerationRequest:
-        constraints = self.constraints()
+        constraints = self.constraints
         if len(constraints) > 1:
             names = " and ".join(name for name, _ in constraints)
             raise PydanticCustomError(
@@ -338,19 +339,26 @@ class GenerationRequest(RequestModel):
             )
         return self
 
+    @functools.cached_property
     def constraints(self) -> list[tuple[str, GrammarSpec]]:
-        """(field, spec) of each structured output constraint the request sets."""
-        pairs = guided_specs(
+        """(field, spec) of each structured output constraint the request sets. Built once:
+        validation, error naming and the sampling parameters all read it (a tool grammar or
+        a schema is serialised to build its spec)."""
+        pairs = self._format_constraints() + guided_specs(
             self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
         )
         if self.structured_outputs is not None:
             pairs += [("structured_outputs", s) for s in self.structured_outputs.specs()]
         return pairs
 
+    def _format_constraints(self) -> list[tuple[str, GrammarSpec]]:
+        """Constraints of route-specific fields (chat: response_format, tools)."""
+        return []
+
     @property
     def grammar_field(self) -> str:
         """The field that holds the request's constraint (errors name it)."""
-        constraints = self.constraints()
+        constraints = self.constraints
         return constraints[0][0] if constraints else "response_format"
 
     @property
@@ -376,7 +384,7 @@ class GenerationRequest(RequestModel):
         """`contract`: the registry entry the prompt hit; its fields fill what the request
         left unset (its own format, `response_format: text` included, wins)."""
         contract = contract or PrefixContract()
-        constraints = self.constraints()
+        constraints = self.constraints
         if constraints:
             grammar: GrammarSpec | None = constraints[0][1]
         else:
@@ -406,7 +414,7 @@ class GenerationRequest(RequestModel):
     @property
     def sets_own_format(self) -> bool:
         """The request states its output format itself (even as plain text)."""
-        return bool(self.constraints())
+        return bool(self.constraints)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -505,7 +513,7 @@ class ChatCompletionRequest(GenerationRequest):
         """Tools are offered and the model may call them: its output is read for calls."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def constraints(self) -> list[tuple[str, GrammarSpec]]:
+    def _format_constraints(self) -> list[tuple[str, GrammarSpec]]:
         spec = self.response_format.spec() if self.response_format is not None else None
         own = [("response_format", spec)] if spec is not None else []
         if self.uses_tools:
@@ -523,7 +531,7 @@ class ChatCompletionRequest(GenerationRequest):
                     ),
                 )
             )
-        return own + super().constraints()
+        return own
 
     @property
     def sets_own_format(self) -> bool:
