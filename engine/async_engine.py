@@ -34,7 +34,7 @@ from engine.outputs import RequestOutput
 from engine.registry import MatchReport, ReloadStatus
 from engine.registry_file import PrefixContract
 from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,10 @@ class AsyncEngine:
     ) -> EngineRequest:
         """Validate once (typed errors, before any response has started); see LLMEngine."""
         return self.engine.prepare_request(prompt_token_ids, params, cache_salt)
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` (cached), or raise InvalidRequestError naming "grammar"."""
+        self.engine.grammars.compile(spec)
 
     def prefix_contract(self, prompt_token_ids: list[int]) -> PrefixContract | None:
         """The output contract of the registry entry this prompt starts with; see LLMEngine."""

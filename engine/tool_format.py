@@ -77,10 +77,16 @@ def _args(call: Mapping[str, Any]) -> Any:
 
 
 def tool_call_grammar(
-    tools: Sequence[Mapping[str, Any]], only: str | None, is_required: bool, parallel: bool
+    tools: Sequence[Mapping[str, Any]],
+    only: str | None,
+    is_required: bool,
+    parallel: bool,
+    answer: GrammarSpec | None = None,
 ) -> GrammarSpec:
     """Calls as a grammar: one call (several if `parallel`) of any tool, or of `only`; when
-    not `is_required` the model may instead answer in text that does not start with '<'."""
+    not `is_required` the model may instead answer in text that does not start with '<', or,
+    given an `answer` JSON schema (the request's response format), in JSON of that schema:
+    an agent with tools and a structured final output gets either a call or its output."""
     schemas, defs = [], {}
     for tool in tools:
         name = tool["function"]["name"]
@@ -106,7 +112,13 @@ def tool_call_grammar(
     call_schema = json.dumps({**one_of, **compact, **({"$defs": defs} if defs else {})})
     calls = 'call ("\\n" call)*' if parallel else "call"
     lark = f'calls: {calls}\ncall: "{OPEN}\\n" %json {call_schema} "\\n{CLOSE}"\n'
-    start = "start: calls\n" if is_required else "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
+    if is_required:
+        start = "start: calls\n"
+    elif answer is not None:
+        assert answer.kind == "json_schema", answer.kind
+        start = f"start: answer | calls\nanswer: %json {answer.source}\n"
+    else:
+        start = "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
     return GrammarSpec("lark", start + lark)
 
 

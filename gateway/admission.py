@@ -26,13 +26,13 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 
 from gateway import errors
-from gateway.protocol import GenerationRequest, json_type_name
+from gateway.protocol import GenerationBase, json_type_name
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
 
 Body = TypeVar("Body", bound=BaseModel)
-Generation = TypeVar("Generation", bound=GenerationRequest)
+Generation = TypeVar("Generation", bound=GenerationBase)
 
 # Media types accepted as JSON; a request without a Content-Type is read as JSON too (curl -d
 # users forget it, and OpenAI's own API is lenient there).

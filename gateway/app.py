@@ -23,6 +23,7 @@ from gateway.routes.completions import create_completion
 from gateway.routes.models import health, list_models, metrics, retrieve_model
 from gateway.routes.openapi import get_openapi
 from gateway.routes.prefixes import list_prefixes, match_prefix, reload_prefixes
+from gateway.routes.responses import create_response, stored_response
 from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,12 @@ def create_app(
             methods=["POST"],
         ),
         Route("/v1/completions", counted("/v1/completions", create_completion), methods=["POST"]),
+        Route("/v1/responses", counted("/v1/responses", create_response), methods=["POST"]),
+        Route(
+            "/v1/responses/{id:path}",
+            counted("/v1/responses/{id}", stored_response),
+            methods=["GET", "DELETE"],
+        ),
         Route("/v1/models", counted("/v1/models", list_models), methods=["GET"]),
         Route(
             "/v1/models/{model:path}",

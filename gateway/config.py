@@ -36,6 +36,15 @@ class GatewayConfig:
         2048, "chat completion length when the client sends no max_tokens (capped by the context)"
     )
     max_prompts: int = option(64, "prompts one /v1/completions list may carry")
+    response_store_entries: int = option(
+        1024, "Responses API: responses kept for previous_response_id and GET (0: none)"
+    )
+    response_store_bytes: int = option(
+        256 << 20, "Responses API: bytes the kept responses may take in all", size=True
+    )
+    response_store_ttl: float = option(
+        3600.0, "Responses API: seconds a kept response stays retrievable"
+    )
     tokenizer_workers: int = option(
         2, "threads that parse, render and tokenize requests off the event loop"
     )
@@ -45,3 +54,5 @@ class GatewayConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown_grace must be >= 0")
+        if self.response_store_entries < 0 or self.response_store_ttl <= 0:
+            raise ValueError("response_store_entries must be >= 0 and response_store_ttl > 0")

@@ -165,7 +165,8 @@ def _code_and_detail(error: ErrorDetails) -> tuple[str, str]:
         got = json_type_name(error["input"])
         return "invalid_type", f"expected {_EXPECTED_TYPES[kind]}, but got {got} instead"
     msg = error["msg"].removeprefix("Value error, ").replace(" after validation", "")
-    msg = msg.replace("List should", "Array should")  # JSON's word, as OpenAI writes it
+    # JSON's words, as OpenAI writes them.
+    msg = msg.replace("List should", "Array should").replace("Dictionary should", "Object should")
     return "invalid_value", msg[:1].lower() + msg[1:]
 
 

@@ -22,6 +22,7 @@ from gateway import errors
 from gateway.admission import Ticket
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +38,9 @@ class Gateway:
         self.tickets: set[Ticket] = set()  # requests in flight, admission to response end
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self.metrics = GatewayMetrics(self._stats, self.model_name)
+        self.responses = ResponseStore(
+            config.response_store_entries, config.response_store_bytes, config.response_store_ttl
+        )
         # Parsing, rendering and tokenizing run here, never on the event loop: a 5 MB prompt
         # takes seconds to tokenize, and every open stream would wait behind it.
         self._workers = ThreadPoolExecutor(

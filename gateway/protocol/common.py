@@ -32,6 +32,21 @@ class RequestModel(BaseModel):
         return self
 
 
+class GenerationBase(RequestModel):
+    """What admission reads of any request that runs the model: the model it names and the
+    engine sequences it will queue."""
+
+    model: str
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
+
+    @property
+    def num_sequences(self) -> int:
+        return 1
+
+
 def random_id(prefix: str) -> str:
     """`random_id("chatcmpl")` -> "chatcmpl-" + 24 hex chars, like OpenAI's ids."""
     return f"{prefix}-{secrets.token_hex(12)}"

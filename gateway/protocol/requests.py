@@ -11,11 +11,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import (
     MAX_LOGPROBS,
@@ -29,6 +30,7 @@ from gateway.protocol.common import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_N,
     MAX_TOOLS,
+    GenerationBase,
     RequestModel,
     json_type_name,
 )
@@ -264,12 +266,11 @@ class StreamOptions(RequestModel):
     include_usage: bool | None = None
 
 
-class GenerationRequest(RequestModel):
+class GenerationRequest(GenerationBase):
     """Fields shared by chat and completions. Declaration order matters: a validator reads
     the fields declared before it from `info.data` (`stream` before `stream_options`, `n`
     before `best_of`)."""
 
-    model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="extension; -1 or 0: disabled")
@@ -356,10 +357,11 @@ class GenerationRequest(RequestModel):
         return []
 
     @property
-    def grammar_field(self) -> str:
-        """The field that holds the request's constraint (errors name it)."""
+    def engine_fields(self) -> dict[str, str]:
+        """Engine parameter -> the field of this request it came from (errors name it)."""
         constraints = self.constraints
-        return constraints[0][0] if constraints else "response_format"
+        grammar = constraints[0][0] if constraints else "response_format"
+        return {"prompt": "prompt", "max_tokens": "max_tokens", "grammar": grammar}
 
     @property
     def num_sequences(self) -> int:
@@ -501,6 +503,33 @@ class ChatCompletionRequest(GenerationRequest):
             )
         return value
 
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """A tool message answers a call an earlier assistant message made (as OpenAI
+        requires): a result for no call would be rendered as if one had been made."""
+        called: set[str] = set()
+        for index, message in enumerate(messages):
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in called:
+                unanswered = PydanticCustomError(
+                    "invalid_value",
+                    "'{call_id}' is not the id of a tool call an earlier assistant message made",
+                    {"call_id": message.tool_call_id},
+                )
+                problem: InitErrorDetails = {
+                    "type": unanswered,
+                    "loc": (index, "tool_call_id"),
+                    "input": message.tool_call_id,
+                }
+                raise ValidationError.from_exception_data(cls.__name__, [problem])
+        return messages
+
+    @property
+    def engine_fields(self) -> dict[str, str]:
+        length = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        return {**super().engine_fields, "prompt": "messages", "max_tokens": length}
+
     def flat_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates take them (role, text, tool calls and results)."""
         return [m.for_template() for m in self.messages]
@@ -514,24 +543,22 @@ class ChatCompletionRequest(GenerationRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
     def _format_constraints(self) -> list[tuple[str, GrammarSpec]]:
+        """The response format, or with tools one grammar of calls whose non-call answer
+        follows the response format (an agent with tools and a structured final output)."""
         spec = self.response_format.spec() if self.response_format is not None else None
-        own = [("response_format", spec)] if spec is not None else []
-        if self.uses_tools:
-            choice = self.tool_choice
-            own.append(
-                (
-                    "tools",
-                    tool_call_grammar(
-                        self.tool_dicts(),
-                        choice.function.name if isinstance(choice, NamedToolChoice) else None,
-                        is_required=choice == "required" or isinstance(choice, NamedToolChoice),
-                        # A named function is called once, as OpenAI does.
-                        parallel=self.parallel_tool_calls is not False
-                        and not isinstance(choice, NamedToolChoice),
-                    ),
-                )
-            )
-        return own
+        if not self.uses_tools:
+            return [("response_format", spec)] if spec is not None else []
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        grammar = tool_call_grammar(
+            self.tool_dicts(),
+            named,
+            is_required=choice == "required" or named is not None,
+            # A named function is called once, as OpenAI does.
+            parallel=self.parallel_tool_calls is not False and named is None,
+            answer=spec,
+        )
+        return [("tools", grammar)]
 
     @property
     def sets_own_format(self) -> bool:

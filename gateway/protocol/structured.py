@@ -19,10 +19,11 @@ from gateway.protocol.common import RequestModel, json_type_name
 # llguidance reads compile options from the schema itself: without `strict`, keywords it
 # does not enforce are ignored (OpenAI's best-effort mode) instead of failing the request.
 LENIENT = {"x-guidance": {"lenient": True}}
+FORMAT_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a json_schema format's name
 
 
 class JsonSchemaFormat(RequestModel):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str = Field(pattern=FORMAT_NAME)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None

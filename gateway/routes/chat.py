@@ -12,6 +12,8 @@ from starlette.responses import JSONResponse, Response
 from engine import (
     AsyncEngine,
     EngineRequest,
+    GrammarSpec,
+    InvalidRequestError,
     ParsedToolCall,
     chat_prompt_ids,
     parse_tool_calls,
@@ -40,6 +42,7 @@ from gateway.routes.common import (
     unless_disconnected,
     usage_of,
 )
+from gateway.tool_stream import ToolCallText
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -50,7 +53,9 @@ async def create_chat_completion(request: Request) -> Response:
 async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
     engine = gateway.ready_engine()
-    prepared = await gateway.run_blocking(_prepare, engine, body, gateway.config.default_max_tokens)
+    prepared = await gateway.run_blocking(
+        prepare_chat, engine, body, gateway.config.default_max_tokens
+    )
     job = Job(gateway, engine, admitted.ticket, random_id("chatcmpl"), fan_out(prepared, body.n))
     if body.stream:
         events = _stream(
@@ -61,7 +66,7 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     return await unless_disconnected(request, completion)
 
 
-def _prepare(
+def prepare_chat(
     engine: AsyncEngine, body: ChatCompletionRequest, default_max_tokens: int
 ) -> EngineRequest:
     """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
@@ -72,10 +77,34 @@ def _prepare(
     room = max(engine.max_model_len - len(prompt_ids), 1)
     contract = engine.prefix_contract(prompt_ids)
     params = body.to_sampling_params(min(default_max_tokens, room), contract)
-    [prepared] = prepare_requests(
-        engine, [prompt_ids], lambda _: params, "messages", body.cache_salt, body.grammar_field
-    )
+    try:
+        [prepared] = prepare_requests(
+            engine, [prompt_ids], lambda _: params, body.engine_fields, body.cache_salt
+        )
+    except InvalidRequestError as exc:
+        if exc.param == "tools":
+            _blame_a_schema(engine, body)
+        raise
     return prepared
+
+
+def _blame_a_schema(engine: AsyncEngine, body: ChatCompletionRequest) -> None:
+    """The tools grammar holds every tool's parameters and the response format: when it does
+    not compile, name the schema that does not on its own (else the grammar stays blamed)."""
+    schemas = [
+        (f"tools[{i}].function.parameters", GrammarSpec.json_schema(tool.function.parameters))
+        for i, tool in enumerate(body.tools or [])
+        if tool.function.parameters is not None
+    ]
+    answer = body.response_format.spec() if body.response_format is not None else None
+    if answer is not None:
+        schemas.append(("response_format", answer))
+    for field, spec in schemas:
+        try:
+            engine.check_grammar(spec)
+        except InvalidRequestError as exc:
+            exc.param = field
+            raise
 
 
 async def _complete(job: Job, model: str, want_logprobs: bool, uses_tools: bool) -> JSONResponse:
@@ -115,12 +144,12 @@ def _call_out(call: ParsedToolCall) -> ToolCallOut:
 async def _stream(
     job: Job, model: str, want_logprobs: bool, include_usage: bool, uses_tools: bool
 ) -> AsyncIterator[str]:
-    """Content deltas as they come. With tools, a choice whose text starts with '<' is
-    writing calls (the grammar lets a text answer start with anything else): its text is
-    held until it finishes and then sent as tool-call deltas, each call whole."""
+    """Content deltas as they come; with tools, text that turns out to be calls is held
+    (gateway/tool_stream.py) and sent as tool-call deltas when its choice ends, each call
+    whole."""
     tokenizer = job.gateway.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
-    held = ["" if uses_tools else None for _ in job.choices]  # per choice: None = streaming
+    texts = [ToolCallText.of(uses_tools) for _ in job.choices]
 
     def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
         return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])
@@ -128,19 +157,14 @@ async def _stream(
     for choice in job.choices:  # the first delta of each choice carries the role
         yield delta(choice.index, DeltaMessage(role="assistant", content=""))
     async for choice, out in job.run():
-        index, text = choice.index, out.text
-        pending = held[index]
-        if pending is not None:
-            pending += text
-            is_call = pending.lstrip().startswith("<")
-            held[index] = pending if is_call or not pending.strip() else None
-            text = "" if held[index] is not None else pending
+        index = choice.index
+        text = texts[index].feed(out.text)
         logprobs = chat_logprobs(tokenizer, out.logprobs or []) if want_logprobs else None
         if text or logprobs is not None:
             yield delta(index, DeltaMessage(content=text), logprobs=logprobs)
         if out.finished:
             reason = api_finish_reason(out.finish_reason)
-            content, calls = parse_tool_calls(held[index] or "")
+            content, calls = texts[index].finish()
             if content:
                 yield delta(index, DeltaMessage(content=content))
             if calls:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,15 +36,14 @@ def prepare_requests(
     engine: AsyncEngine,
     prompts: list[list[int]],
     params_for: Callable[[list[int]], SamplingParams],
-    field: str,
-    cache_salt: str | None,
-    grammar_field: str = "response_format",
+    fields: Mapping[str, str],
+    cache_salt: str | None = None,
 ) -> list[EngineRequest]:
     """One validated EngineRequest per prompt (each distinct prompt validated once), before
     any response starts; `params_for(prompt)` gives its parameters (they may depend on the
-    registry entry it hits). The engine calls the prompt "prompt" and a structured output
-    constraint "grammar"; the error names the field this route read it from ("messages" or
-    "prompt"; "response_format", "guided_json", ...). Runs in the worker pool."""
+    registry entry it hits). The engine names its own parameters ("prompt", "max_tokens",
+    "grammar"); `fields` maps them to the request fields they came from ("messages",
+    "max_completion_tokens", "response_format", ...), which errors name. Worker pool."""
     prepared: dict[tuple[int, ...], EngineRequest] = {}
     try:
         for prompt in prompts:
@@ -52,7 +51,7 @@ def prepare_requests(
             if key not in prepared:
                 prepared[key] = engine.prepare_request(prompt, params_for(prompt), cache_salt)
     except InvalidRequestError as exc:
-        exc.param = {"prompt": field, "grammar": grammar_field}.get(exc.param or "", exc.param)
+        exc.param = fields.get(exc.param or "", exc.param)
         raise
     return [prepared[tuple(prompt)] for prompt in prompts]
 

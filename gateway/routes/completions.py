@@ -108,9 +108,7 @@ def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest
     def params_for(prompt: list[int]) -> SamplingParams:
         return body.to_sampling_params(engine.prefix_contract(prompt))
 
-    return prepare_requests(
-        engine, prompts, params_for, "prompt", body.cache_salt, body.grammar_field
-    )
+    return prepare_requests(engine, prompts, params_for, body.engine_fields, body.cache_salt)
 
 
 def _echoes(body: CompletionRequest, tokenizer: Any) -> list[str]:

@@ -33,6 +33,8 @@ from gateway.protocol.admin import (
     PrefixList,
     ReloadResponse,
 )
+from gateway.protocol.response_objects import DeletedResponse, ResponseObject
+from gateway.protocol.responses_request import ResponsesRequest
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,31 @@ _ROUTES = (
         (CompletionRequest,),
         errors=_GENERATION_ERRORS,
         streams=True,
+    ),
+    _Route(
+        "/v1/responses",
+        "post",
+        "Create a response (the Responses API)",
+        ResponseObject,
+        (ResponsesRequest,),
+        errors=_GENERATION_ERRORS,
+        streams=True,
+    ),
+    _Route(
+        "/v1/responses/{id}",
+        "get",
+        "Retrieve a kept response",
+        ResponseObject,
+        errors=(401, 404),
+        path_params=("id",),
+    ),
+    _Route(
+        "/v1/responses/{id}",
+        "delete",
+        "Forget a kept response",
+        DeletedResponse,
+        errors=(401, 404),
+        path_params=("id",),
     ),
     _Route("/v1/models", "get", "List the served model", ModelList, errors=(401, 503)),
     _Route(
@@ -201,7 +228,8 @@ def _content(route: _Route, refs: dict[type[BaseModel], dict[str, Any]]) -> dict
         return {route.media_type: {"schema": {"type": "string"}}}
     content: dict[str, Any] = {"application/json": {"schema": refs[route.response]}}
     if route.streams:
-        # Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`.
+        # Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]` (the Responses
+        # API: `event: <type>` and `data: <event JSON>`, ending with the response's state).
         content["text/event-stream"] = {"schema": {"type": "string"}}
     return content
 

@@ -103,7 +103,7 @@ def _prompt_ids(engine: AsyncEngine, raw: bytes) -> list[int]:
         first = request.prompts()[0]
         field = "prompt"
         ids = first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
-    prepare_requests(engine, [ids], lambda _: SamplingParams(max_tokens=1), field, None)
+    prepare_requests(engine, [ids], lambda _: SamplingParams(max_tokens=1), {"prompt": field})
     return ids
 
 

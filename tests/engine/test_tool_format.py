@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine import SamplingParams
+from transformers import PreTrainedTokenizerFast
+
+from engine import GrammarSpec, SamplingParams
+from engine.structured import GrammarCompiler
 from engine.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
 from tests.helpers import tiny_engine
 
@@ -49,3 +52,31 @@ def test_the_grammar_resolves_pydantic_defs(tiny_llama_path: Path) -> None:
     content, [call] = parse_tool_calls(text)
     assert content is None and call.name == "make"
     assert 0 <= json.loads(call.arguments)["pet"]["age"] <= 9
+
+
+def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    """With a response format beside the tools (tool_choice auto), the model may call a tool
+    or answer in JSON of the format, and nothing else."""
+    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
+    answer = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    )
+    grammar = compiler.compile(
+        tool_call_grammar(tools, only=None, is_required=False, parallel=False, answer=answer)
+    )
+    call = '<tool_call>\n{"name":"make","arguments":{"pet":{"age":3}}}\n</tool_call>'
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.new_matcher()
+        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+    assert accepts('{"ok": true}')
+    assert accepts(call)
+    assert not accepts("Sure, here it is.")
+    assert not accepts('{"ok": "yes"}')
+    free = compiler.compile(tool_call_grammar(tools, only=None, is_required=False, parallel=False))
+    matcher = free.new_matcher()
+    ids = tiny_tokenizer("Sure, here it is.", add_special_tokens=False)["input_ids"]
+    assert matcher.try_consume_tokens(ids) == len(ids)

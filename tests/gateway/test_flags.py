@@ -42,7 +42,8 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
             *("--num-kv-blocks", "100", "--kv-cache-memory", "1.5g", "--max-num-seqs", "4"),
             *("--max-num-batched-tokens", "64", "--max-model-len", "512", "--no-prefix-cache"),
             *("--prefixes", "p.yaml", "--prefix-watch-interval", "0.5", "--num-threads", "2"),
-            *("--seed", "11", "--debug-check-integrity"),
+            *("--seed", "11", "--debug-check-integrity", "--response-store-entries", "9"),
+            *("--response-store-bytes", "2MiB", "--response-store-ttl", "60"),
         ]
     )
     engine = EngineConfig(
@@ -77,6 +78,9 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
         allowed_origins=("https://a.example", "*"),
         default_max_tokens=99,
         max_prompts=5,
+        response_store_entries=9,
+        response_store_bytes=2 << 20,
+        response_store_ttl=60.0,
         tokenizer_workers=3,
     )
     # The command line above names each field once: nothing was left at its default.

@@ -1,10 +1,14 @@
-"""Hostile request bodies against /v1/chat/completions, /v1/completions and
-/v1/prefixes/match, in-process on the tiny Llama: every row asserts the exact status and the
-OpenAI error body's type, code and param, and no row may be a 5xx.
+"""Hostile request bodies against /v1/chat/completions, /v1/completions, /v1/prefixes/match
+and /v1/responses (the Responses API), in-process on the tiny Llama: every row asserts the exact
+status and the OpenAI error body's type, code and param, and no row may be a 5xx.
 
-The table covers wrong JSON types for every field of both request models (generated from the
-pydantic models, so a new field fails `test_the_type_table_covers_every_field` until it is
-classified here), with explicit rows for the important fields; lone surrogates in every string
+The table covers wrong JSON types for every field of the chat, completion and Responses request
+models and of the models nested in them (input items, content parts, tools, tool_choice,
+text.format: generated from the pydantic models, so a new field, or a new Responses model, fails
+`test_the_type_table_covers_every_field` until it is classified here), with explicit rows for
+the important fields, the Responses API's included (input shapes, item and part types it
+lacks, what each item type needs, hosted tools, tool_choice, text.format, unsupported features,
+metadata, token limits, an unknown previous_response_id); lone surrogates in every string
 position; NUL characters; deep nesting; malformed, odd and duplicate-key JSON; empty content
 parts; content types and body limits not covered by test_admission.py; and special-token text
 inside user content, which must count as plain text.
@@ -31,8 +35,19 @@ from transformers import PreTrainedTokenizerFast
 from engine import AsyncEngine, EngineConfig, LLMEngine
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, responses_request
+from gateway.protocol.common import RequestModel
 from gateway.protocol.requests import ChatMessage, StreamOptions, TextContentPart
+from gateway.protocol.responses_request import (
+    INCLUDE_LOGPROBS,
+    FunctionTool,
+    InputItem,
+    InputTextPart,
+    NamedFunctionChoice,
+    ResponsesRequest,
+    TextConfig,
+    TextFormat,
+)
 from gateway.state import Gateway
 
 MODEL = "tiny-llama"
@@ -40,12 +55,14 @@ LIMIT = 256 << 10  # --max-request-bytes of the app under test: deep bodies fit,
 CHAT_PATH = "/v1/chat/completions"
 CMPL_PATH = "/v1/completions"
 MATCH_PATH = "/v1/prefixes/match"
-ROUTES = {"chat": CHAT_PATH, "cmpl": CMPL_PATH, "match": MATCH_PATH}
+RESP_PATH = "/v1/responses"
+ROUTES = {"chat": CHAT_PATH, "cmpl": CMPL_PATH, "match": MATCH_PATH, "resp": RESP_PATH}
 JSON_HEADERS = {"content-type": "application/json"}
 INVALID = "invalid_request_error"
 USER = {"role": "user", "content": "hi"}
 CHAT = {"model": MODEL, "messages": [USER], "max_tokens": 1}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+RESPONSE = {"model": MODEL, "input": "hi", "max_output_tokens": 1}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +158,16 @@ class Kind:
     expected: str = ""
     code: str = "invalid_type"
     names_parent: bool = False  # the error's param is the object holding the field
+    # A string that is none of the field's values is refused otherwise: (code, names_parent).
+    # A `type` naming something this server lacks (an image part, a web_search tool) is an
+    # unsupported value; a `type` of the wrong JSON type is just a wrong value.
+    unknown_string: tuple[str, bool] | None = None
+
+    def refusal(self, sample: str) -> tuple[str, bool]:
+        """(code, names_parent) of the error for `sample`, one this kind refuses."""
+        if sample == "string" and self.unknown_string is not None:
+            return self.unknown_string
+        return self.code, self.names_parent
 
 
 def _kind(expected: str, *accepts: str) -> Kind:
@@ -164,6 +191,15 @@ PART_TYPE = Kind(frozenset(), code="unsupported_value", names_parent=True)
 # Features this server lacks, typed Any: every value but their "off" form is refused.
 NO_TOOL_CHOICE = Kind(frozenset(), code="unsupported_value")
 NO_FEATURE = Kind(frozenset(), code="unsupported_parameter")
+# Responses: an item's or part's `type`, a Literal: an unknown string names a type this server
+# lacks (checked first, naming the field); any other JSON type is a wrong value.
+ITEM_TYPE = Kind(frozenset(), code="invalid_value", unknown_string=("unsupported_value", False))
+# A tool's `type`: an unknown string refuses the whole tool ("tools[0]", as OpenAI names it).
+TOOL_TYPE = Kind(frozenset(), code="invalid_value", unknown_string=("unsupported_value", True))
+# `tool_choice` as an object is a named function or refused as a whole, naming `tool_choice`.
+CHOICE_TYPE = Kind(frozenset(), code="unsupported_value", names_parent=True)
+CHOICE_NAME = Kind(frozenset({"string"}), code="unsupported_value", names_parent=True)
+TEXT_PARTS = _kind("a string or an array of content parts", "string", "array")
 
 GENERATION_KINDS: dict[str, Kind] = {
     "model": STRING,
@@ -226,6 +262,56 @@ KINDS: dict[type[BaseModel], dict[str, Kind]] = {
     },
     TextContentPart: {"type": PART_TYPE, "text": STRING},
     StreamOptions: {"include_usage": BOOLEAN},
+    ResponsesRequest: {
+        "model": STRING,
+        "input": _kind("a string or an array of input items", "string", "array"),
+        "instructions": STRING,
+        "previous_response_id": STRING,
+        "max_output_tokens": INTEGER,
+        "temperature": NUMBER,
+        "top_p": NUMBER,
+        "top_logprobs": INTEGER,
+        "include": ARRAY,
+        "text": OBJECT,
+        "tools": ARRAY,
+        "tool_choice": _kind("a string or an object", "string", "object"),
+        "parallel_tool_calls": BOOLEAN,
+        "stream": BOOLEAN,
+        "store": BOOLEAN,
+        "metadata": OBJECT,
+        "user": STRING,
+        "truncation": ROLE,  # Literal["disabled"]; "auto" is a row of RESPONSES_ROWS
+        "background": BOOLEAN,  # true is refused: a row of RESPONSES_ROWS
+        "conversation": NO_FEATURE,
+    },
+    InputItem: {
+        "type": ITEM_TYPE,
+        "role": ROLE,
+        "content": TEXT_PARTS,
+        "call_id": STRING,
+        "name": STRING,
+        "arguments": STRING,
+        "output": TEXT_PARTS,
+        "id": STRING,
+        "status": STRING,
+    },
+    InputTextPart: {"type": ITEM_TYPE, "text": STRING, "refusal": STRING},
+    FunctionTool: {
+        "type": TOOL_TYPE,
+        "name": STRING,
+        "description": STRING,
+        "parameters": OBJECT,
+        "strict": BOOLEAN,
+    },
+    NamedFunctionChoice: {"type": CHOICE_TYPE, "name": CHOICE_NAME},
+    TextFormat: {
+        "type": ROLE,  # Literal["text", "json_object", "json_schema"]
+        "name": STRING,
+        "schema_": OBJECT,
+        "description": STRING,
+        "strict": BOOLEAN,
+    },
+    TextConfig: {"format": OBJECT},
 }
 
 
@@ -245,23 +331,54 @@ def _place(model: type[BaseModel], field: str, value: Any) -> tuple[list[str], d
         part = {"type": "text", "text": "hi", field: value}
         body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
         return ["chat", "match"], body, f"messages[0].content[0].{field}"
-    assert model is StreamOptions
-    body = {**COMPLETION, "stream": True, "stream_options": {field: value}}
-    return ["cmpl", "match"], body, f"stream_options.{field}"
+    if model is StreamOptions:
+        body = {**COMPLETION, "stream": True, "stream_options": {field: value}}
+        return ["cmpl", "match"], body, f"stream_options.{field}"
+    return ["resp"], *_place_responses(model, field, value)
+
+
+FUNCTION = {"type": "function", "name": "f"}
+SCHEMA_FORMAT = {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}
+
+
+def _place_responses(model: type[BaseModel], field: str, value: Any) -> tuple[dict[str, Any], str]:
+    """A valid Responses body with `field` (by its JSON name) set to `value`, and the param."""
+    if model is ResponsesRequest:
+        return {**RESPONSE, field: value}, field
+    if model is InputItem:
+        return _resp(input=[{**USER, field: value}]), f"input[0].{field}"
+    if model is InputTextPart:
+        part = {"type": "input_text", "text": "hi", field: value}
+        return _resp(input=[{"role": "user", "content": [part]}]), f"input[0].content[0].{field}"
+    if model is FunctionTool:
+        return _resp(tools=[{**FUNCTION, field: value}]), f"tools[0].{field}"
+    if model is NamedFunctionChoice:
+        choice = {"type": "function", "name": "f", field: value}
+        return _resp(tools=[FUNCTION], tool_choice=choice), f"tool_choice.{field}"
+    if model is TextFormat:
+        return _resp(text={"format": {**SCHEMA_FORMAT, field: value}}), f"text.format.{field}"
+    assert model is TextConfig
+    return _resp(text={field: value}), f"text.{field}"
+
+
+def _resp(**fields: Any) -> dict[str, Any]:
+    return {**RESPONSE, **fields}
 
 
 def _type_cases() -> Iterator[Any]:
     for model, kinds in KINDS.items():
-        for field, kind in kinds.items():
-            required = model.model_fields[field].is_required()
+        for attribute, kind in kinds.items():
+            info = model.model_fields[attribute]
+            field = info.alias or attribute  # as JSON spells it: TextFormat.schema_ is "schema"
             for sample, (value, got) in SAMPLES.items():
-                if sample in kind.accepts or (sample == "null" and not required):
+                if sample in kind.accepts or (sample == "null" and not info.is_required()):
                     continue
                 routes, body, param = _place(model, field, value)
-                if kind.names_parent:
+                code, names_parent = kind.refusal(sample)
+                if names_parent:
                     param = param.rpartition(".")[0]
                 message = None
-                if kind.code == "invalid_type":
+                if code == "invalid_type":
                     message = (
                         f"Invalid type for '{param}': expected {kind.expected}, but got {got} "
                         "instead."
@@ -270,7 +387,7 @@ def _type_cases() -> Iterator[Any]:
                     yield pytest.param(
                         route,
                         body,
-                        kind.code,
+                        code,
                         param,
                         message,
                         id=f"{route}-{model.__name__}.{field}-{sample}",
@@ -283,6 +400,16 @@ TYPE_CASES = list(_type_cases())
 def test_the_type_table_covers_every_field() -> None:
     for model, kinds in KINDS.items():
         assert set(kinds) == set(model.model_fields), model.__name__
+    # Every request model of the Responses API, so that a new nested one is classified too.
+    responses_models = {
+        value
+        for value in vars(responses_request).values()
+        if isinstance(value, type)
+        and issubclass(value, RequestModel)
+        and value.__module__ == responses_request.__name__
+        and value is not responses_request.TypedObject  # a base: its subclasses are here
+    }
+    assert responses_models <= set(KINDS), responses_models - set(KINDS)
     assert len(TYPE_CASES) >= 300
 
 
@@ -494,6 +621,495 @@ def test_important_fields_with_wrong_types(
     assert _error(_post(client, route, json.dumps(body).encode())) == (400, INVALID, code, param)
 
 
+# -- the Responses API's fields, spelled out ------------------------------------------------------
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+CALL_OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+
+
+def _items(*items: Any) -> dict[str, Any]:
+    return _resp(input=list(items))
+
+
+def _item(**fields: Any) -> dict[str, Any]:
+    return _items({**USER, **fields})
+
+
+def _parts(*parts: Any) -> dict[str, Any]:
+    return _items({"role": "user", "content": list(parts)})
+
+
+def _format(**fields: Any) -> dict[str, Any]:
+    return _resp(text={"format": fields})
+
+
+def _without(item: dict[str, Any], field: str) -> dict[str, Any]:
+    return {key: value for key, value in item.items() if key != field}
+
+
+def _row(name: str, body: dict[str, Any], code: str, param: str, status: int = 400) -> Any:
+    return pytest.param(body, status, code, param, id=name)
+
+
+RESPONSES_ROWS: list[Any] = [
+    # input: a string or an array of items
+    _row("input-integer", _resp(input=5), "invalid_type", "input"),
+    _row("input-boolean", _resp(input=True), "invalid_type", "input"),
+    _row("input-object", _resp(input=USER), "invalid_type", "input"),
+    _row("input-null", _resp(input=None), "invalid_type", "input"),
+    _row("input-empty-array", _resp(input=[]), "invalid_value", "input"),
+    _row("input-item-string", _items("hi"), "invalid_type", "input[0]"),
+    _row("input-item-null", _items(None), "invalid_type", "input[0]"),
+    _row("input-item-array", _items([USER]), "invalid_type", "input[0]"),
+    _row("input-too-long", _resp(input="word " * 600), "context_length_exceeded", "input"),
+    # item types this server lacks
+    _row(
+        "item-reasoning",
+        _items({"type": "reasoning", "id": "rs_1", "summary": []}),
+        "unsupported_value",
+        "input[0].type",
+    ),
+    _row(
+        "item-item-reference",
+        _items({"type": "item_reference", "id": "msg_1"}),
+        "unsupported_value",
+        "input[0].type",
+    ),
+    _row(
+        "item-web-search-call",
+        _items({"type": "web_search_call", "id": "ws_1", "status": "completed"}),
+        "unsupported_value",
+        "input[0].type",
+    ),
+    _row(
+        "item-reasoning-second",
+        _items(USER, {"type": "reasoning", "id": "rs_1", "summary": []}),
+        "unsupported_value",
+        "input[1].type",
+    ),
+    _row("item-type-case", _item(type="Message"), "unsupported_value", "input[0].type"),
+    _row("item-type-null", _item(type=None), "invalid_value", "input[0].type"),
+    # content parts
+    _row(
+        "part-input-image",
+        _parts({"type": "input_image", "image_url": "https://example.com/a.png"}),
+        "unsupported_value",
+        "input[0].content[0].type",
+    ),
+    _row(
+        "part-input-file",
+        _parts({"type": "input_file", "file_id": "file-1"}),
+        "unsupported_value",
+        "input[0].content[0].type",
+    ),
+    _row(
+        "part-input-image-second",
+        _parts({"type": "input_text", "text": "hi"}, {"type": "input_image", "file_id": "f"}),
+        "unsupported_value",
+        "input[0].content[1].type",
+    ),
+    _row(
+        "part-chat-text-type",
+        _parts({"type": "text", "text": "hi"}),
+        "unsupported_value",
+        "input[0].content[0].type",
+    ),
+    _row(
+        "part-type-missing",
+        _parts({"text": "hi"}),
+        "missing_required_parameter",
+        "input[0].content[0].type",
+    ),
+    _row("part-string", _parts("hi"), "invalid_type", "input[0].content[0]"),
+    _row(
+        "part-text-missing",
+        _parts({"type": "input_text"}),
+        "missing_required_parameter",
+        "input[0].content[0].text",
+    ),
+    _row(
+        "part-refusal-missing",
+        _parts({"type": "refusal", "text": "no"}),
+        "missing_required_parameter",
+        "input[0].content[0].refusal",
+    ),
+    # message items
+    _row("message-role-tool", _item(role="tool"), "invalid_value", "input[0].role"),
+    _row(
+        "message-role-missing",
+        _items({"content": "hi"}),
+        "missing_required_parameter",
+        "input[0].role",
+    ),
+    _row(
+        "message-role-null",
+        _item(role=None),
+        "invalid_value",
+        "input[0].role",
+    ),
+    _row(
+        "message-content-null",
+        _item(content=None),
+        "invalid_value",
+        "input[0].content",
+    ),
+    _row(
+        "message-content-missing",
+        _items({"role": "user"}),
+        "missing_required_parameter",
+        "input[0].content",
+    ),
+    _row("message-content-integer", _item(content=5), "invalid_type", "input[0].content"),
+    _row("message-content-object", _item(content={}), "invalid_type", "input[0].content"),
+    # function_call and function_call_output items
+    *[
+        _row(
+            f"function-call-without-{field}",
+            _items(_without(CALL, field)),
+            "missing_required_parameter",
+            f"input[0].{field}",
+        )
+        for field in ("call_id", "name", "arguments")
+    ],
+    _row(
+        "function-call-empty-call-id",
+        _items({**CALL, "call_id": ""}),
+        "invalid_value",
+        "input[0].call_id",
+    ),
+    _row(
+        "function-call-arguments-object",
+        _items({**CALL, "arguments": {}}),
+        "invalid_type",
+        "input[0].arguments",
+    ),
+    _row(
+        "function-call-output-without-output",
+        _items(CALL, _without(CALL_OUTPUT, "output")),
+        "missing_required_parameter",
+        "input[1].output",
+    ),
+    _row(
+        "function-call-output-null-output",
+        _items(CALL, {**CALL_OUTPUT, "output": None}),
+        "invalid_value",
+        "input[1].output",
+    ),
+    _row(
+        "function-call-output-without-call-id",
+        _items(CALL, _without(CALL_OUTPUT, "call_id")),
+        "missing_required_parameter",
+        "input[1].call_id",
+    ),
+    _row(
+        "function-call-output-integer-output",
+        _items(CALL, {**CALL_OUTPUT, "output": 7}),
+        "invalid_type",
+        "input[1].output",
+    ),
+    _row(
+        "function-call-output-without-its-call",
+        _items(USER, CALL_OUTPUT),
+        "invalid_value",
+        "input[1].call_id",
+    ),
+    # tools
+    _row("tools-object", _resp(tools=FUNCTION), "invalid_type", "tools"),
+    _row("tool-web-search", _resp(tools=[{"type": "web_search"}]), "unsupported_value", "tools[0]"),
+    _row(
+        "tool-file-search",
+        _resp(tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}]),
+        "unsupported_value",
+        "tools[0]",
+    ),
+    _row(
+        "tool-web-search-preview-second",
+        _resp(tools=[FUNCTION, {"type": "web_search_preview"}]),
+        "unsupported_value",
+        "tools[1]",
+    ),
+    _row(
+        "tool-type-missing",
+        _resp(tools=[{"name": "f"}]),
+        "missing_required_parameter",
+        "tools[0].type",
+    ),
+    _row(
+        "tool-chat-shape",
+        _resp(tools=[{"type": "function", "function": {"name": "f"}}]),
+        "missing_required_parameter",
+        "tools[0].name",
+    ),
+    _row(
+        "tool-name-with-spaces",
+        _resp(tools=[{**FUNCTION, "name": "get weather"}]),
+        "invalid_value",
+        "tools[0].name",
+    ),
+    _row(
+        "tools-129",
+        _resp(tools=[{**FUNCTION, "name": f"f{i}"} for i in range(129)]),
+        "invalid_value",
+        "tools",
+    ),
+    _row(
+        "tool-parameters-not-a-schema",
+        _resp(tools=[{**FUNCTION, "parameters": {"type": "nonsense"}}]),
+        "invalid_value",
+        "tools[0].parameters",
+    ),
+    # tool_choice
+    _row(
+        "tool-choice-any",
+        _resp(tools=[FUNCTION], tool_choice="any"),
+        "invalid_value",
+        "tool_choice",
+    ),
+    _row(
+        "tool-choice-file-search",
+        _resp(tools=[FUNCTION], tool_choice={"type": "file_search"}),
+        "unsupported_value",
+        "tool_choice",
+    ),
+    _row(
+        "tool-choice-allowed-tools",
+        _resp(tools=[FUNCTION], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": []}),
+        "unsupported_value",
+        "tool_choice",
+    ),
+    _row(
+        "tool-choice-function-not-among-tools",
+        _resp(tools=[FUNCTION], tool_choice={"type": "function", "name": "g"}),
+        "invalid_value",
+        "tool_choice",
+    ),
+    _row(
+        "tool-choice-function-without-tools",
+        _resp(tool_choice={"type": "function", "name": "f"}),
+        "invalid_value",
+        "tool_choice",
+    ),
+    _row(
+        "tool-choice-required-without-tools",
+        _resp(tool_choice="required"),
+        "invalid_value",
+        "tool_choice",
+    ),
+    _row(
+        "tool-choice-chat-shape",
+        _resp(tools=[FUNCTION], tool_choice={"type": "function", "function": {"name": "f"}}),
+        "unsupported_value",
+        "tool_choice",
+    ),
+    # text.format
+    _row("text-string", _resp(text="json"), "invalid_type", "text"),
+    _row("format-type-missing", _format(), "missing_required_parameter", "text.format.type"),
+    _row("format-type-xml", _format(type="xml"), "invalid_value", "text.format.type"),
+    _row(
+        "format-json-schema-without-name",
+        _format(type="json_schema", schema={"type": "object"}),
+        "missing_required_parameter",
+        "text.format.name",
+    ),
+    _row(
+        "format-json-schema-without-schema",
+        _format(type="json_schema", name="answer"),
+        "missing_required_parameter",
+        "text.format.schema",
+    ),
+    _row(
+        "format-chat-shape",
+        _format(type="json_schema", json_schema={"name": "answer", "schema": {}}),
+        "missing_required_parameter",
+        "text.format.name",
+    ),
+    _row(
+        "format-name-with-spaces",
+        _format(**{**SCHEMA_FORMAT, "name": "my answer"}),
+        "invalid_value",
+        "text.format.name",
+    ),
+    _row(
+        "format-name-65-characters",
+        _format(**{**SCHEMA_FORMAT, "name": "a" * 65}),
+        "invalid_value",
+        "text.format.name",
+    ),
+    _row(
+        "format-schema-not-a-schema",
+        _format(**{**SCHEMA_FORMAT, "schema": {"type": "nonsense"}}),
+        "invalid_value",
+        "text.format",
+    ),
+    _row(
+        "format-schema-not-a-schema-with-tools",
+        {**_format(**{**SCHEMA_FORMAT, "schema": {"type": "nonsense"}}), "tools": [FUNCTION]},
+        "invalid_value",
+        "text.format",
+    ),
+    # features this server lacks
+    _row("truncation-auto", _resp(truncation="auto"), "unsupported_value", "truncation"),
+    _row("background-true", _resp(background=True), "unsupported_value", "background"),
+    _row("conversation-id", _resp(conversation="conv_1"), "unsupported_parameter", "conversation"),
+    _row(
+        "conversation-object",
+        _resp(conversation={"id": "conv_1"}),
+        "unsupported_parameter",
+        "conversation",
+    ),
+    # metadata: at most 16 string values
+    _row(
+        "metadata-17-keys",
+        _resp(metadata={f"k{i}": "v" for i in range(17)}),
+        "invalid_value",
+        "metadata",
+    ),
+    _row("metadata-integer-value", _resp(metadata={"k": 1}), "invalid_type", "metadata.k"),
+    _row("metadata-null-value", _resp(metadata={"k": None}), "invalid_type", "metadata.k"),
+    _row("metadata-object-value", _resp(metadata={"k": {}}), "invalid_type", "metadata.k"),
+    _row(
+        "metadata-key-65-characters",
+        _resp(metadata={"k" * 65: "v"}),
+        "invalid_value",
+        "metadata",
+    ),
+    _row(
+        "metadata-value-513-characters",
+        _resp(metadata={"k": "v" * 513}),
+        "invalid_value",
+        "metadata.k",
+    ),
+    # numbers
+    _row("max-output-tokens-0", _resp(max_output_tokens=0), "invalid_value", "max_output_tokens"),
+    _row("max-output-tokens--1", _resp(max_output_tokens=-1), "invalid_value", "max_output_tokens"),
+    _row(
+        "max-output-tokens-1.5", _resp(max_output_tokens=1.5), "invalid_type", "max_output_tokens"
+    ),
+    _row(
+        "max-output-tokens-string",
+        _resp(max_output_tokens="1"),
+        "invalid_type",
+        "max_output_tokens",
+    ),
+    _row(
+        "max-output-tokens-over-the-context",
+        _resp(max_output_tokens=1000),
+        "context_length_exceeded",
+        "max_output_tokens",
+    ),
+    _row("top-logprobs-21", _resp(top_logprobs=21), "invalid_value", "top_logprobs"),
+    _row("top-logprobs--1", _resp(top_logprobs=-1), "invalid_value", "top_logprobs"),
+    _row("temperature-3", _resp(temperature=3), "invalid_value", "temperature"),
+    _row("top-p-0", _resp(top_p=0), "invalid_value", "top_p"),
+    # include
+    _row("include-string", _resp(include=INCLUDE_LOGPROBS), "invalid_type", "include"),
+    _row("include-integer", _resp(include=[7]), "invalid_value", "include[0]"),
+    _row(
+        "include-unknown-value",
+        _resp(include=["message.output_text.everything"]),
+        "invalid_value",
+        "include[0]",
+    ),
+    # not found
+    _row(
+        "previous-response-unknown",
+        _resp(previous_response_id="resp_unknown"),
+        "response_not_found",
+        "previous_response_id",
+        status=404,
+    ),
+    _row(
+        "previous-response-unknown-streamed",
+        _resp(previous_response_id="resp_unknown", stream=True),
+        "response_not_found",
+        "previous_response_id",
+        status=404,
+    ),
+    _row("model-unknown", _resp(model="gpt-9"), "model_not_found", "model", status=404),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code", "param"), RESPONSES_ROWS)
+def test_responses_fields_refused_naming_the_field(
+    client: TestClient, body: dict[str, Any], status: int, code: str, param: str
+) -> None:
+    response = _post(client, "resp", json.dumps(body).encode())
+    assert _error(response) == (status, INVALID, code, param)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        pytest.param(
+            _resp(truncation="auto"), "send 'disabled'", id="truncation-auto-says-what-to-send"
+        ),
+        pytest.param(
+            _resp(conversation="conv_1"), "previous_response_id", id="conversation-says-how"
+        ),
+        pytest.param(
+            _resp(previous_response_id="resp_unknown"), "'resp_unknown'", id="not-found-names-id"
+        ),
+        pytest.param(
+            _items({"type": "reasoning", "summary": []}),
+            "message, function_call and function_call_output",
+            id="item-type-lists-the-types",
+        ),
+        pytest.param(
+            _resp(tools=[FUNCTION], tool_choice={"type": "file_search"}),
+            'or {"type": "function", "name": ...}.',
+            id="tool-choice-shows-the-shape",
+        ),
+        pytest.param(
+            _resp(metadata={f"k{i}": "v" for i in range(17)}),
+            "object should have at most 16",
+            id="metadata-17-keys-in-json-words",
+        ),
+    ],
+)
+def test_responses_messages_say_what_to_do(
+    client: TestClient, body: dict[str, Any], fragment: str
+) -> None:
+    response = _post(client, "resp", json.dumps(body).encode())
+    assert response.status_code in (400, 404)
+    assert fragment in response.json()["error"]["message"]
+
+
+# Values at the edge of what the Responses fields take, and the "off" forms of refused
+# features: each must be accepted.
+RESPONSES_ACCEPTED: list[tuple[str, dict[str, Any]]] = [
+    ("max-output-tokens-integral-float", _resp(max_output_tokens=1.0)),
+    ("top-logprobs-20", _resp(top_logprobs=20)),
+    ("metadata-16-keys", _resp(metadata={f"k{i}": "v" for i in range(16)})),
+    ("truncation-disabled", _resp(truncation="disabled")),
+    ("background-false", _resp(background=False)),
+    ("conversation-null", _resp(conversation=None)),
+    ("stream-null", _resp(stream=None)),
+    ("store-null", _resp(store=None)),
+    ("tool-choice-none-without-tools", _resp(tool_choice="none")),
+    ("tool-choice-auto-without-tools", _resp(tool_choice="auto")),
+    ("instructions-empty", _resp(instructions="")),
+    ("content-empty-string", _item(content="")),
+    (
+        "text-parts-of-every-type",
+        _items(
+            {"role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "b"}]},
+        ),
+    ),
+    ("function-call-round-trip", _items(USER, CALL, CALL_OUTPUT)),
+    ("format-json-object", _format(type="json_object")),
+    ("unknown-fields-ignored", _resp(reasoning={"effort": "low"}, service_tier="flex")),
+]
+
+
+@pytest.mark.parametrize("body", [pytest.param(body, id=name) for name, body in RESPONSES_ACCEPTED])
+def test_responses_values_at_the_edges_are_accepted(
+    client: TestClient, body: dict[str, Any]
+) -> None:
+    assert _ok(_post(client, "resp", json.dumps(body).encode()))["object"] == "response"
+
+
 # -- numbers at the edges of JSON ---------------------------------------------------------------
 
 BIG = "1" + "0" * 30  # beyond int64
@@ -543,6 +1159,22 @@ NUMBER_CASES: list[tuple[str, str, dict[str, str], str, str]] = [
         "logit_bias",
     ),
     ("best-of-overflowing-float", "cmpl", {"best_of": "1e400"}, "invalid_type", "best_of"),
+    (
+        "max-output-tokens-overflowing-float",
+        "resp",
+        {"max_output_tokens": "1e400"},
+        "invalid_type",
+        "max_output_tokens",
+    ),
+    ("top-logprobs-beyond-int64", "resp", {"top_logprobs": BIG}, "invalid_value", "top_logprobs"),
+    (
+        "temperature-overflowing-float-resp",
+        "resp",
+        {"temperature": "1e400"},
+        "invalid_value",
+        "temperature",
+    ),
+    ("top-p-underflowing-to-0-resp", "resp", {"top_p": "1e-400"}, "invalid_value", "top_p"),
 ]
 
 
@@ -553,7 +1185,7 @@ NUMBER_CASES: list[tuple[str, str, dict[str, str], str, str]] = [
 def test_numbers_at_the_edges(
     client: TestClient, route: str, fields: dict[str, str], code: str, param: str
 ) -> None:
-    base = COMPLETION if route != "chat" else CHAT
+    base = {"chat": CHAT, "resp": RESPONSE}.get(route, COMPLETION)
     base = {key: value for key, value in base.items() if key not in fields}
     assert _error(_post(client, route, _raw(base, **fields))) == (400, INVALID, code, param)
 
@@ -662,6 +1294,88 @@ STRING_POSITIONS: list[tuple[str, str, str, str | None]] = [
         '{"model": "tiny-llama", "prompt": "hi", "metadata": {"k": "{s}"}}',
         "metadata.k",
     ),
+    # The Responses API: its text in every shape, and its other strings.
+    (
+        "resp-input",
+        "resp",
+        '{"model": "tiny-llama", "max_output_tokens": 1, "input": "{s}"}',
+        "input",
+    ),
+    (
+        "resp-input-part",
+        "resp",
+        '{"model": "tiny-llama", "max_output_tokens": 1, "input": [{"role": "user", "content": '
+        '[{"type": "input_text", "text": "ok"}, {"type": "input_text", "text": "{s}"}]}]}',
+        "input[0].content[1].text",
+    ),
+    (
+        "resp-message-content",
+        "resp",
+        '{"model": "tiny-llama", "input": [{"role": "user", "content": "hi"}, '
+        '{"role": "assistant", "content": "{s}"}]}',
+        "input[1].content",
+    ),
+    (
+        "resp-instructions",
+        "resp",
+        '{"model": "tiny-llama", "input": "hi", "instructions": "{s}"}',
+        "instructions",
+    ),
+    (
+        "resp-function-call-arguments",
+        "resp",
+        '{"model": "tiny-llama", "input": [{"type": "function_call", "call_id": "c", '
+        '"name": "f", "arguments": "{\\"city\\": \\"{s}\\"}"}]}',
+        "input[0].arguments",
+    ),
+    (
+        "resp-function-call-output",
+        "resp",
+        '{"model": "tiny-llama", "input": [{"type": "function_call", "call_id": "c", '
+        '"name": "f", "arguments": "{}"}, '
+        '{"type": "function_call_output", "call_id": "c", "output": "{s}"}]}',
+        "input[1].output",
+    ),
+    (
+        "resp-function-call-output-part",
+        "resp",
+        '{"model": "tiny-llama", "input": [{"type": "function_call_output", "call_id": "c", '
+        '"output": [{"type": "input_text", "text": "{s}"}]}]}',
+        "input[0].output[0].text",
+    ),
+    (
+        "resp-item-type",
+        "resp",
+        '{"model": "tiny-llama", "input": [{"type": "{s}", "role": "user", "content": "hi"}]}',
+        "input[0].type",
+    ),
+    (
+        "resp-previous-response-id",
+        "resp",
+        '{"model": "tiny-llama", "input": "hi", "previous_response_id": "{s}"}',
+        "previous_response_id",
+    ),
+    (
+        "resp-tool-description",
+        "resp",
+        '{"model": "tiny-llama", "input": "hi", '
+        '"tools": [{"type": "function", "name": "f", "description": "{s}"}]}',
+        "tools[0].description",
+    ),
+    (
+        "resp-format-name",
+        "resp",
+        '{"model": "tiny-llama", "input": "hi", '
+        '"text": {"format": {"type": "json_schema", "name": "{s}", "schema": {}}}}',
+        "text.format.name",
+    ),
+    (
+        "resp-metadata-value",
+        "resp",
+        '{"model": "tiny-llama", "input": "hi", "metadata": {"k": "{s}"}}',
+        "metadata.k",
+    ),
+    ("resp-user", "resp", '{"model": "tiny-llama", "input": "hi", "user": "{s}"}', "user"),
     # A key names no field of its own: the error names the object that holds it.
     (
         "top-level-key",
@@ -674,6 +1388,12 @@ STRING_POSITIONS: list[tuple[str, str, str, str | None]] = [
         "match",
         '{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi", "{s}": 1}]}',
         "messages[0]",
+    ),
+    (
+        "resp-metadata-key",
+        "resp",
+        '{"model": "tiny-llama", "input": "hi", "metadata": {"{s}": "v"}}',
+        "metadata",
     ),
 ]
 
@@ -699,7 +1419,8 @@ def test_a_lone_surrogate_escape_is_400_naming_the_string(
     [
         pytest.param(r, t, id=name)
         for name, r, t, _ in STRING_POSITIONS
-        if name in ("content", "content-match", "prompt", "stop", "name")
+        if name
+        in ("content", "content-match", "prompt", "stop", "name", "resp-input", "resp-input-part")
     ],
 )
 @pytest.mark.parametrize(
@@ -742,6 +1463,18 @@ RAW_SURROGATE_CASES: list[tuple[str, str, bytes]] = [
         "cmpl",
         b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 1, "user": "\xed\xa0\x80"}',
     ),
+    ("resp-input", "resp", b'{"model": "tiny-llama", "input": "\xed\xa0\x80"}'),
+    (
+        "resp-instructions",
+        "resp",
+        b'{"model": "tiny-llama", "input": "hi", "instructions": "a\xed\xbf\xbfb"}',
+    ),
+    (
+        "resp-function-call-output",
+        "resp",
+        b'{"model": "tiny-llama", "input": [{"type": "function_call_output", "call_id": "c", '
+        b'"output": "\xed\xa0\x80"}]}',
+    ),
 ]
 
 
@@ -765,7 +1498,7 @@ def test_a_surrogate_in_raw_utf8_bytes_is_invalid_json(
     ],
     ids=["ff", "overlong", "truncated", "beyond-unicode"],
 )
-@pytest.mark.parametrize("route", ["cmpl", "match"])
+@pytest.mark.parametrize("route", ["cmpl", "match", "resp"])
 def test_bytes_that_are_not_utf8_are_invalid_json(
     client: TestClient, route: str, raw: bytes
 ) -> None:
@@ -798,6 +1531,25 @@ def test_nul_in_chat_content_is_text(
     )
     assert _ok(_post(client, "chat", raw))["usage"]["prompt_tokens"] == expected
     assert _ok(_post(client, "match", raw))["prompt_tokens"] == expected
+
+
+def test_nul_in_responses_input_is_text(client: TestClient) -> None:
+    # The input renders as the chat turn it is: the same prompt, NULs and all.
+    text = "a\\u0000b\\u0000\\u0000c"
+    chat = (
+        '{"model": "tiny-llama", "max_tokens": 1, "messages": '
+        f'[{{"role": "user", "content": "{text}"}}]}}'
+    )
+    resp = f'{{"model": "tiny-llama", "max_output_tokens": 1, "input": "{text}"}}'
+    parts = (
+        '{"model": "tiny-llama", "max_output_tokens": 1, "input": [{"role": "user", "content": '
+        f'[{{"type": "input_text", "text": "{text}"}}]}}]}}'
+    )
+    expected = _ok(_post(client, "chat", chat.encode()))["usage"]["prompt_tokens"]
+    without = _ok(_post(client, "resp", _raw(RESPONSE)))["usage"]["input_tokens"]
+    assert expected > without
+    assert _ok(_post(client, "resp", resp.encode()))["usage"]["input_tokens"] == expected
+    assert _ok(_post(client, "resp", parts.encode()))["usage"]["input_tokens"] == expected
 
 
 def test_nul_in_a_prompt_is_text(
@@ -890,6 +1642,24 @@ DEEP_CASES: list[tuple[str, str, str]] = [
         f'{{"model": "tiny-llama", "messages": [{{"role": "user", "content": "hi"}}], '
         f'"metadata": {_arrays(DEEP, chr(34) + chr(92) + "ud800" + chr(34))}}}',
     ),
+    ("resp-input-arrays", "resp", f'{{"model": "tiny-llama", "input": {_arrays(DEEP)}}}'),
+    (
+        "resp-content-objects",
+        "resp",
+        f'{{"model": "tiny-llama", "input": [{{"role": "user", "content": {_objects(DEEP)}}}]}}',
+    ),
+    (
+        "resp-tool-parameters-objects",
+        "resp",
+        f'{{"model": "tiny-llama", "input": "hi", "tools": [{{"type": "function", "name": "f", '
+        f'"parameters": {_objects(DEEP)}}}]}}',
+    ),
+    (
+        "resp-format-schema-arrays",
+        "resp",
+        f'{{"model": "tiny-llama", "input": "hi", "text": {{"format": {{"type": "json_schema", '
+        f'"name": "a", "schema": {{"enum": {_arrays(DEEP)}}}}}}}}}',
+    ),
     ("whole-body-arrays", "cmpl", _arrays(DEEP)),
     ("whole-body-objects", "cmpl", _objects(DEEP)),
 ]
@@ -926,6 +1696,28 @@ SHALLOW = 300  # deep, but within what the JSON parser takes: the validators see
             "invalid_value",
             "prompt",
             id="prompt",
+        ),
+        pytest.param(
+            "resp",
+            f'{{"model": "tiny-llama", "input": {_arrays(SHALLOW)}}}',
+            "invalid_type",
+            "input[0]",
+            id="resp-input",
+        ),
+        pytest.param(
+            "resp",
+            f'{{"model": "tiny-llama", "input": [{{"role": "user", '
+            f'"content": {_arrays(SHALLOW)}}}]}}',
+            "invalid_type",
+            "input[0].content[0]",
+            id="resp-content",
+        ),
+        pytest.param(
+            "resp",
+            f'{{"model": "tiny-llama", "input": "hi", "metadata": {{"k": {_arrays(SHALLOW)}}}}}',
+            "invalid_type",
+            "metadata.k",
+            id="resp-metadata",
         ),
         pytest.param(
             "match",
@@ -982,6 +1774,30 @@ def test_deep_but_parseable_unknown_fields_are_ignored(client: TestClient, metad
             "context_length_exceeded",
             "messages",
             id="messages",
+        ),
+        pytest.param(
+            "resp", _resp(input=[USER] * 5_000), "context_length_exceeded", "input", id="input"
+        ),
+        pytest.param(
+            "resp",
+            _resp(tools=[{**FUNCTION, "name": f"f{i}"} for i in range(2_000)]),
+            "invalid_value",
+            "tools",
+            id="tools",
+        ),
+        pytest.param(
+            "resp",
+            _resp(metadata={str(i): "v" for i in range(10_000)}),
+            "invalid_value",
+            "metadata",
+            id="metadata",
+        ),
+        pytest.param(
+            "resp",
+            _parts(*[{"type": "input_text", "text": "hi"}] * 5_000),
+            "context_length_exceeded",
+            "input",
+            id="content-parts",
         ),
     ],
 )
@@ -1045,7 +1861,8 @@ def test_an_empty_body_without_a_content_type_is_invalid_json(
 
 
 @pytest.mark.parametrize(
-    ("route", "param"), [("chat", "model"), ("cmpl", "model"), ("match", "model")]
+    ("route", "param"),
+    [("chat", "model"), ("cmpl", "model"), ("match", "model"), ("resp", "model")],
 )
 def test_an_empty_object_misses_the_model(client: TestClient, route: str, param: str) -> None:
     assert _error(_post(client, route, b"{}")) == (
@@ -1121,6 +1938,31 @@ DUPLICATES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
         400,
         "invalid_value",
         "messages[0].role",
+    ),
+    (
+        "input-last-valid",
+        "resp",
+        b'{"model": "tiny-llama", "max_output_tokens": 1, "input": [], "input": "hi"}',
+        200,
+        None,
+        None,
+    ),
+    (
+        "input-last-invalid",
+        "resp",
+        b'{"model": "tiny-llama", "max_output_tokens": 1, "input": "hi", "input": []}',
+        400,
+        "invalid_value",
+        "input",
+    ),
+    (
+        "item-type-last-invalid",
+        "resp",
+        b'{"model": "tiny-llama", "input": [{"type": "message", "type": "reasoning", '
+        b'"role": "user", "content": "hi"}]}',
+        400,
+        "unsupported_value",
+        "input[0].type",
     ),
     (
         "messages-last-invalid-match",
@@ -1246,7 +2088,7 @@ def _plain_content_count(tokenizer: PreTrainedTokenizerFast, content: str) -> in
     ],
     ids=["forged-system-turn", "trailing-end", "endoftext", "bare-start"],
 )
-@pytest.mark.parametrize("route", ["chat", "match"])
+@pytest.mark.parametrize("route", ["chat", "match", "resp", "resp-part"])
 def test_special_token_text_in_user_content_is_plain_text(
     client: TestClient, tiny_tokenizer: PreTrainedTokenizerFast, route: str, content: str
 ) -> None:
@@ -1256,9 +2098,15 @@ def test_special_token_text_in_user_content_is_plain_text(
     )
     assert isinstance(rendered, str)
     assert expected != _count(tiny_tokenizer, rendered)  # the content's specials matter here
-    body = _chat(messages=[{"role": "user", "content": content}])
-    response = _ok(_post(client, route, json.dumps(body).encode()))
-    prompt_tokens = (
-        response["usage"]["prompt_tokens"] if route == "chat" else response["prompt_tokens"]
-    )
+    message: dict[str, Any] = {"role": "user", "content": content}
+    if route == "resp-part":  # a Responses input_text part is the same user turn
+        message = {"role": "user", "content": [{"type": "input_text", "text": content}]}
+    body = _resp(input=[message]) if route.startswith("resp") else _chat(messages=[message])
+    response = _ok(_post(client, route.partition("-")[0], json.dumps(body).encode()))
+    if route == "match":
+        prompt_tokens = response["prompt_tokens"]
+    elif route == "chat":
+        prompt_tokens = response["usage"]["prompt_tokens"]
+    else:
+        prompt_tokens = response["usage"]["input_tokens"]
     assert prompt_tokens == expected

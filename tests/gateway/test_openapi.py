@@ -75,6 +75,8 @@ def test_request_and_response_bodies_are_the_validating_models() -> None:
             {
                 "/v1/chat/completions",
                 "/v1/completions",
+                "/v1/responses",
+                "/v1/responses/{id}",
                 "/v1/models",
                 "/v1/models/{model}",
                 "/v1/prefixes",

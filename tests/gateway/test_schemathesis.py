@@ -12,13 +12,20 @@ may get a 400, with exactly that error code:
 - a completions `max_tokens` of 0 needs `echo` (`invalid_value` on max_tokens), and `suffix`
   needs a model with a fill-in-the-middle format (`unsupported_value`; the tiny model has none);
 - `tool_choice` `required` or a named function needs `tools` holding it (`invalid_value`);
+- a tool result answers a call made before it (`messages[i].tool_call_id`, and the Responses
+  `input[i].call_id`: `invalid_value`);
 - a structured output constraint (`response_format`, `tools`, `guided_*`,
   `structured_outputs`) must be a grammar llguidance can compile (`invalid_value` on that
-  field), and a request sets at most one of them (`invalid_value`, no field, the message
+  field; with tools, the tool's `parameters` that do not compile on their own), and a
+  request sets at most one of them (`invalid_value`, no field, the message
   says so).
-Two more depend on the model, not on the request's shape: token ids must be below the
-vocabulary size (`invalid_token_id`), and an unknown `model` is a 404 `model_not_found` (as
-Schemathesis itself accepts for schema-valid data: a resource that does not exist).
+The Responses API states its rules on the same fields: `input` must fit the context,
+`text.format` must compile (with `tools` beside it, the one grammar is named `tools`).
+More depend on the server's state, not on the request's shape: token ids must be below the
+vocabulary size (`invalid_token_id`), an unknown `model` is a 404 `model_not_found`, and a
+response id that is not kept (`previous_response_id`, or the id in /v1/responses/{id}) is a
+404 `response_not_found` (as Schemathesis itself accepts for schema-valid data: a resource
+that does not exist).
 Everything else must hold as Schemathesis states it: no 5xx, every error OpenAI-shaped,
 schema-valid requests accepted, schema-invalid ones rejected, statuses, content types and
 bodies as documented.
@@ -27,6 +34,7 @@ bodies as documented.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,10 +79,18 @@ CROSS_FIELD_RULES = {
     ("prompt", "invalid_token_id"),
     ("max_tokens", "invalid_value"),
     ("suffix", "unsupported_value"),
+    ("input", "context_length_exceeded"),
+    ("previous_response_id", "response_not_found"),
+    ("id", "response_not_found"),
+    ("messages[].tool_call_id", "invalid_value"),
+    ("input[].call_id", "invalid_value"),
+    ("tools[].function.parameters", "invalid_value"),
+    ("tools[].parameters", "invalid_value"),
     *(
         (field, "invalid_value")
         for field in (
             "response_format",
+            "text.format",
             "tools",
             "tool_choice",
             "guided_json",
@@ -138,7 +154,8 @@ def _accepted_or_cross_field(case: Any, response: Any) -> None:
     error = json.loads(response.content)["error"]
     if error["param"] is None and ONE_CONSTRAINT in error["message"]:
         return
-    assert (error["param"], error["code"]) in CROSS_FIELD_RULES, (
+    param = re.sub(r"\[\d+\]", "[]", error["param"] or "") or None  # one rule per array field
+    assert (param, error["code"]) in CROSS_FIELD_RULES, (
         f"schema-valid request rejected: {response.status_code} {error}\n{case.body!r} "
         f"{response.request.url!r}"
     )
