@@ -5,7 +5,6 @@ JSON schemas, streams) and the intent-classifier entry's declared output contrac
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import openai
@@ -14,11 +13,11 @@ import yaml
 from pydantic import BaseModel, Field
 
 from engine.loader import ModelSource
-from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
+from tests.e2e.conftest import SHIPPED_PREFIXES, model_of
+from tests.gateway.server_harness import REAL_READY_TIMEOUT, Server, ServerFactory
 
 pytestmark = pytest.mark.e2e
 
-SHIPPED_PREFIXES = REPO_ROOT / "prefixes.yaml"
 CUSTOMER = "I was billed twice this month, please refund me."
 QUESTION = "What is the capital of France?"
 
@@ -61,20 +60,6 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
-    factory = ServerFactory(tmp_path_factory.mktemp("real-server-logs"))
-    yield factory
-    factory.close()
-
-
-@pytest.fixture(scope="module")
-def real_server(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
-    return servers(
-        "--prefixes", str(SHIPPED_PREFIXES), ready_timeout=REAL_READY_TIMEOUT, name="real"
-    )
-
-
-@pytest.fixture(scope="module")
 def real_server_no_cache(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
     return servers(
         "--prefixes",
@@ -83,18 +68,6 @@ def real_server_no_cache(servers: ServerFactory, smollm2_source: ModelSource) ->
         ready_timeout=REAL_READY_TIMEOUT,
         name="real-no-cache",
     )
-
-
-@pytest.fixture
-def sdk(real_server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        yield client
-
-
-def _model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def _intent_messages(customer: str = CUSTOMER) -> list[Any]:
@@ -114,7 +87,7 @@ def _intent_request(server: Server) -> tuple[str, int, int]:
         base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
     ) as client:
         completion = client.chat.completions.create(
-            model=_model(client), messages=_intent_messages(), temperature=0, max_tokens=16
+            model=model_of(client), messages=_intent_messages(), temperature=0, max_tokens=16
         )
     usage = completion.usage
     assert usage is not None and usage.prompt_tokens_details is not None
@@ -138,7 +111,7 @@ def test_registry_hit_and_no_prefix_cache(
 
 def test_knows_the_capital_of_france(sdk: openai.OpenAI) -> None:
     completion = sdk.chat.completions.create(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=[{"role": "user", "content": QUESTION}],
         temperature=0,
         max_tokens=32,
@@ -149,7 +122,7 @@ def test_knows_the_capital_of_france(sdk: openai.OpenAI) -> None:
 
 def test_the_intent_entry_answers_one_label_as_json_by_default(sdk: openai.OpenAI) -> None:
     """No response_format, no max_tokens, no temperature: the entry's contract applies."""
-    completion = sdk.chat.completions.create(model=_model(sdk), messages=_intent_messages())
+    completion = sdk.chat.completions.create(model=model_of(sdk), messages=_intent_messages())
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content is not None
@@ -158,9 +131,9 @@ def test_the_intent_entry_answers_one_label_as_json_by_default(sdk: openai.OpenA
     assert completion.usage is not None and completion.usage.completion_tokens <= 24
 
 
-def test_parse_with_a_pydantic_model(sdk: openai.OpenAI, real_server: Server) -> None:
+def test_parse_with_a_pydanticmodel_of(sdk: openai.OpenAI, real_server: Server) -> None:
     completion = sdk.chat.completions.parse(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=_intent_messages("The app crashes every time I open my photos."),
         response_format=Intent,
         temperature=0,
@@ -177,7 +150,7 @@ def test_parse_with_a_pydantic_model(sdk: openai.OpenAI, real_server: Server) ->
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_parse_a_nested_strict_schema(sdk: openai.OpenAI, temperature: float) -> None:
     completion = sdk.chat.completions.parse(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=[{"role": "user", "content": "Invent a person who has one pet."}],
         response_format=Person,
         temperature=temperature,
@@ -195,14 +168,14 @@ def test_a_stream_spells_the_same_json(sdk: openai.OpenAI) -> None:
     }
     messages: Any = [{"role": "user", "content": "Invent a person."}]
     whole = sdk.chat.completions.create(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=messages,
         response_format=schema_format,
         temperature=0,
         max_tokens=200,
     )
     stream = sdk.chat.completions.create(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=messages,
         response_format=schema_format,
         temperature=0,
@@ -221,7 +194,7 @@ def test_a_schema_that_cannot_compile_is_a_bad_request(sdk: openai.OpenAI) -> No
     }
     with pytest.raises(openai.BadRequestError) as raised:
         sdk.chat.completions.create(
-            model=_model(sdk), messages=[{"role": "user", "content": "hi"}], response_format=bad
+            model=model_of(sdk), messages=[{"role": "user", "content": "hi"}], response_format=bad
         )
     assert raised.value.param == "response_format"
     assert "invalid JSON schema" in raised.value.message
@@ -234,7 +207,7 @@ def _langchain(server: Server, sdk: openai.OpenAI) -> Any:
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
-        model=_model(sdk),
+        model=model_of(sdk),
         base_url=f"{server.url}/v1",
         api_key="unused",  # type: ignore[arg-type]
         temperature=0,
@@ -263,7 +236,7 @@ def test_instructor_returns_validated_models(sdk: openai.OpenAI, mode: str) -> N
 
     client = instructor.from_openai(sdk, mode=getattr(instructor.Mode, mode))
     person = client.chat.completions.create(
-        model=_model(sdk),
+        model=model_of(sdk),
         response_model=Person,
         messages=[{"role": "user", "content": "Invent a person who has one pet."}],
         temperature=0,
@@ -293,7 +266,7 @@ WEATHER_TOOL: Any = {
 def test_sdk_tool_call_round_trip(sdk: openai.OpenAI) -> None:
     messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = sdk.chat.completions.create(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=messages,
         tools=[WEATHER_TOOL],
         tool_choice="required",
@@ -310,7 +283,7 @@ def test_sdk_tool_call_round_trip(sdk: openai.OpenAI) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
     ]
     second = sdk.chat.completions.create(
-        model=_model(sdk), messages=messages, tools=[WEATHER_TOOL], tool_choice="none"
+        model=model_of(sdk), messages=messages, tools=[WEATHER_TOOL], tool_choice="none"
     )
     answer = second.choices[0].message
     assert answer.tool_calls is None and answer.content
@@ -318,7 +291,7 @@ def test_sdk_tool_call_round_trip(sdk: openai.OpenAI) -> None:
 
 def test_sdk_streams_a_tool_call(sdk: openai.OpenAI) -> None:
     stream = sdk.chat.completions.create(
-        model=_model(sdk),
+        model=model_of(sdk),
         messages=[{"role": "user", "content": "Weather in Oslo?"}],
         tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},

@@ -1,0 +1,40 @@
+"""One real `prefixgate serve` (default model, shipped prefixes.yaml) for the e2e modules
+that drive it with client libraries, started once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from engine.loader import ModelSource
+from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
+
+SHIPPED_PREFIXES = REPO_ROOT / "prefixes.yaml"
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+    factory = ServerFactory(tmp_path_factory.mktemp("real-server-logs"))
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="session")
+def real_server(servers: ServerFactory, smollm2_source: ModelSource) -> Server:
+    return servers(
+        "--prefixes", str(SHIPPED_PREFIXES), ready_timeout=REAL_READY_TIMEOUT, name="real"
+    )
+
+
+@pytest.fixture
+def sdk(real_server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        yield client
+
+
+def model_of(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
