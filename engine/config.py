@@ -55,7 +55,13 @@ class EngineConfig:
         None, "token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA"
     )
     max_model_len: int | None = option(None, "context length (default: the model's own)")
-    enable_prefix_cache: bool = option(True, "share registered prefixes' KV blocks")
+    enable_prefix_cache: bool = option(
+        True, "reuse computed KV blocks at all (registered prefixes and automatic caching)"
+    )
+    enable_auto_prefix_cache: bool = option(
+        True,
+        "cache every computed block by content for later prompts (off: registered prefixes only)",
+    )
     prefix_file: str | None = option(
         None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
     )

@@ -1,18 +1,28 @@
-"""The paged KV cache: a pool of fixed-size blocks with reference counts.
+"""The paged KV cache: a pool of fixed-size blocks with reference counts and content hashes.
 
-Ownership rules: a block is free (ref_cnt 0, on the free list) or referenced (ref_cnt >= 1).
+Ownership rules: a block is free (ref_cnt 0, in the free queue) or referenced (ref_cnt >= 1).
 Every holder of a block (a running sequence, a registry prefix) owns one reference and gives
 it back with `free()`. Pinned blocks are referenced blocks that a long-lived holder (the prefix
 registry) keeps; they are never handed out or evicted while pinned.
+
+Automatic prefix caching: a full block may be known by content hashes (engine/block_hash.py;
+one per cache scope that computed or used it). A freed block keeps its KV and its hashes: it
+stays findable by `cached_block()` and can be shared again (`share()` takes it back out of
+the free queue) until the pool needs it. The free queue is the eviction order: blocks freed
+without hashes go to its front (handed out first, they hold nothing anyone can find), hashed
+blocks to its back, so the least recently freed cached block is evicted first; `allocate()`
+forgets the hashes of the blocks it hands out.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.block_hash import BlockHash
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,10 @@ class BlockPool:
         self.k_cache = torch.empty(shape, dtype=spec.dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=spec.dtype, device=device)
         self.ref_cnt = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}  # content hash -> the block holding it
+        self._hashes: dict[int, list[BlockHash]] = {}  # block -> its hashes (cached blocks)
+        self.num_evictions = 0  # cached blocks handed out for new content
         # Blocks never handed out still hold whatever torch.empty gave us, possibly NaN. Attention
         # masks unused slots, but a masked NaN value still poisons softmax(scores) @ V (0 * NaN),
         # so each block is zeroed the first time it is allocated (lazily: RAM stays uncommitted).
@@ -62,6 +75,11 @@ class BlockPool:
     def num_pinned_blocks(self) -> int:
         return len(self._pinned)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by content (referenced or not)."""
+        return len(self._hashes)
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
@@ -69,9 +87,10 @@ class BlockPool:
         """Take `num_blocks` free blocks, each with ref_cnt 1. Caller checks `can_allocate`."""
         if num_blocks > len(self._free):
             raise RuntimeError(f"KV pool exhausted: want {num_blocks}, have {len(self._free)}")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
+        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
         for block_id in block_ids:
             self.ref_cnt[block_id] = 1
+            self._evict(block_id)
         self._zero_fresh(max(block_ids, default=-1) + 1)
         return block_ids
 
@@ -83,19 +102,45 @@ class BlockPool:
             self._num_zeroed = end
 
     def share(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference on blocks someone else already holds (zero-copy sharing)."""
+        """Take one more reference on blocks someone else holds, or on cached free blocks
+        (zero-copy sharing; a cached free block leaves the free queue)."""
         for block_id in block_ids:
-            assert self.ref_cnt[block_id] > 0, f"sharing free block {block_id}"
+            if self.ref_cnt[block_id] == 0:
+                assert block_id in self._hashes, f"sharing free uncached block {block_id}"
+                del self._free[block_id]
             self.ref_cnt[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Give back one reference per block; a block whose count drops to 0 is free again."""
+        """Give back one reference per block; a block whose count drops to 0 is free again
+        (a cached one stays findable until it is evicted). Free a sequence's blocks last
+        first: its tail, the least likely to be shared, is then evicted first."""
         for block_id in block_ids:
             assert self.ref_cnt[block_id] > 0, f"double free of block {block_id}"
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
                 assert block_id not in self._pinned, f"pinned block {block_id} freed"
-                self._free.append(block_id)
+                self._free[block_id] = None
+                if block_id not in self._hashes:
+                    self._free.move_to_end(block_id, last=False)
+
+    # -- content hashes (automatic prefix caching) ------------------------------------------------
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """Make a full, computed block findable by `block_hash` (if no block is already)."""
+        if block_hash in self._cached:
+            return
+        self._cached[block_hash] = block_id
+        self._hashes.setdefault(block_id, []).append(block_hash)
+
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        return self._cached.get(block_hash)
+
+    def _evict(self, block_id: int) -> None:
+        hashes = self._hashes.pop(block_id, None)
+        if hashes is None:
+            return
+        for block_hash in hashes:
+            del self._cached[block_hash]
+        self.num_evictions += 1
 
     # -- pinning (the prefix registry's long-lived references) ----------------------------------
     def pin(self, block_ids: Sequence[int]) -> None:
@@ -126,10 +171,9 @@ class BlockPool:
 
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """free + referenced == total; no negative counts; free blocks unreferenced, unpinned."""
+        """free + referenced == total; no negative counts; free blocks unreferenced, unpinned;
+        the hash index and each block's hashes agree."""
         free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is on the free list twice")
         for block_id, count in enumerate(self.ref_cnt):
             if count < 0:
                 raise AssertionError(f"block {block_id} has ref_cnt {count}")
@@ -138,6 +182,10 @@ class BlockPool:
         for block_id in self._pinned:
             if self.ref_cnt[block_id] == 0:
                 raise AssertionError(f"pinned block {block_id} is unreferenced")
+        indexed = {(h, b) for h, b in self._cached.items()}
+        listed = {(h, b) for b, hashes in self._hashes.items() for h in hashes}
+        if indexed != listed:
+            raise AssertionError(f"hash index and block hashes differ: {indexed ^ listed}")
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

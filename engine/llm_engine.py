@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache import BlockPool, num_blocks_for
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_setup import LoadedModel, load_model
 from engine.outputs import RequestOutput, SampleLogprobs
 from engine.prefix_loader import PrefixLoader
@@ -66,8 +67,9 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.pool: BlockPool = loaded.pool
         self.registry = PrefixRegistry(self.pool)
+        self.cache = KVCacheManager(self.pool, config.enable_auto_prefix_cache)
         self.scheduler = Scheduler(
-            self.pool,
+            self.cache,
             config.max_num_seqs,
             config.token_budget,
             self.registry if config.enable_prefix_cache else None,
@@ -449,7 +451,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics and the admin API; safe to call from another thread."""
-        return snapshot(self.pool, self.scheduler, self.registry, self.prefixes.is_pending)
+        return snapshot(self.cache, self.scheduler, self.registry, self.prefixes.is_pending)
 
 
 def _digest(content: bytes) -> bytes:

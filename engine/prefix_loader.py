@@ -54,7 +54,7 @@ class PrefixLoader:
     ) -> None:
         self.registry = registry
         self.scheduler = scheduler
-        self.pool: BlockPool = scheduler.pool
+        self.pool: BlockPool = scheduler.cache.pool
         self.max_model_len = max_model_len
         self.next_arrival = next_arrival
         self.enabled = enabled

@@ -6,15 +6,17 @@ so a long prompt is spread over several steps instead of stalling every running 
 whole prefill. New requests are admitted at every step while there is budget, a free slot
 (`max_num_seqs`) and KV blocks for their first chunk.
 
-Prefix reuse happens at admission, on token ids only: a fresh sequence whose ids start with a
-registered prefix shares that prefix's full blocks (reference counted, zero copy), gets a
-private copy of a partial last block, and starts with those tokens computed; if its ids equal
-the prefix, it needs no forward at all (the prefix's stored logits are sampled). Identical
-fresh prompts admitted in the same step are prefilled once: the first is the leader, the
-others share its blocks and its logits row. Deduplication stays inside one cache scope (the
-request's `cache_salt`) and is invisible to clients: a duplicate reports the cached tokens
-its leader got from the registry, never the leader's own work, so `cached_tokens` cannot
-confirm a guess of another client's prompt.
+Prefix reuse happens at admission, on token ids only, through the KVCacheManager (which owns
+every block): a sequence starts from the longer of its registry match (a registered prefix its
+ids start with: full blocks shared, a partial last block copied; ids equal to the prefix need
+no forward at all, the prefix's stored logits are sampled) and its automatic cache hit (the
+longest run of cached full blocks in its own cache scope: earlier turns of a chat, repeated
+requests, any prompt sharing a start with one computed before, its own blocks after a
+preemption). Identical fresh prompts admitted in the same step are prefilled once: the first
+is the leader, the others share its blocks and its logits row. Deduplication stays inside one
+cache scope (the request's `cache_salt`) and is invisible to clients: a duplicate reports the
+cached tokens its leader got from the caches, never the leader's own work, so
+`cached_tokens` cannot confirm a guess of another client's prompt.
 
 When a sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are released and it goes back to the front of the waiting queue to be recomputed
@@ -30,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache import BlockPool, num_blocks_for
+from engine.kv_cache import num_blocks_for
+from engine.kv_cache_manager import CacheHit, KVCacheManager
 from engine.registry import PrefixMatch, PrefixRegistry
 from engine.sequence import Sequence, SequenceStatus
 
@@ -78,12 +81,13 @@ class Scheduler:
 
     def __init__(
         self,
-        pool: BlockPool,
+        cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         registry: PrefixRegistry | None = None,
     ) -> None:
-        self.pool = pool
+        self.cache = cache
+        self.block_size = cache.block_size
         self.registry = registry  # None: every form of reuse is off
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,7 +111,7 @@ class Scheduler:
     def finish(self, seq: Sequence, finish_reason: str) -> None:
         """Remove a sequence from whichever queue holds it and release its blocks."""
         self.detach(seq)
-        self._release_blocks(seq)
+        self.cache.free(seq)
         seq.finish_reason = finish_reason
 
     def detach(self, seq: Sequence) -> None:
@@ -140,11 +144,14 @@ class Scheduler:
         return out
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and copy duplicates' tail blocks, after the forward."""
+        """After the forward: advance computed-token counts, copy duplicates' tail blocks,
+        and index the blocks that are now full and computed."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for src, dst in out.block_copies:
-            self.pool.copy_block(src, dst)
+            self.cache.copy_block(src, dst)
+        for item in out.scheduled:
+            self.cache.index_computed(item.seq)
 
     # -- internals ------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -177,19 +184,27 @@ class Scheduler:
         key: _DedupKey = (seq.cache_salt, tuple(seq.token_ids)) if can_dedup else None
         if key is not None and key in leaders:
             return self._admit_duplicate(seq, leaders[key], out)
-        match = self._attach_prefix(seq) if can_share and seq.num_computed_tokens == 0 else None
+        is_fresh_request = (
+            seq.num_prompt_tokens == seq.num_tokens
+            and not seq.is_prefix_fill
+            and seq.num_preemptions == 0
+        )
+        match = self._attach_cached(seq) if can_share and seq.num_computed_tokens == 0 else None
         num_new = min(seq.num_uncomputed_tokens, budget)
         if (
             (num_new == 0 and seq.num_uncomputed_tokens > 0)
             or not self._has_room_to_recompute(seq)
-            or not self._reserve(seq, num_new)
+            or not self.cache.reserve(seq, num_new)
         ):
-            self._release_blocks(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            self.cache.free(seq)
+            seq.num_computed_tokens = 0
             return None
-        is_fresh_request = seq.num_prompt_tokens == seq.num_tokens and not seq.is_prefix_fill
-        if self.registry is not None and is_fresh_request:
-            self.registry.record_lookup(match)
+        if is_fresh_request:
+            # What the client sees as cached: its prompt's reuse at first admission (a
+            # preempted sequence's recompute from its own blocks is not the client's gain).
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.registry is not None:
+                self.registry.record_lookup(match)
         if key is not None and num_new == seq.num_uncomputed_tokens and num_new > 0:
             leaders[key] = seq
         exact_logits = match.prefix.last_logits if match is not None and num_new == 0 else None
@@ -202,31 +217,47 @@ class Scheduler:
         30 preemptions, 5,490 tokens computed for 1,596 needed)."""
         if seq.num_preemptions == 0:
             return True
-        needed = num_blocks_for(seq.num_tokens + 1, self.pool.block_size) - len(seq.block_table)
-        return self.pool.can_allocate(max(needed, 0))
+        needed = num_blocks_for(seq.num_tokens + 1, self.block_size) - len(seq.block_table)
+        return self.cache.can_allocate(max(needed, 0))
 
-    def _attach_prefix(self, seq: Sequence) -> PrefixMatch | None:
-        """Share the longest matching registry prefix's blocks (its KV is already there)."""
+    def _attach_cached(self, seq: Sequence) -> PrefixMatch | None:
+        """Start `seq` from the longer of its registry match and its automatic cache hit
+        (the registry wins a tie: its exact hits need no forward). Returns the registry
+        match when that is what was used."""
         assert self.registry is not None
         match = self.registry.match(seq.token_ids)
-        if match is None:
+        auto = self.cache.find_cached(seq)
+        hit: CacheHit | None = auto
+        if match is not None and (auto is None or match.num_tokens >= auto.num_tokens):
+            hit = CacheHit(match.prefix.block_ids, match.num_tokens, "registry")
+        if hit is None or not self.cache.can_share(hit):
             return None
-        if not self._has_room_for_tail(match.num_tokens):
-            return None
-        tail_copy = self._share_blocks(seq, match.prefix.block_ids, match.num_tokens)
+        tail_copy = self.cache.share(seq, hit)
         if tail_copy is not None:
-            self.pool.copy_block(*tail_copy)
-        seq.num_shared_blocks = match.prefix.num_full_blocks
-        return match
+            self.cache.copy_block(*tail_copy)
+        seq.num_shared_blocks = self._num_pinned_leading(seq.block_table)
+        return match if hit.source == "registry" else None
+
+    def _num_pinned_leading(self, block_ids: list[int]) -> int:
+        """Leading blocks that belong to a registry prefix: decodes sharing them are attended
+        as a cascade group (engine/attention.py)."""
+        pool = self.cache.pool
+        count = 0
+        for block_id in block_ids:
+            if not pool.is_pinned(block_id):
+                break
+            count += 1
+        return count
 
     def _admit_duplicate(
         self, seq: Sequence, leader: Sequence, out: SchedulerOutput
     ) -> ScheduledSequence | None:
         """Same prompt as a sequence prefilled in this very step: share its work. Its tail
         block is copied after the forward that fills it."""
-        if not self._has_room_for_tail(leader.num_tokens):
+        hit = CacheHit(leader.block_table, leader.num_tokens, "batch")
+        if not self.cache.can_share(hit):
             return None
-        tail_copy = self._share_blocks(seq, leader.block_table, leader.num_tokens)
+        tail_copy = self.cache.share(seq, hit)
         if tail_copy is not None:
             out.block_copies.append(tail_copy)
         seq.num_shared_blocks = leader.num_shared_blocks  # the registry part, as the leader's
@@ -235,35 +266,13 @@ class Scheduler:
         seq.num_cached_tokens = leader.num_cached_tokens
         return ScheduledSequence(seq, 0, leader=leader)
 
-    def _has_room_for_tail(self, num_tokens: int) -> bool:
-        """A partial last block needs one free block for its private copy."""
-        return num_tokens % self.pool.block_size == 0 or self.pool.can_allocate(1)
-
-    def _share_blocks(
-        self, seq: Sequence, source: list[int], num_tokens: int
-    ) -> tuple[int, int] | None:
-        """Give `seq` the first `num_tokens` of `source`: full blocks by reference (zero copy),
-        a partial last block as a fresh private block (copy on write: the sequence writes its
-        own tokens right after, inside that block, so it must never be the shared one).
-        Precondition: `_has_room_for_tail`. Returns the (src, dst) copy still to be made.
-        """
-        num_full, partial = divmod(num_tokens, self.pool.block_size)
-        self.pool.share(source[:num_full])
-        seq.block_table = list(source[:num_full])
-        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
-        if not partial:
-            return None
-        [tail] = self.pool.allocate(1)
-        seq.block_table.append(tail)
-        return source[num_full], tail
-
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Reserve blocks for `num_new` more tokens, preempting newer sequences if needed.
 
         Returns False when `seq` itself had to be preempted.
         """
         scheduled = {id(item.seq) for item in out.scheduled}
-        while not self._reserve(seq, num_new):
+        while not self.cache.reserve(seq, num_new):
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = max(victims, key=lambda s: s.arrival_index) if victims else seq
             self._preempt(victim)
@@ -272,26 +281,11 @@ class Scheduler:
                 return False
         return True
 
-    def _reserve(self, seq: Sequence, num_new: int) -> bool:
-        needed = num_blocks_for(seq.num_computed_tokens + num_new, self.pool.block_size)
-        missing = needed - len(seq.block_table)
-        if missing <= 0:
-            return True
-        if not self.pool.can_allocate(missing):
-            return False
-        seq.block_table.extend(self.pool.allocate(missing))
-        return True
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release_blocks(seq)
+        self.cache.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-
-    def _release_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
-        seq.num_shared_blocks = 0

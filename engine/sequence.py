@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.block_hash import scope_seed
 from engine.outputs import SampleLogprobs
 from engine.registry_file import PrefixSpec
 from engine.sampling_params import SamplingParams
@@ -47,6 +48,11 @@ class Sequence:
     num_preemptions: int = 0
     prefix_spec: PrefixSpec | None = None  # set: this sequence fills a registry prefix
     cache_salt: str | None = None  # reuse of this sequence's own work stays within its salt
+    # Automatic prefix caching: the parent hash of the first block (its cache scope), the
+    # hashes of its full blocks so far, and how many of its computed blocks are indexed.
+    cache_seed: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_indexed_blocks: int = 0
     # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
     # attend to them once per step as a group (cascade attention).
     num_shared_blocks: int = 0
@@ -55,6 +61,10 @@ class Sequence:
     matcher: LLMatcher | None = None
     # Scored prompt tokens (params.prompt_logprobs): None for the first, which has no context.
     prompt_logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.cache_seed:
+            self.cache_seed = scope_seed(self.cache_salt)
 
     @property
     def is_prefix_fill(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv_cache import BlockPool
+from engine.kv_cache_manager import KVCacheManager
 from engine.registry import PrefixRegistry
 from engine.registry_file import PrefixContract
 from engine.scheduler import Scheduler
@@ -36,6 +36,10 @@ class EngineStats:
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_pinned_kv_blocks: int
+    num_cached_kv_blocks: int  # findable by content (automatic prefix caching)
+    num_evicted_kv_blocks: int  # cached blocks reused for new content, in total
+    auto_prefix_hits: int
+    auto_prefix_cached_tokens: int
     block_size: int
     num_preemptions: int
     prefix_lookups: int
@@ -54,15 +58,19 @@ class EngineStats:
 
 
 def snapshot(
-    pool: BlockPool, scheduler: Scheduler, registry: PrefixRegistry, is_reload_pending: bool
+    cache: KVCacheManager, scheduler: Scheduler, registry: PrefixRegistry, is_reload_pending: bool
 ) -> EngineStats:
-    reload = registry.last_reload
+    reload, pool = registry.last_reload, cache.pool
     return EngineStats(
         num_requests_running=sum(1 for s in list(scheduler.running) if not s.is_prefix_fill),
         num_requests_waiting=sum(1 for s in list(scheduler.waiting) if not s.is_prefix_fill),
         num_kv_blocks=pool.num_blocks,
         num_free_kv_blocks=pool.num_free_blocks,
         num_pinned_kv_blocks=pool.num_pinned_blocks,
+        num_cached_kv_blocks=pool.num_cached_blocks,
+        num_evicted_kv_blocks=pool.num_evictions,
+        auto_prefix_hits=cache.num_auto_hits,
+        auto_prefix_cached_tokens=cache.num_auto_hit_tokens,
         block_size=pool.block_size,
         num_preemptions=scheduler.num_preemptions,
         prefix_lookups=registry.stats.num_lookups,

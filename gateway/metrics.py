@@ -223,6 +223,16 @@ class _EngineCollector:
             snap.num_pinned_kv_blocks,
         )
         yield self._gauge(
+            "prefixgate_kv_blocks_cached",
+            "KV cache blocks findable by content for automatic prefix caching (held or free).",
+            snap.num_cached_kv_blocks,
+        )
+        yield self._counter(
+            "prefixgate_kv_block_evictions",
+            "Cached KV blocks evicted (reused for new content) by the automatic prefix cache.",
+            snap.num_evicted_kv_blocks,
+        )
+        yield self._gauge(
             "prefixgate_kv_cache_usage_ratio",
             "Share of KV cache blocks in use, pinned prefix blocks included (0 to 1).",
             snap.kv_cache_usage_ratio,
@@ -247,6 +257,17 @@ class _EngineCollector:
             "prefixgate_prefix_cache_hits",
             "Prompts that started with a registered prefix.",
             snap.prefix_hits,
+        )
+        yield self._counter(
+            "prefixgate_auto_prefix_cache_hits",
+            "Prompts that started from blocks the automatic prefix cache kept (earlier turns, "
+            "repeats, shared starts), when those were longer than any registry match.",
+            snap.auto_prefix_hits,
+        )
+        yield self._counter(
+            "prefixgate_auto_prefix_cached_tokens",
+            "Prompt tokens served from the automatic prefix cache.",
+            snap.auto_prefix_cached_tokens,
         )
         hits = CounterMetricFamily(
             "prefixgate_prefix_hits",

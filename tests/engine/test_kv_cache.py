@@ -28,8 +28,49 @@ def test_allocate_free_and_reuse() -> None:
     assert pool.num_free_blocks == 5
     pool.free(first)
     assert pool.num_free_blocks == 8
-    assert pool.allocate(6) == [3, 4, 5, 6, 7, 0]
+    # Blocks freed without content hashes go to the front of the free queue: reused first.
+    assert pool.allocate(6) == [2, 1, 0, 3, 4, 5]
     pool.check_integrity()
+
+
+def test_cached_free_blocks_are_evicted_last_and_forget_their_hashes() -> None:
+    pool = _pool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache_block(a, b"hash-a")
+    pool.cache_block(b, b"hash-b")
+    pool.cache_block(b, b"hash-b-other-scope")  # one block, two scopes' hashes
+    pool.free([b, a, c, d])  # b and a go to the back (LRU: b first), c and d to the front
+    assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
+    assert pool.cached_block(b"hash-a") == a
+    assert pool.allocate(2) == [d, c]  # uncached blocks first: nothing cached is lost
+    assert pool.num_evictions == 0
+    assert pool.allocate(1) == [b]  # then the least recently freed cached block
+    assert pool.num_evictions == 1
+    assert pool.cached_block(b"hash-b") is None and pool.cached_block(b"hash-b-other-scope") is None
+    assert pool.cached_block(b"hash-a") == a
+    pool.check_integrity()
+
+
+def test_a_cached_free_block_can_be_shared_again() -> None:
+    pool = _pool(2)
+    [block] = pool.allocate(1)
+    pool.cache_block(block, b"h")
+    pool.free([block])
+    assert pool.num_free_blocks == 2
+    pool.share([block])  # a later prompt hits it: it leaves the free queue
+    assert pool.ref_cnt[block] == 1 and pool.num_free_blocks == 1
+    assert pool.allocate(1) != [block]
+    pool.check_integrity()
+    pool.cache_block(block, b"h")  # indexing the same content again changes nothing
+    assert pool.num_cached_blocks == 1
+
+
+def test_an_uncached_free_block_cannot_be_shared() -> None:
+    pool = _pool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(AssertionError, match="sharing free uncached block"):
+        pool.share([block])
 
 
 def test_shared_block_is_freed_only_by_its_last_holder() -> None:

@@ -57,6 +57,9 @@ def _engine(model: Path, prefix_file: Path | None, **overrides: Any) -> LLMEngin
         "max_num_batched_tokens": 64,
         "debug_check_integrity": True,
         "prefix_file": str(prefix_file) if prefix_file else None,
+        # The registry alone, so that counts are exact: the automatic cache would also serve
+        # these prompts' repeated parts (tests/engine/test_auto_prefix_cache.py).
+        "enable_auto_prefix_cache": False,
     }
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))

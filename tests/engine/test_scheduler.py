@@ -9,6 +9,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.kv_cache import BlockPool, KVCacheSpec
+from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -16,7 +17,8 @@ from engine.sequence import Sequence, SequenceStatus
 
 def _scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
-    return Scheduler(BlockPool(spec, num_blocks, torch.device("cpu")), max_num_seqs, budget)
+    pool = BlockPool(spec, num_blocks, torch.device("cpu"))
+    return Scheduler(KVCacheManager(pool, enable_auto_cache=False), max_num_seqs, budget)
 
 
 def _seq(index: int, num_prompt: int) -> Sequence:
@@ -95,8 +97,8 @@ def test_newest_sequence_is_preempted_when_blocks_run_out() -> None:
     assert (victim.request_id, victim.num_computed_tokens, victim.block_table) == ("r1", 0, [])
     assert victim.status is SequenceStatus.WAITING and victim.num_preemptions == 1
     assert victim.token_ids == [*range(8), 7]  # recomputed later with the token it produced
-    sched.pool.check_integrity()
-    assert sched.pool.num_free_blocks == 1
+    sched.cache.pool.check_integrity()
+    assert sched.cache.pool.num_free_blocks == 1
 
 
 def test_preempted_sequence_is_recomputed_once_blocks_come_back() -> None:
@@ -119,8 +121,8 @@ def test_finish_releases_blocks_of_waiting_and_running_sequences() -> None:
     for seq in [*sched.running, *sched.waiting]:
         sched.finish(seq, "abort")
     assert not sched.has_unfinished()
-    assert sched.pool.num_free_blocks == sched.pool.num_blocks
-    sched.pool.check_integrity()
+    assert sched.cache.pool.num_free_blocks == sched.cache.pool.num_blocks
+    sched.cache.pool.check_integrity()
 
 
 def test_a_preempted_sequence_waits_until_its_whole_recompute_fits() -> None:
@@ -134,10 +136,10 @@ def test_a_preempted_sequence_waits_until_its_whole_recompute_fits() -> None:
     r1 = Sequence("r1", [*range(8), 7, 7], 8, SamplingParams(), 1, num_preemptions=1)
     sched.add(r1)
     assert _plan(sched.schedule()) == [("r0", 1)]  # r0 takes its 3rd block; 2 stay free
-    assert sched.pool.num_free_blocks == 2 and r1 in sched.waiting
+    assert sched.cache.pool.num_free_blocks == 2 and r1 in sched.waiting
     sched.finish(sched.running[0], "stop")
     assert _plan(sched.schedule()) == [("r1", 4)]  # now all of it fits: it catches up
-    sched.pool.check_integrity()
+    sched.cache.pool.check_integrity()
 
 
 def test_no_sequence_is_preempted_again_before_it_catches_up(tiny_llama_path: Path) -> None:

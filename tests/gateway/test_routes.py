@@ -60,6 +60,9 @@ def engine_config(tiny_llama_path: Path) -> EngineConfig:
         num_kv_blocks=NUM_KV_BLOCKS,
         max_model_len=MAX_MODEL_LEN,
         debug_check_integrity=True,  # the pool's invariants after every step
+        # Usage is asserted exactly, request by request: the automatic cache would make it
+        # depend on which test ran first (it has its own tests, and test_cached_tokens_*).
+        enable_auto_prefix_cache=False,
     )
 
 

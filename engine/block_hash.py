@@ -1,0 +1,43 @@
+"""Content addresses of KV blocks, for automatic prefix caching.
+
+A full block's hash covers its own tokens, the hash of the block before it (so it stands for
+the whole prefix up to its end: two prompts share a block only if they agree on every token
+before it) and, through the first block, the cache scope it was computed in. A scope
+isolates tenants: a prompt can only hit blocks that were hashed in its own scope, so nobody
+learns from `cached_tokens` or latency what another tenant sent (vLLM's `cache_salt`,
+CVE-2025-46570).
+
+blake2b with a 128-bit digest: fast, and collisions cannot be crafted to read another
+prompt's KV (Python's `hash()` of token tuples could be).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+DIGEST_SIZE = 16
+
+
+def scope_seed(*parts: str | None) -> BlockHash:
+    """The parent hash of a scope's first block: one per (tenant, cache_salt, ...)."""
+    text = "\0".join("" if part is None else part for part in parts)
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE, person=b"pg-scope").digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    num_tokens: int,
+    block_size: int,
+    seed: BlockHash,
+) -> None:
+    """Append to `hashes` the hash of every full block within the first `num_tokens` of
+    `token_ids` that it does not have yet (blocks are hashed once, as they fill)."""
+    parent = hashes[-1] if hashes else seed
+    for start in range(len(hashes) * block_size, num_tokens - block_size + 1, block_size):
+        block = array("q", token_ids[start : start + block_size]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=DIGEST_SIZE).digest()
+        hashes.append(parent)
