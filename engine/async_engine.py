@@ -166,9 +166,12 @@ class AsyncEngine:
         await self.run_in_engine(lambda e: e.reload_prefix_file(done.set_result))
         return await asyncio.wrap_future(done)
 
-    async def explain_prefix_match(self, token_ids: list[int]) -> MatchReport:
-        """Which registered prefix these ids hit, or where the closest one diverged."""
-        return await self.run_in_engine(lambda e: e.registry.explain(token_ids))
+    async def explain_prefix_match(
+        self, token_ids: list[int], cache_salt: str | None = None
+    ) -> MatchReport:
+        """Which registered prefix these ids hit, or where the closest one diverged, and what
+        the prefix cache would share with them (in `cache_salt`'s scope)."""
+        return await self.run_in_engine(lambda e: e.explain_match(token_ids, cache_salt))
 
     # -- engine thread --------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

@@ -124,10 +124,17 @@ class BlockPool:
                     self._free.move_to_end(block_id, last=False)
 
     # -- content hashes (automatic prefix caching) ------------------------------------------------
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
-        """Make a full, computed block findable by `block_hash` (if no block is already)."""
-        if block_hash in self._cached:
+    def cache_block(self, block_id: int, block_hash: BlockHash, replace: bool = False) -> None:
+        """Make a full, computed block findable by `block_hash`. If another block holds that
+        content already, it keeps it, unless `replace` (a pinned registry block must stay
+        findable; the other copy would be evicted some day)."""
+        holder = self._cached.get(block_hash)
+        if holder == block_id or (holder is not None and not replace):
             return
+        if holder is not None:
+            self._hashes[holder].remove(block_hash)
+            if not self._hashes[holder]:
+                del self._hashes[holder]
         self._cached[block_hash] = block_id
         self._hashes.setdefault(block_id, []).append(block_hash)
 

@@ -24,7 +24,9 @@ from engine.block_hash import extend_block_hashes
 from engine.kv_cache import BlockPool, num_blocks_for
 from engine.sequence import Sequence
 
-HitSource = Literal["registry", "auto", "batch"]
+# registry: a whole registered prefix; registry-partial: its full blocks before the prompt
+# diverged; auto: blocks computed earlier in the prompt's own scope; batch: an in-step leader.
+HitSource = Literal["registry", "registry-partial", "auto", "batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +48,29 @@ class KVCacheManager:
         self.enable_auto_cache = enable_auto_cache
         self.num_auto_hits = 0
         self.num_auto_hit_tokens = 0
+        self.num_partial_registry_hits = 0  # prompts that diverged from a registered prefix
 
     # -- lookups --------------------------------------------------------------------------------
     def find_cached(self, seq: Sequence) -> CacheHit | None:
-        """The longest run of cached full blocks that starts `seq`, in its own cache scope.
-        At least its last token is left to compute: its logits give the next token."""
+        """The longest run of cached full blocks that starts `seq`, in its own cache scope."""
         if not self.enable_auto_cache:
             return None
         self.hash_blocks(seq, seq.num_tokens)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        return self.find_run(seq.block_hashes, seq.num_tokens, "auto")
+
+    def find_run(self, hashes: list[bytes], num_tokens: int, source: HitSource) -> CacheHit | None:
+        """The cached blocks of the longest run of `hashes` (a prompt's chain in some scope).
+        At least the prompt's last token is left to compute: its logits give the next token."""
+        max_blocks = (num_tokens - 1) // self.block_size
         block_ids: list[int] = []
-        for block_hash in seq.block_hashes[:max_blocks]:
+        for block_hash in hashes[:max_blocks]:
             block_id = self.pool.cached_block(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
         if not block_ids:
             return None
-        return CacheHit(block_ids, len(block_ids) * self.block_size, "auto")
+        return CacheHit(block_ids, len(block_ids) * self.block_size, source)
 
     def hash_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Hash `seq`'s full blocks within its first `num_tokens` (each block once)."""
@@ -97,6 +104,8 @@ class KVCacheManager:
         if hit.source == "auto":
             self.num_auto_hits += 1
             self.num_auto_hit_tokens += hit.num_tokens
+        elif hit.source == "registry-partial":
+            self.num_partial_registry_hits += 1
         if not partial:
             return None
         [tail] = self.pool.allocate(1)

@@ -12,12 +12,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llguidance import LLMatcher
 from tqdm import tqdm
 
+from engine.block_hash import scope_seed
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
@@ -26,7 +27,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_setup import LoadedModel, load_model
 from engine.outputs import RequestOutput, SampleLogprobs
 from engine.prefix_loader import PrefixLoader
-from engine.registry import PrefixRegistry, ReloadStatus
+from engine.registry import MatchReport, PrefixRegistry, ReloadStatus
 from engine.registry_file import (
     PrefixContract,
     PrefixSpec,
@@ -166,13 +167,8 @@ class LLMEngine:
 
     def prefix_contract(self, token_ids: list[int]) -> PrefixContract | None:
         """The contract of the longest accepted prefixes-file entry that `token_ids` start
-        with (caching on or off). Thread-safe: reads the loader's current list."""
-        matches = [
-            spec
-            for spec in self.prefixes.specs
-            if tuple(token_ids[: spec.num_tokens]) == spec.token_ids
-        ]
-        best = max(matches, key=lambda spec: spec.num_tokens, default=None)
+        with (caching on or off). Thread-safe: reads the loader's current index."""
+        best = self.prefixes.spec_index.longest(token_ids)
         return best.contract if best is not None else None
 
     def _load_prefix_file_at_start(self, path: Path) -> None:
@@ -448,6 +444,20 @@ class LLMEngine:
                 if output.request_id in results:
                     results[output.request_id].extend(output.token_ids)
         return [results[i] for i in ids]
+
+    def explain_match(self, token_ids: list[int], cache_salt: str | None = None) -> MatchReport:
+        """The registry's view of `token_ids` (match, else the closest miss) and what the
+        prefix cache would share with them now (read only: takes no block)."""
+        report = self.registry.explain(token_ids)
+        if self.scheduler.registry is None or not token_ids:
+            return report
+        probe = Sequence("explain", list(token_ids), len(token_ids), SamplingParams(), -1)
+        probe.cache_salt = cache_salt
+        probe.cache_seed = scope_seed(cache_salt)
+        _, hit = self.scheduler.best_cached(probe)
+        if hit is None:
+            return report
+        return replace(report, num_cached_tokens=hit.num_tokens, cache_source=hit.source)
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics and the admin API; safe to call from another thread."""

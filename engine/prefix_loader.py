@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.kv_cache import BlockPool, num_blocks_for
+from engine.prefix_index import PrefixIndex
 from engine.registry import PrefixRegistry, RegisteredPrefix, ReloadStatus, release
 from engine.registry_file import PrefixSpec
 from engine.sampling_params import SamplingParams
@@ -27,6 +28,10 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _spec_ids(spec: PrefixSpec) -> tuple[int, ...]:
+    return spec.token_ids
 
 
 class PrefixBudgetError(EngineError):
@@ -59,6 +64,8 @@ class PrefixLoader:
         self.next_arrival = next_arrival
         self.enabled = enabled
         self.specs: list[PrefixSpec] = []  # the last accepted set, even with caching off
+        # The same set by content, for contract lookups (any thread: swapped, never mutated)
+        self.spec_index: PrefixIndex[PrefixSpec] = PrefixIndex((), _spec_ids, self.pool.block_size)
         self._pending: _Pending | None = None
 
     @property
@@ -96,6 +103,7 @@ class PrefixLoader:
         self._check_budget(specs)
         callbacks = self._drop_pending() + callbacks
         self.specs = list(specs)
+        self.spec_index = PrefixIndex(self.specs, _spec_ids, self.pool.block_size)
         pending = _Pending(list(specs), {}, {}, callbacks)
         self._pending = pending
         if self.enabled:

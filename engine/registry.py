@@ -6,6 +6,11 @@ gets a private copy of a partial last block, so it never writes into a shared bl
 reload removes or replaces a prefix, the registry drops its reference and pin; requests still
 holding the blocks keep them alive until they finish.
 
+The registry is the pinned core of the prefix cache: its full blocks are also findable by
+content in the registry's own hash scope (engine/prefix_index.py), so a prompt that diverges
+from a registered prefix still shares every full block before the divergence, and a whole
+match is found by a PrefixIndex in time that grows with the prompt, not with the registry.
+
 Engine-thread only, like the pool.
 """
 
@@ -17,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_hash import BlockHash
 from engine.kv_cache import BlockPool
+from engine.prefix_index import PrefixIndex, registry_hashes
 from engine.registry_file import PrefixSpec
 
 
@@ -77,6 +84,10 @@ class MatchReport:
     diverged_at: int | None = None  # first token position where `closest` and the prompt differ
     prefix_token_id: int | None = None  # the prefix's token there
     prompt_token_id: int | None = None  # the prompt's token there (None: the prompt ended)
+    # What admission would share now, from any source (a whole registered prefix, its blocks
+    # before a divergence, or the automatic cache in the prompt's scope), and from which.
+    num_cached_tokens: int = 0
+    cache_source: str | None = None
 
 
 @dataclass(slots=True)
@@ -102,18 +113,16 @@ class PrefixRegistry:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.prefixes: dict[str, RegisteredPrefix] = {}
+        self.index: PrefixIndex[RegisteredPrefix] = PrefixIndex((), _ids, pool.block_size)
         self.stats = RegistryStats()
         self.last_reload = ReloadStatus()
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch | None:
-        """Longest registered prefix whose ids start `token_ids` (equal ids included)."""
-        best: RegisteredPrefix | None = None
-        n = len(token_ids)
-        for prefix in self.prefixes.values():
-            k = prefix.num_tokens
-            longer = best is None or k > best.num_tokens
-            if k <= n and longer and tuple(token_ids[:k]) == prefix.token_ids:
-                best = prefix
+    def match(
+        self, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None
+    ) -> PrefixMatch | None:
+        """Longest registered prefix whose ids start `token_ids` (equal ids included);
+        `hashes`: the prompt's registry_hashes, if the caller has them."""
+        best = self.index.longest(token_ids, hashes)
         return PrefixMatch(best) if best is not None else None
 
     def explain(self, token_ids: Sequence[int]) -> MatchReport:
@@ -161,11 +170,20 @@ class PrefixRegistry:
         for old in self.prefixes.values():
             if id(old) not in kept:
                 release(self.pool, old)
+        for prefix in prefixes.values():
+            hashes = registry_hashes(prefix.token_ids, self.pool.block_size)
+            for block_id, block_hash in zip(prefix.block_ids, hashes, strict=False):
+                self.pool.cache_block(block_id, block_hash, replace=True)
+        self.index = PrefixIndex(prefixes.values(), _ids, self.pool.block_size)
         self.prefixes = prefixes
 
     @property
     def num_pinned_blocks(self) -> int:
         return len({b for p in self.prefixes.values() for b in p.block_ids})
+
+
+def _ids(prefix: RegisteredPrefix) -> tuple[int, ...]:
+    return prefix.token_ids
 
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:

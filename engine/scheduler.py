@@ -34,6 +34,7 @@ import torch
 
 from engine.kv_cache import num_blocks_for
 from engine.kv_cache_manager import CacheHit, KVCacheManager
+from engine.prefix_index import registry_hashes
 from engine.registry import PrefixMatch, PrefixRegistry
 from engine.sequence import Sequence, SequenceStatus
 
@@ -224,12 +225,7 @@ class Scheduler:
         """Start `seq` from the longer of its registry match and its automatic cache hit
         (the registry wins a tie: its exact hits need no forward). Returns the registry
         match when that is what was used."""
-        assert self.registry is not None
-        match = self.registry.match(seq.token_ids)
-        auto = self.cache.find_cached(seq)
-        hit: CacheHit | None = auto
-        if match is not None and (auto is None or match.num_tokens >= auto.num_tokens):
-            hit = CacheHit(match.prefix.block_ids, match.num_tokens, "registry")
+        match, hit = self.best_cached(seq)
         if hit is None or not self.cache.can_share(hit):
             return None
         tail_copy = self.cache.share(seq, hit)
@@ -237,6 +233,24 @@ class Scheduler:
             self.cache.copy_block(*tail_copy)
         seq.num_shared_blocks = self._num_pinned_leading(seq.block_table)
         return match if hit.source == "registry" else None
+
+    def best_cached(self, seq: Sequence) -> tuple[PrefixMatch | None, CacheHit | None]:
+        """The registry match of `seq`, and the longest cached start it can share. Preferred
+        on equal length: a whole registered prefix (an exact one needs no forward), its
+        blocks up to a divergence, then the prompt's own scope. Takes nothing."""
+        assert self.registry is not None
+        if seq.registry_hashes is None:
+            seq.registry_hashes = registry_hashes(seq.token_ids, self.block_size)
+        match = self.registry.match(seq.token_ids, seq.registry_hashes)
+        candidates = [
+            CacheHit(match.prefix.block_ids, match.num_tokens, "registry") if match else None,
+            self.cache.find_run(seq.registry_hashes, seq.num_tokens, "registry-partial"),
+            self.cache.find_cached(seq),
+        ]
+        hit = max(
+            (c for c in candidates if c is not None), key=lambda c: c.num_tokens, default=None
+        )
+        return match, hit
 
     def _num_pinned_leading(self, block_ids: list[int]) -> int:
         """Leading blocks that belong to a registry prefix: decodes sharing them are attended

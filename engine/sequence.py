@@ -53,6 +53,7 @@ class Sequence:
     cache_seed: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
+    registry_hashes: list[bytes] | None = None  # the prompt's, in the registry's scope
     # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
     # attend to them once per step as a group (cascade attention).
     num_shared_blocks: int = 0

@@ -61,10 +61,17 @@ class Divergence(BaseModel):
 
 
 class MatchResponse(BaseModel):
+    """`matched`/`closest`: the registry's view. `cached_tokens`: what the prefix cache would
+    share with this prompt now, and `cache_source` where from: "registry" (a whole entry),
+    "registry-partial" (an entry's full blocks before the prompt diverged) or "auto" (blocks
+    computed earlier in the request's cache scope); null when nothing."""
+
     prompt_tokens: int
     matched: str | None
     matched_tokens: int
     closest: Divergence | None
+    cached_tokens: int = 0
+    cache_source: str | None = None
 
 
 class HealthResponse(BaseModel):

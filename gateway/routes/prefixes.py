@@ -88,14 +88,15 @@ async def match_prefix(request: Request) -> Response:
     gateway.check_auth(request, admin=True)
     engine = gateway.ready_engine()
     raw = await read_body(request, gateway.config.max_request_bytes)
-    ids = await gateway.run_blocking(_prompt_ids, engine, raw)
-    report = await engine.explain_prefix_match(ids)
+    ids, cache_salt = await gateway.run_blocking(_prompt_ids, engine, raw)
+    report = await engine.explain_prefix_match(ids, cache_salt)
     return JSONResponse(_describe(report, engine.tokenizer))
 
 
-def _prompt_ids(engine: AsyncEngine, raw: bytes) -> list[int]:
+def _prompt_ids(engine: AsyncEngine, raw: bytes) -> tuple[list[int], str | None]:
     """The first prompt's token ids, tokenized as the generation routes do (worker pool),
-    and checked by the engine like any prompt (ids in the vocabulary, length)."""
+    and checked by the engine like any prompt (ids in the vocabulary, length); and the
+    request's cache scope."""
     request = _match_request(parse_json(raw))
     if isinstance(request, ChatCompletionRequest):
         field, ids = "messages", chat_prompt_ids(engine.tokenizer, request.flat_messages())
@@ -104,7 +105,7 @@ def _prompt_ids(engine: AsyncEngine, raw: bytes) -> list[int]:
         field = "prompt"
         ids = first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
     prepare_requests(engine, [ids], lambda _: SamplingParams(max_tokens=1), {"prompt": field})
-    return ids
+    return ids, request.cache_salt
 
 
 def _match_request(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
@@ -140,6 +141,8 @@ def _describe(report: MatchReport, tokenizer: Any) -> dict[str, Any]:
         matched=report.matched,
         matched_tokens=report.num_matched_tokens,
         closest=closest,
+        cached_tokens=report.num_cached_tokens,
+        cache_source=report.cache_source,
     )
     return match.model_dump(mode="json")
 

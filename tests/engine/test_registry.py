@@ -340,7 +340,7 @@ def test_unchanged_entries_keep_their_blocks(tiny_llama_path: Path, prefix_file:
     engine = _engine(tiny_llama_path, prefix_file)
     sys_before = engine.registry.prefixes["sys"]
     blocks_before = list(sys_before.block_ids)
-    doc_tokens = engine.registry.prefixes["doc"].num_tokens
+    old_doc = engine.registry.prefixes["doc"].token_ids
     start = engine.runner.num_forward_tokens
     prefix_file.write_text(_yaml(SYS_ENTRY + DOC_ENTRY.replace("lazy dog", "lazy cat")))
     engine.reload_prefix_file()
@@ -349,8 +349,12 @@ def test_unchanged_entries_keep_their_blocks(tiny_llama_path: Path, prefix_file:
     assert engine.registry.prefixes["sys"] is sys_before
     assert engine.registry.prefixes["sys"].block_ids == blocks_before
     filled = engine.runner.num_forward_tokens - start
-    assert filled == engine.registry.prefixes["doc"].num_tokens  # only "doc" was re-filled
-    assert abs(filled - doc_tokens) <= 2
+    # Only "doc" was re-filled, and only from the block where it changed: the old entry's
+    # full blocks before the change were shared (a partial registry hit).
+    new_doc = engine.registry.prefixes["doc"].token_ids
+    common = next(i for i, (a, b) in enumerate(zip(old_doc, new_doc, strict=False)) if a != b)
+    assert common >= BLOCK
+    assert filled == len(new_doc) - common // BLOCK * BLOCK
     _assert_idle(engine)
 
 
@@ -531,4 +535,47 @@ def test_a_new_contract_on_unchanged_ids_is_served_without_a_refill(
     contract = engine.prefix_contract(text_prompt_ids(tiny_tokenizer, DOC + " and more"))
     assert contract is not None and (contract.temperature, contract.max_tokens) == (0.5, 7)
     assert engine.prefix_contract(text_prompt_ids(tiny_tokenizer, "unrelated")) is None
+    _assert_idle(engine)
+
+
+# -- the registry inside the prefix cache ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", [0, 5, 9, 22])
+def test_a_prompt_that_diverges_from_a_prefix_shares_the_blocks_before(
+    tiny_llama_path: Path, prefix_file: Path, tiny_tokenizer: Any, position: int
+) -> None:
+    """A registered prompt with one token different (an extra space, CRLF, a typo): every
+    full block before the difference comes from the registry, even with the automatic cache
+    off (its blocks are findable by content in the registry's own scope)."""
+    engine = _engine(tiny_llama_path, prefix_file)
+    plain = _engine(tiny_llama_path, None)
+    doc_ids = text_prompt_ids(tiny_tokenizer, DOC)
+    changed = [*doc_ids, *text_prompt_ids(tiny_tokenizer, " and more")]
+    changed[position] = (changed[position] + 1) % len(tiny_tokenizer)
+    [got] = run_staggered(engine, [changed], GREEDY, [0])
+    [want] = run_staggered(plain, [changed], GREEDY, [0])
+    assert got[-1].num_cached_tokens == position // BLOCK * BLOCK
+    assert tokens_of(got) == tokens_of(want)
+    assert engine.registry.stats.num_hits == 0
+    assert engine.cache.num_partial_registry_hits == (1 if position >= BLOCK else 0)
+    _assert_idle(engine)
+
+
+def test_the_next_turn_after_a_registry_hit_reuses_prefix_and_answer(
+    tiny_llama_path: Path, prefix_file: Path, tiny_tokenizer: Any
+) -> None:
+    engine = _engine(tiny_llama_path, prefix_file, enable_auto_prefix_cache=True)
+    plain = _engine(tiny_llama_path, None)
+    turn1 = _chat(tiny_tokenizer, QUESTIONS[0])
+    [first] = run_staggered(engine, [turn1], GREEDY, [0])
+    assert first[-1].num_cached_tokens == engine.registry.prefixes["sys"].num_tokens
+    turn2 = turn1 + tokens_of(first) + text_prompt_ids(tiny_tokenizer, " And Spain?")
+    [second] = run_staggered(engine, [turn2], GREEDY, [0])
+    [want] = run_staggered(plain, [turn2], GREEDY, [0])
+    computed = len(turn1) + len(tokens_of(first)) - 1  # all but the last answer token
+    assert second[-1].num_cached_tokens == computed // BLOCK * BLOCK
+    assert tokens_of(second) == tokens_of(want)
+    # The first turn's blocks, registry ones included, are found in the prompt's own scope.
+    assert engine.cache.num_auto_hits == 1
     _assert_idle(engine)

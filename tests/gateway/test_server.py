@@ -546,7 +546,9 @@ def test_prefix_match_explains_hits_and_misses(tiny: Server, reference: Referenc
     sys_tokens = _prefix_tokens(tiny, "sys")
     decode = reference.tokenizer.decode
     chat_ids = reference.chat_ids(MESSAGES)
-    hit = tiny.post_json("/v1/prefixes/match", {"model": MODEL, "messages": MESSAGES})
+    # A scope of its own: no earlier test's prompt is cached in it.
+    scope = {"model": MODEL, "cache_salt": "explain-test"}
+    hit = tiny.post_json("/v1/prefixes/match", {**scope, "messages": MESSAGES})
     assert hit == {
         "prompt_tokens": len(chat_ids),
         "matched": "sys",
@@ -558,6 +560,8 @@ def test_prefix_match_explains_hits_and_misses(tiny: Server, reference: Referenc
             "prefix_token": decode([reference.text_ids(DOC)[0]]),
             "prompt_token": decode([chat_ids[0]]),
         },
+        "cached_tokens": sys_tokens,
+        "cache_source": "registry",
     }
     other = [
         {"role": "system", "content": SYSTEM.replace("briefly", "shortly")},
@@ -566,7 +570,8 @@ def test_prefix_match_explains_hits_and_misses(tiny: Server, reference: Referenc
     prompt_ids = reference.chat_ids(other)
     prefix_ids = chat_ids[:sys_tokens]
     at = next(i for i, (a, b) in enumerate(zip(prompt_ids, prefix_ids, strict=False)) if a != b)
-    miss = tiny.post_json("/v1/prefixes/match", {"model": MODEL, "messages": other})
+    miss = tiny.post_json("/v1/prefixes/match", {**scope, "messages": other})
+    assert at >= BLOCK_SIZE
     assert miss == {
         "prompt_tokens": len(prompt_ids),
         "matched": None,
@@ -577,8 +582,16 @@ def test_prefix_match_explains_hits_and_misses(tiny: Server, reference: Referenc
             "prefix_token": decode([prefix_ids[at]]),
             "prompt_token": decode([prompt_ids[at]]),
         },
+        # The registered prefix's full blocks before the divergence are still shared.
+        "cached_tokens": at // BLOCK_SIZE * BLOCK_SIZE,
+        "cache_source": "registry-partial",
     }
     assert miss["closest"]["prefix_token"] != miss["closest"]["prompt_token"]
+    # Once that prompt ran in this scope, its own blocks are cached there.
+    tiny.post_json("/v1/chat/completions", {**scope, "messages": other, "max_tokens": 1})
+    again = tiny.post_json("/v1/prefixes/match", {**scope, "messages": other})
+    assert again["cache_source"] == "auto"
+    assert again["cached_tokens"] == (len(prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
