@@ -108,18 +108,24 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def prepare_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> EngineRequest:
         """Validate once (typed errors, before any response has started); see LLMEngine."""
-        return self.engine.prepare_request(prompt_token_ids, params, cache_salt)
+        return self.engine.prepare_request(prompt_token_ids, params, cache_salt, tenant)
 
     def check_grammar(self, spec: GrammarSpec) -> None:
         """Compile `spec` (cached), or raise InvalidRequestError naming "grammar"."""
         self.engine.grammars.compile(spec)
 
-    def prefix_contract(self, prompt_token_ids: list[int]) -> PrefixContract | None:
+    def prefix_contract(
+        self, prompt_token_ids: list[int], tenant: str | None = None
+    ) -> PrefixContract | None:
         """The output contract of the registry entry this prompt starts with; see LLMEngine."""
-        return self.engine.prefix_contract(prompt_token_ids)
+        return self.engine.prefix_contract(prompt_token_ids, tenant)
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(
@@ -167,11 +173,11 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     async def explain_prefix_match(
-        self, token_ids: list[int], cache_salt: str | None = None
+        self, token_ids: list[int], cache_salt: str | None = None, tenant: str | None = None
     ) -> MatchReport:
         """Which registered prefix these ids hit, or where the closest one diverged, and what
         the prefix cache would share with them (in `cache_salt`'s scope)."""
-        return await self.run_in_engine(lambda e: e.explain_match(token_ids, cache_salt))
+        return await self.run_in_engine(lambda e: e.explain_match(token_ids, cache_salt, tenant))
 
     # -- engine thread --------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

@@ -27,6 +27,12 @@ def scope_seed(*parts: str | None) -> BlockHash:
     return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE, person=b"pg-scope").digest()
 
 
+def registry_seed(tenant: str | None = None) -> BlockHash:
+    """The registry's scopes: one for entries every tenant may hit, one per tenant for the
+    entries that name it (`tenants:`): nobody reaches an entry's blocks without the right."""
+    return scope_seed("registry", tenant) if tenant is not None else scope_seed("registry")
+
+
 def extend_block_hashes(
     hashes: list[BlockHash],
     token_ids: Sequence[int],

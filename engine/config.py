@@ -24,7 +24,8 @@ def option(default: Any, help: str, **cli: Any) -> Any:
     config dataclasses (gateway/flags.py), so each setting is named and explained once.
 
     `cli` may hold `flag` (another flag name), `choices`, `size=True` (accepts 2GiB, 512M),
-    `env` (environment variable that gives the default)."""
+    `env` (environment variable that gives the default), `repeat=True` (a tuple field whose
+    flag is given once per value)."""
     return field(default=default, metadata={"help": help, **cli})
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from llguidance import LLMatcher
 from tqdm import tqdm
 
-from engine.block_hash import scope_seed
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
@@ -165,10 +164,13 @@ class LLMEngine:
         if problems:
             raise RegistryFileError(path, problems)
 
-    def prefix_contract(self, token_ids: list[int]) -> PrefixContract | None:
+    def prefix_contract(
+        self, token_ids: list[int], tenant: str | None = None
+    ) -> PrefixContract | None:
         """The contract of the longest accepted prefixes-file entry that `token_ids` start
-        with (caching on or off). Thread-safe: reads the loader's current index."""
-        best = self.prefixes.spec_index.longest(token_ids)
+        with, among those `tenant` may see (caching on or off). Thread-safe: reads the
+        loader's current index."""
+        best = self.prefixes.spec_index.longest(token_ids, visible=lambda s: s.visible_to(tenant))
         return best.contract if best is not None else None
 
     def _load_prefix_file_at_start(self, path: Path) -> None:
@@ -187,6 +189,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> EngineRequest:
         """The one validation of a request: raise a typed error for anything this engine
         cannot serve, else return the EngineRequest the engine trusts from here on. Pure:
@@ -227,7 +230,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
             )
         grammar = self.grammars.compile(params.grammar) if params.grammar is not None else None
-        return EngineRequest(list(prompt_token_ids), params, cache_salt, grammar)
+        return EngineRequest(list(prompt_token_ids), params, cache_salt, grammar, tenant)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -264,6 +267,7 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
             generator=generator,
             cache_salt=request.cache_salt,
+            tenant=request.tenant,
             matcher=request.grammar.new_matcher() if request.grammar is not None else None,
         )
         detok = IncrementalDetokenizer(
@@ -445,15 +449,24 @@ class LLMEngine:
                     results[output.request_id].extend(output.token_ids)
         return [results[i] for i in ids]
 
-    def explain_match(self, token_ids: list[int], cache_salt: str | None = None) -> MatchReport:
-        """The registry's view of `token_ids` (match, else the closest miss) and what the
-        prefix cache would share with them now (read only: takes no block)."""
-        report = self.registry.explain(token_ids)
+    def explain_match(
+        self, token_ids: list[int], cache_salt: str | None = None, tenant: str | None = None
+    ) -> MatchReport:
+        """The registry's view of `token_ids` (match, else the closest miss, among the
+        entries `tenant` may see) and what the prefix cache would share with them now, in
+        that scope (read only: takes no block)."""
+        report = self.registry.explain(token_ids, tenant)
         if self.scheduler.registry is None or not token_ids:
             return report
-        probe = Sequence("explain", list(token_ids), len(token_ids), SamplingParams(), -1)
-        probe.cache_salt = cache_salt
-        probe.cache_seed = scope_seed(cache_salt)
+        probe = Sequence(
+            "explain",
+            list(token_ids),
+            len(token_ids),
+            SamplingParams(),
+            -1,
+            cache_salt=cache_salt,
+            tenant=tenant,
+        )
         _, hit = self.scheduler.best_cached(probe)
         if hit is None:
             return report

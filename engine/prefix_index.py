@@ -13,18 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
-from engine.block_hash import BlockHash, extend_block_hashes, scope_seed
+from engine.block_hash import BlockHash, extend_block_hashes, registry_seed
 
 E = TypeVar("E")
-# Registered prefixes are hashed in their own scope: any tenant allowed to see an entry can
-# find its blocks, and nobody's automatically cached blocks (their own scopes) are reached.
-REGISTRY_SEED = scope_seed("registry")
+# Entries are filed by hashes in the shared registry scope, whoever may see them (a lookup
+# filters by visibility; the index shares no KV).
+REGISTRY_SEED = registry_seed()
 
 
-def registry_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The registry-scope hashes of every full block of `token_ids`."""
+def registry_hashes(
+    token_ids: Sequence[int], block_size: int, seed: BlockHash = REGISTRY_SEED
+) -> list[BlockHash]:
+    """The hashes of every full block of `token_ids` in a registry scope."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, len(token_ids), block_size, REGISTRY_SEED)
+    extend_block_hashes(hashes, token_ids, len(token_ids), block_size, seed)
     return hashes
 
 
@@ -48,10 +50,13 @@ class PrefixIndex(Generic[E]):
         return sum(len(entries) for entries in self._ending_at.values())
 
     def longest(
-        self, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None
+        self,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash] | None = None,
+        visible: Callable[[E], bool] | None = None,
     ) -> E | None:
-        """The longest entry whose token ids start `token_ids` (equal ids included).
-        `hashes`: the prompt's registry_hashes, when the caller has them already."""
+        """The longest entry whose token ids start `token_ids` (equal ids included), among
+        those `visible` accepts. `hashes`: the prompt's registry_hashes, if already made."""
         if not self._ending_at:
             return None
         if hashes is None:
@@ -63,7 +68,8 @@ class PrefixIndex(Generic[E]):
                 ids = self._token_ids_of(entry)
                 start = num_blocks * self.block_size
                 if (
-                    len(ids) > best_length
+                    (visible is None or visible(entry))
+                    and len(ids) > best_length
                     and len(ids) <= len(token_ids)
                     and tuple(token_ids[start : len(ids)]) == tuple(ids[start:])
                 ):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_hash import BlockHash
+from engine.block_hash import BlockHash, registry_seed
 from engine.kv_cache import BlockPool
 from engine.prefix_index import PrefixIndex, registry_hashes
 from engine.registry_file import PrefixSpec
@@ -118,17 +118,22 @@ class PrefixRegistry:
         self.last_reload = ReloadStatus()
 
     def match(
-        self, token_ids: Sequence[int], hashes: Sequence[BlockHash] | None = None
+        self,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash] | None = None,
+        tenant: str | None = None,
     ) -> PrefixMatch | None:
-        """Longest registered prefix whose ids start `token_ids` (equal ids included);
-        `hashes`: the prompt's registry_hashes, if the caller has them."""
-        best = self.index.longest(token_ids, hashes)
+        """Longest registered prefix whose ids start `token_ids` (equal ids included) among
+        those `tenant` may hit; `hashes`: the prompt's registry_hashes, if already made."""
+        best = self.index.longest(token_ids, hashes, lambda p: p.spec.visible_to(tenant))
         return PrefixMatch(best) if best is not None else None
 
-    def explain(self, token_ids: Sequence[int]) -> MatchReport:
-        """The admin view of `match`: also finds the closest prefix that did not match."""
-        match = self.match(token_ids)
-        misses = [p for p in self.prefixes.values() if match is None or p is not match.prefix]
+    def explain(self, token_ids: Sequence[int], tenant: str | None = None) -> MatchReport:
+        """The admin view of `match`: also finds the closest prefix that did not match
+        (among those `tenant` may see: another tenant's entries are not even named)."""
+        match = self.match(token_ids, tenant=tenant)
+        visible = [p for p in self.prefixes.values() if p.spec.visible_to(tenant)]
+        misses = [p for p in visible if match is None or p is not match.prefix]
         misses = [p for p in misses if not _starts_with(token_ids, p.token_ids)]
         report = MatchReport(
             len(token_ids), match.prefix.name if match else None, match.num_tokens if match else 0
@@ -171,9 +176,12 @@ class PrefixRegistry:
             if id(old) not in kept:
                 release(self.pool, old)
         for prefix in prefixes.values():
-            hashes = registry_hashes(prefix.token_ids, self.pool.block_size)
-            for block_id, block_hash in zip(prefix.block_ids, hashes, strict=False):
-                self.pool.cache_block(block_id, block_hash, replace=True)
+            # Findable in the registry scope of each tenant that may hit it (or the shared one).
+            tenants = prefix.spec.tenants
+            for seed in [registry_seed()] if tenants is None else map(registry_seed, tenants):
+                hashes = registry_hashes(prefix.token_ids, self.pool.block_size, seed)
+                for block_id, block_hash in zip(prefix.block_ids, hashes, strict=False):
+                    self.pool.cache_block(block_id, block_hash, replace=True)
         self.index = PrefixIndex(prefixes.values(), _ids, self.pool.block_size)
         self.prefixes = prefixes
 

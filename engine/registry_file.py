@@ -55,7 +55,15 @@ PROBE_TEXT_SUFFIXES = ("Hello", " Hello", "the", " the", "\nWhich way? 1 2 3", "
 
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 _TOP_LEVEL_KEYS = ("version", "prefixes")
-_ENTRY_KEYS = ("name", "description", "messages", "text", "response_format", "defaults")
+_ENTRY_KEYS = (
+    "name",
+    "description",
+    "messages",
+    "text",
+    "response_format",
+    "defaults",
+    "tenants",
+)
 _FORMAT_KEYS = ("type", "json_schema")
 _JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 _DEFAULT_KEYS = ("temperature", "max_tokens", "stop")
@@ -115,6 +123,11 @@ class PrefixSpec:
     text: str
     token_ids: tuple[int, ...]
     contract: PrefixContract = PrefixContract()
+    # API key names allowed to hit and see this entry; None: every tenant.
+    tenants: tuple[str, ...] | None = None
+
+    def visible_to(self, tenant: str | None) -> bool:
+        return self.tenants is None or tenant in self.tenants
 
     def __post_init__(self) -> None:
         if not _is_valid_name(self.name):
@@ -141,6 +154,7 @@ class _Entry:
     messages: Messages
     text: str
     contract: PrefixContract
+    tenants: tuple[str, ...] | None
 
 
 def load_prefix_file(
@@ -332,10 +346,32 @@ def _check_entry(index: int, raw: object, problems: list[str]) -> _Entry | None:
     description = _check_description(label, raw, problems)
     body = _check_body(label, raw, problems)
     contract = _check_contract(label, raw, problems)
+    tenants = _check_tenants(label, raw, problems)
     if len(problems) > num_problems or name is None or body is None:
         return None
     kind, messages, text = body
-    return _Entry(name, description, kind, messages, text, contract)
+    return _Entry(name, description, kind, messages, text, contract, tenants)
+
+
+def _check_tenants(label: str, raw: dict[Any, Any], problems: list[str]) -> tuple[str, ...] | None:
+    """`tenants`: the API key names (`--api-key NAME=KEY`) that may hit and see the entry."""
+    if "tenants" not in raw:
+        return None
+    where, value = _at(label, "tenants"), raw["tenants"]
+    if not isinstance(value, list) or not value:
+        problems.append(f"{where}: must be a non-empty list of API key names")
+        return None
+    names = [item for item in value if isinstance(item, str) and _is_valid_name(item)]
+    if len(names) != len(value):
+        problems.append(
+            f"{where}: each must be an API key name of at most {MAX_NAME_LEN} characters among "
+            "letters, digits, '.', '_' and '-'"
+        )
+        return None
+    if len(set(names)) != len(names):
+        problems.append(f"{where}: names a tenant twice")
+        return None
+    return tuple(names)
 
 
 def _check_string(where: str, value: object, problems: list[str]) -> str | None:
@@ -548,6 +584,7 @@ def _render(
             entry.text,
             tuple(ids),
             entry.contract,
+            entry.tenants,
         )
     return None
 

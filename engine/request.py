@@ -21,13 +21,15 @@ class EngineRequest:
     out into n choices is prepared once and copied with `with_params` (per-choice seeds).
 
     `cache_salt` scopes reuse of this request's own work: only requests with the same salt
-    share in-step deduplicated prefills. `None` is the one shared scope.
+    share cached blocks and in-step deduplicated prefills. `None` is the one shared scope.
+    `tenant` (an API key name) decides which registered prefixes the request may hit.
     """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
     grammar: CompiledGrammar | None = None  # params.grammar, compiled (each choice copies it)
+    tenant: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -38,4 +40,6 @@ class EngineRequest:
         depend on parameters (length) read only `max_tokens`, which must not change."""
         assert params.max_tokens == self.params.max_tokens, "max_tokens was validated"
         assert params.grammar == self.params.grammar, "the grammar was compiled"
-        return EngineRequest(self.prompt_token_ids, params, self.cache_salt, self.grammar)
+        return EngineRequest(
+            self.prompt_token_ids, params, self.cache_salt, self.grammar, self.tenant
+        )

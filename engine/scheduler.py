@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_hash import registry_seed
 from engine.kv_cache import num_blocks_for
 from engine.kv_cache_manager import CacheHit, KVCacheManager
 from engine.prefix_index import registry_hashes
@@ -239,12 +240,18 @@ class Scheduler:
         on equal length: a whole registered prefix (an exact one needs no forward), its
         blocks up to a divergence, then the prompt's own scope. Takes nothing."""
         assert self.registry is not None
-        if seq.registry_hashes is None:
-            seq.registry_hashes = registry_hashes(seq.token_ids, self.block_size)
-        match = self.registry.match(seq.token_ids, seq.registry_hashes)
+        if seq.registry_chains is None:
+            seeds = [registry_seed()] + ([registry_seed(seq.tenant)] if seq.tenant else [])
+            seq.registry_chains = [
+                registry_hashes(seq.token_ids, self.block_size, seed) for seed in seeds
+            ]
+        match = self.registry.match(seq.token_ids, seq.registry_chains[0], seq.tenant)
         candidates = [
             CacheHit(match.prefix.block_ids, match.num_tokens, "registry") if match else None,
-            self.cache.find_run(seq.registry_hashes, seq.num_tokens, "registry-partial"),
+            *(
+                self.cache.find_run(chain, seq.num_tokens, "registry-partial")
+                for chain in seq.registry_chains
+            ),
             self.cache.find_cached(seq),
         ]
         hit = max(

@@ -48,12 +48,14 @@ class Sequence:
     num_preemptions: int = 0
     prefix_spec: PrefixSpec | None = None  # set: this sequence fills a registry prefix
     cache_salt: str | None = None  # reuse of this sequence's own work stays within its salt
+    tenant: str | None = None  # the API key name: which registered prefixes it may hit
     # Automatic prefix caching: the parent hash of the first block (its cache scope), the
     # hashes of its full blocks so far, and how many of its computed blocks are indexed.
     cache_seed: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
-    registry_hashes: list[bytes] | None = None  # the prompt's, in the registry's scope
+    # The prompt's hashes in the registry scopes it may search: shared, then its tenant's.
+    registry_chains: list[list[bytes]] | None = None
     # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
     # attend to them once per step as a group (cascade attention).
     num_shared_blocks: int = 0

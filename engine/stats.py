@@ -27,6 +27,7 @@ class PrefixInfo:
     num_cached_tokens: int
     last_hit_time: float | None
     contract: PrefixContract = field(default_factory=PrefixContract)
+    tenants: tuple[str, ...] | None = None  # None: every tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ def snapshot(
                 num_cached_tokens=p.stats.num_cached_tokens,
                 last_hit_time=p.stats.last_hit_time,
                 contract=p.spec.contract,
+                tenants=p.spec.tenants,
             )
             for p in registry.prefixes.values()
         ),

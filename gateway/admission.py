@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from gateway import errors
 from gateway.protocol import GenerationBase, json_type_name
+from gateway.tenants import Caller
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -90,17 +91,18 @@ class Ticket:
 
 @dataclass(frozen=True, slots=True)
 class Admitted(Generic[Generation]):
-    """An admitted generation request: validated body and its open ticket."""
+    """An admitted generation request: validated body, its open ticket, and who sent it."""
 
     body: Generation
     ticket: Ticket
+    caller: Caller
 
 
 async def admit(request: Request, body_type: type[Generation]) -> Admitted[Generation]:
     """Steps 1-5 of the module docstring for a generation route. The caller owns the ticket:
     it must `close()` it when the response ends (or when it fails before responding)."""
     gateway = gateway_of(request)
-    gateway.check_auth(request)
+    caller = gateway.check_auth(request)
     ticket = gateway.open_ticket()
     try:
         gateway.ready_engine()
@@ -111,7 +113,7 @@ async def admit(request: Request, body_type: type[Generation]) -> Admitted[Gener
     except BaseException:
         ticket.close()
         raise
-    return Admitted(body, ticket)
+    return Admitted(body, ticket, caller)
 
 
 def _check_num_prompts(num_prompts: int, max_prompts: int) -> None:

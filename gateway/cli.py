@@ -107,6 +107,11 @@ def serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(config, on_fatal=stop_on_failure)
+    keys = app.state.gateway.keys
+    if not keys.is_empty:
+        logger.info(
+            "API keys (tenants, each its own prefix-cache scope): %s", ", ".join(keys.names)
+        )
     server = DrainingServer(
         uvicorn_config(app, args.host, args.port, args.shutdown_grace),
         app.state.gateway,
@@ -130,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args)
         if args.command == "generate":
             return generate(args)
-    except EngineError as exc:
+    except (EngineError, ValueError) as exc:  # ValueError: a setting is refused (API keys)
         logger.error("%s", exc)
         return 2
     return 1

@@ -12,11 +12,16 @@ class GatewayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
-    api_key: str | None = option(
-        None,
-        "Bearer key every route but /health and /metrics needs (default: $PREFIXGATE_API_KEY)",
+    api_keys: tuple[str, ...] = option(
+        (),
+        "an API key, KEY or NAME=KEY (repeatable): each is a tenant with its own prefix-cache "
+        "scope; every route but /health and /metrics then needs one (default: "
+        "$PREFIXGATE_API_KEY)",
         env="PREFIXGATE_API_KEY",
+        flag="--api-key",
+        repeat=True,
     )
+    api_key_file: str | None = option(None, "more API keys, one 'NAME: KEY' per line")
     admin_api_key: str | None = option(
         None,
         "key of the registry admin routes, valid on every route; without it those routes are "
@@ -48,6 +53,10 @@ class GatewayConfig:
     tokenizer_workers: int = option(
         2, "threads that parse, render and tokenize requests off the event loop"
     )
+
+    @property
+    def has_api_keys(self) -> bool:
+        return bool(self.api_keys) or self.api_key_file is not None
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:

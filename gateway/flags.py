@@ -4,8 +4,9 @@ typed, defaulted and explained once (in `EngineConfig` / `GatewayConfig`, via `o
 A field `max_num_seqs: int = option(32, "...")` becomes `--max-num-seqs N`; `X | None` fields
 default to None; a bool that defaults to True becomes `--no-<name>` (`enable_` dropped:
 `enable_prefix_cache` -> `--no-prefix-cache`), one that defaults to False `--<name>`; a tuple
-takes zero or more values. Metadata may rename the flag, give choices, accept sizes (2GiB)
-or name an environment variable that supplies the default.
+takes zero or more values (with `repeat`: one per use of the flag). Metadata may rename the
+flag, give choices, accept sizes (2GiB) or name an environment variable that supplies the
+default.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def config_from_args(
 ) -> T:
     """Build `config_type` from the parsed flags of `add_config_args`, plus `extra` fields."""
     values = {f.name: getattr(args, f.name) for f in _documented_fields(config_type, skip)}
+    for field in _documented_fields(config_type, skip):
+        if field.metadata.get("repeat") and values[field.name] is None:
+            values[field.name] = _default_values(field)
     for name, value in values.items():
         if isinstance(value, list):
             values[name] = tuple(value)
@@ -77,6 +81,8 @@ def _argument(field: Any, hint: Any) -> dict[str, Any]:
     if base is bool:
         return {**argument, "action": "store_false" if field.default else "store_true"}
     if typing.get_origin(base) is tuple:
+        if meta.get("repeat"):  # None: not given (argparse would append to a default list)
+            return {**argument, "action": "append", "default": None, "metavar": "VALUE"}
         return {**argument, "nargs": "*", "default": list(default), "metavar": "VALUE"}
     if "choices" in meta:
         argument["choices"] = meta["choices"]
@@ -84,6 +90,15 @@ def _argument(field: Any, hint: Any) -> dict[str, Any]:
     if default is not None and "default" not in meta["help"]:
         argument["help"] += f" (default: {default})"
     return argument
+
+
+def _default_values(field: Any) -> list[Any]:
+    """A repeatable flag's values when it is not given: its environment variable's (one
+    value), else the field's default."""
+    env = field.metadata.get("env")
+    if env is not None and os.environ.get(env):
+        return [os.environ[env]]
+    return list(field.default)
 
 
 def _without_none(hint: Any) -> Any:

@@ -4,7 +4,8 @@
 Bounded three ways, each a flag: entries (least recently used go first), bytes (each entry
 counted as its response plus its whole conversation, an upper bound since chained entries
 share their history), and age (an entry expires `ttl` seconds after it was stored, used or
-not). Nothing survives a restart, and each replica has its own store.
+not). Nothing survives a restart, and each replica has its own store. Each entry belongs to
+the tenant (API key name) that created it: another tenant's id reads as unknown.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ class StoredResponse:
     conversation: tuple[dict[str, Any], ...]
     stored_at: float
     num_bytes: int
+    owner: str | None = None
 
 
 class ResponseStore:
+    EMPTY: ResponseStore  # keeps nothing: its lookups are the "not found" answer
+
     def __init__(
         self,
         max_entries: int,
@@ -49,7 +53,12 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+    def put(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        owner: str | None = None,
+    ) -> bool:
         """Keep `response` (under its "id"); False if it alone is over the byte bound."""
         num_bytes = len(json.dumps(response)) + len(json.dumps(conversation))
         if num_bytes > self.max_bytes or self.max_entries == 0:
@@ -62,7 +71,7 @@ class ResponseStore:
             )
             return False
         self.delete(response["id"])
-        entry = StoredResponse(response, tuple(conversation), self._clock(), num_bytes)
+        entry = StoredResponse(response, tuple(conversation), self._clock(), num_bytes, owner)
         self._entries[response["id"]] = entry
         self._by_age[response["id"]] = None
         self.num_bytes += num_bytes
@@ -97,3 +106,6 @@ class ResponseStore:
             if self._entries[oldest].stored_at >= deadline:
                 return
             self.delete(oldest)
+
+
+ResponseStore.EMPTY = ResponseStore(0, 0, 1.0)

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from starlette.requests import Request
 
@@ -23,9 +23,11 @@ from gateway.admission import Ticket
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.response_store import ResponseStore
+from gateway.tenants import Caller, KeyRing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Access = Literal["inference", "read", "admin"]
 
 
 class Gateway:
@@ -38,6 +40,7 @@ class Gateway:
         self.tickets: set[Ticket] = set()  # requests in flight, admission to response end
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self.metrics = GatewayMetrics(self._stats, self.model_name)
+        self.keys = KeyRing(config.api_keys, config.api_key_file)
         self.responses = ResponseStore(
             config.response_store_entries, config.response_store_bytes, config.response_store_ttl
         )
@@ -124,20 +127,23 @@ class Gateway:
             raise errors.unknown_model(name)
 
     # -- auth and backpressure -------------------------------------------------------------------
-    def check_auth(self, request: Request, admin: bool = False) -> None:
-        """The bearer key a route needs. Inference routes: the API key (or the admin key, which
-        can do everything). Admin routes (registry): the admin key only; with an API key but
-        no admin key configured they are closed (403), so the key clients share can never
-        reload the registry. With no keys at all, everything is open (local development).
-        Missing or wrong key: 401; a valid key without the right: 403."""
+    def check_auth(self, request: Request, access: Access = "inference") -> Caller:
+        """Who is calling, if they may. "inference" routes: an API key (a tenant) or the
+        admin key; open when no API key is configured. "read" routes (the registry listing
+        and /match): a tenant sees the entries it may hit, the admin key everything.
+        "admin" routes (reload): the admin key only; with API keys but no admin key they are
+        closed (403), so a key clients hold can never reload the registry. With no keys at
+        all, everything is open (local development). Missing or wrong key: 401; a valid key
+        without the right: 403."""
         token = _bearer(request)
-        api_key, admin_key = self.config.api_key, self.config.admin_api_key
+        admin_key = self.config.admin_api_key
         if admin_key is not None and _same(token, admin_key):
-            return
-        if admin:
-            if admin_key is None and api_key is None:
-                return
-            if api_key is not None and _same(token, api_key):
+            return Caller(is_admin=True)
+        if admin_key is None and self.keys.is_empty:
+            return Caller(is_admin=True)
+        tenant = self.keys.tenant_of(token)
+        if access == "admin" or (access == "read" and self.keys.is_empty):
+            if tenant is not None:
                 raise errors.forbidden(
                     "this route needs the admin API key"
                     if admin_key is not None
@@ -145,8 +151,9 @@ class Gateway:
                     "with --admin-api-key to use them"
                 )
             raise errors.unauthorized()
-        if api_key is not None and not _same(token, api_key):
+        if tenant is None and not self.keys.is_empty:
             raise errors.unauthorized()
+        return Caller(tenant)
 
     def check_metrics_auth(self, request: Request) -> None:
         """/metrics is public unless --metrics-api-key is set; then it or the admin key."""

@@ -28,6 +28,7 @@ class PrefixCard(BaseModel):
     last_hit: float | None
     response_format: dict[str, Any] | None  # as in the file, compiled at load
     defaults: PrefixDefaults
+    tenants: list[str] | None = None  # the entry's `tenants:` (shown to the admin only)
 
 
 class ReloadState(BaseModel):

@@ -42,6 +42,7 @@ from gateway.routes.common import (
     unless_disconnected,
     usage_of,
 )
+from gateway.tenants import Caller
 from gateway.tool_stream import ToolCallText
 
 
@@ -54,7 +55,7 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     gateway, body = gateway_of(request), admitted.body
     engine = gateway.ready_engine()
     prepared = await gateway.run_blocking(
-        prepare_chat, engine, body, gateway.config.default_max_tokens
+        prepare_chat, engine, body, gateway.config.default_max_tokens, admitted.caller
     )
     job = Job(gateway, engine, admitted.ticket, random_id("chatcmpl"), fan_out(prepared, body.n))
     if body.stream:
@@ -67,7 +68,7 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
 
 
 def prepare_chat(
-    engine: AsyncEngine, body: ChatCompletionRequest, default_max_tokens: int
+    engine: AsyncEngine, body: ChatCompletionRequest, default_max_tokens: int, caller: Caller
 ) -> EngineRequest:
     """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
     may write `default_max_tokens` (--default-max-tokens) or what is left of the context,
@@ -75,11 +76,11 @@ def prepare_chat(
     tools = body.tool_dicts() or None
     prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages(), tools=tools)
     room = max(engine.max_model_len - len(prompt_ids), 1)
-    contract = engine.prefix_contract(prompt_ids)
+    contract = engine.prefix_contract(prompt_ids, caller.tenant_name)
     params = body.to_sampling_params(min(default_max_tokens, room), contract)
     try:
         [prepared] = prepare_requests(
-            engine, [prompt_ids], lambda _: params, body.engine_fields, body.cache_salt
+            engine, [prompt_ids], lambda _: params, body.engine_fields, caller, body.cache_salt
         )
     except InvalidRequestError as exc:
         if exc.param == "tools":

@@ -26,6 +26,7 @@ from gateway.protocol import (
     UsageInfo,
 )
 from gateway.state import Gateway
+from gateway.tenants import Caller
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "[DONE]"
@@ -37,19 +38,23 @@ def prepare_requests(
     prompts: list[list[int]],
     params_for: Callable[[list[int]], SamplingParams],
     fields: Mapping[str, str],
+    caller: Caller | None = None,
     cache_salt: str | None = None,
 ) -> list[EngineRequest]:
     """One validated EngineRequest per prompt (each distinct prompt validated once), before
     any response starts; `params_for(prompt)` gives its parameters (they may depend on the
     registry entry it hits). The engine names its own parameters ("prompt", "max_tokens",
     "grammar"); `fields` maps them to the request fields they came from ("messages",
-    "max_completion_tokens", "response_format", ...), which errors name. Worker pool."""
+    "max_completion_tokens", "response_format", ...), which errors name. The caller's tenant
+    and the request's `cache_salt` make the cache scope. Worker pool."""
+    caller = caller or Caller()
+    salt, tenant = caller.cache_salt(cache_salt), caller.tenant_name
     prepared: dict[tuple[int, ...], EngineRequest] = {}
     try:
         for prompt in prompts:
             key = tuple(prompt)
             if key not in prepared:
-                prepared[key] = engine.prepare_request(prompt, params_for(prompt), cache_salt)
+                prepared[key] = engine.prepare_request(prompt, params_for(prompt), salt, tenant)
     except InvalidRequestError as exc:
         exc.param = fields.get(exc.param or "", exc.param)
         raise

@@ -43,6 +43,7 @@ from gateway.routes.common import (
     unless_disconnected,
     usage_of,
 )
+from gateway.tenants import Caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ async def create_completion(request: Request) -> Response:
 async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
     engine = gateway.ready_engine()
-    prepared = await gateway.run_blocking(_prepare, engine, body)
+    prepared = await gateway.run_blocking(_prepare, engine, body, admitted.caller)
     per_choice = [r for p in prepared for r in fan_out(p, body.n)]  # choice i: prompt i // n
     job = Job(gateway, engine, admitted.ticket, random_id("cmpl"), per_choice)
     echoes = _echoes(body, engine.tokenizer) if body.echo else None
@@ -93,7 +94,7 @@ async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> R
     return await unless_disconnected(request, _complete(job, output))
 
 
-def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest]:
+def _prepare(engine: AsyncEngine, body: CompletionRequest, caller: Caller) -> list[EngineRequest]:
     """Tokenize the text prompts (worker pool); token id prompts go as they are."""
     tokenizer = engine.tokenizer
     prompts = [
@@ -106,9 +107,11 @@ def _prepare(engine: AsyncEngine, body: CompletionRequest) -> list[EngineRequest
     ]
 
     def params_for(prompt: list[int]) -> SamplingParams:
-        return body.to_sampling_params(engine.prefix_contract(prompt))
+        return body.to_sampling_params(engine.prefix_contract(prompt, caller.tenant_name))
 
-    return prepare_requests(engine, prompts, params_for, body.engine_fields, body.cache_salt)
+    return prepare_requests(
+        engine, prompts, params_for, body.engine_fields, caller, body.cache_salt
+    )
 
 
 def _echoes(body: CompletionRequest, tokenizer: Any) -> list[str]:

@@ -186,8 +186,8 @@ def _component_schemas() -> tuple[dict[type[BaseModel], dict[str, Any]], dict[st
 def _security_schemes(config: GatewayConfig) -> dict[str, bool]:
     """Which kinds of route need a key under this configuration."""
     return {
-        "api": config.api_key is not None,
-        "admin": config.api_key is not None or config.admin_api_key is not None,
+        "api": config.has_api_keys,
+        "admin": config.has_api_keys or config.admin_api_key is not None,
         "metrics": config.metrics_api_key is not None,
     }
 

@@ -26,8 +26,9 @@ from gateway.routes.common import prepare_requests
 
 
 async def list_prefixes(request: Request) -> Response:
+    """The entries the caller may hit (a tenant does not learn of others' entries)."""
     gateway = gateway_of(request)
-    gateway.check_auth(request, admin=True)
+    caller = gateway.check_auth(request, access="read")
     stats = gateway.ready_engine().stats()
     listing = PrefixList(
         data=[
@@ -49,8 +50,10 @@ async def list_prefixes(request: Request) -> Response:
                     max_tokens=p.contract.max_tokens,
                     stop=list(p.contract.stop) if p.contract.stop is not None else None,
                 ),
+                tenants=list(p.tenants) if p.tenants is not None and caller.is_admin else None,
             )
             for p in stats.prefixes
+            if caller.sees(p.tenants)
         ],
         enabled=gateway.config.engine.enable_prefix_cache,
         lookups=stats.prefix_lookups,
@@ -68,7 +71,7 @@ async def list_prefixes(request: Request) -> Response:
 
 async def reload_prefixes(request: Request) -> Response:
     gateway = gateway_of(request)
-    gateway.check_auth(request, admin=True)
+    gateway.check_auth(request, access="admin")
     status = await gateway.ready_engine().reload_prefixes()
     if not status.ok:
         raise errors.OpenAIError(
@@ -83,13 +86,18 @@ async def reload_prefixes(request: Request) -> Response:
 
 
 async def match_prefix(request: Request) -> Response:
-    """Body: a chat (`messages`) or completion (`prompt`) request, as a client would send it."""
+    """Body: a chat (`messages`) or completion (`prompt`) request, as a client would send it;
+    the answer is what that request would get from this caller (its tenant's entries, its
+    cache scope)."""
     gateway = gateway_of(request)
-    gateway.check_auth(request, admin=True)
+    caller = gateway.check_auth(request, access="read")
     engine = gateway.ready_engine()
     raw = await read_body(request, gateway.config.max_request_bytes)
     ids, cache_salt = await gateway.run_blocking(_prompt_ids, engine, raw)
-    report = await engine.explain_prefix_match(ids, cache_salt)
+    # Explained as this caller's own request would be served: its tenant's entries and scope.
+    report = await engine.explain_prefix_match(
+        ids, caller.cache_salt(cache_salt), caller.tenant_name
+    )
     return JSONResponse(_describe(report, engine.tokenizer))
 
 

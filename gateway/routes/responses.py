@@ -41,6 +41,7 @@ from gateway.response_store import ResponseStore, StoredResponse
 from gateway.routes.chat import prepare_chat
 from gateway.routes.common import TicketedStream, respond, unless_disconnected
 from gateway.state import Gateway
+from gateway.tenants import Caller
 from gateway.tool_stream import ToolCallText
 
 # Chat fields -> where a Responses request has them.
@@ -59,8 +60,10 @@ async def create_response(request: Request) -> Response:
 async def stored_response(request: Request) -> Response:
     """GET: the kept response, as it was returned; DELETE: forget it."""
     gateway = gateway_of(request)
-    gateway.check_auth(request)
+    caller = gateway.check_auth(request)
     stored = _stored(gateway.responses, request.path_params["id"], "id")
+    if stored.owner != caller.tenant_name and not caller.is_admin:
+        stored = _stored(ResponseStore.EMPTY, request.path_params["id"], "id")
     if request.method == "GET":
         return JSONResponse(stored.response)
     gateway.responses.delete(stored.response["id"])
@@ -70,17 +73,20 @@ async def stored_response(request: Request) -> Response:
 async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
     engine = gateway.ready_engine()
+    caller = admitted.caller
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = _stored(gateway.responses, body.previous_response_id, "previous_response_id")
+        if previous.owner != caller.tenant_name:  # another tenant's: as if it did not exist
+            _stored(ResponseStore.EMPTY, body.previous_response_id, "previous_response_id")
         history = list(previous.conversation)
     _check_outputs_answer_calls(body, history)
     prepared = await gateway.run_blocking(
-        _prepare, engine, body, history, gateway.config.default_max_tokens
+        _prepare, engine, body, history, gateway.config.default_max_tokens, caller
     )
     draft = _draft(body, gateway.model_name)
     job = Job(gateway, engine, admitted.ticket, draft.id, [prepared])
-    run = ResponseRun(job, draft, body, history)
+    run = ResponseRun(job, draft, body, history, caller.tenant_name)
     if body.stream:
         return TicketedStream(_stream(run, gateway), admitted.ticket)
     return await unless_disconnected(request, _complete(run))
@@ -123,12 +129,13 @@ def _prepare(
     body: ResponsesRequest,
     history: list[dict[str, Any]],
     default_max_tokens: int,
+    caller: Caller,
 ) -> EngineRequest:
     """The chat request this response is, prepared as chats are (worker pool); errors name
     the Responses fields."""
     chat = errors.validate(ChatCompletionRequest, body.chat_payload(history))
     try:
-        return prepare_chat(engine, chat, default_max_tokens)
+        return prepare_chat(engine, chat, default_max_tokens, caller)
     except InvalidRequestError as exc:
         if exc.param is not None:
             param = exc.param.replace(".function.parameters", ".parameters")
@@ -179,6 +186,7 @@ class ResponseRun:
     response: ResponseObject
     body: ResponsesRequest
     history: list[dict[str, Any]]
+    owner: str | None  # the tenant that may continue or fetch it
     message: OutputMessage | None = None
     text: str = ""
     logprobs: list[OutputLogprob] = field(default_factory=list)
@@ -296,7 +304,7 @@ class ResponseRun:
             answer["tool_calls"] = [_chat_call(item) for item in calls]
         conversation = [*self.history, *self.body.input_messages(), answer]
         store = self.job.gateway.responses
-        store.put(self.response.model_dump(mode="json"), conversation)
+        store.put(self.response.model_dump(mode="json"), conversation, self.owner)
 
 
 def _chat_call(item: FunctionCallOutput) -> dict[str, Any]:

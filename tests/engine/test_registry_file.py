@@ -233,7 +233,7 @@ BAD_FILES = [
         256,
         [
             "entry 'a': unknown field 'prompt' (allowed: name, description, messages, text, "
-            "response_format, defaults)"
+            "response_format, defaults, tenants)"
         ],
         id="entry_unknown_key",
     ),

@@ -403,18 +403,21 @@ def test_chat_without_max_tokens_gets_the_default_length(engine_config: EngineCo
 @pytest.mark.parametrize(
     ("keys", "path", "token", "status"),
     [
-        ({"api_key": "k"}, "/v1/prefixes", "k", 403),  # no admin key: admin routes closed
-        ({"api_key": "k"}, "/v1/prefixes", None, 401),
-        ({"api_key": "k", "admin_api_key": "a"}, "/v1/models", "a", 200),  # admin can infer
-        ({"api_key": "k", "admin_api_key": "a"}, "/v1/prefixes", "a", 200),
-        ({"api_key": "k", "admin_api_key": "a"}, "/v1/prefixes", "k", 403),
+        ({"api_keys": ("k",)}, "/v1/prefixes", "k", 200),  # a tenant reads its own view
+        ({"api_keys": ("k",)}, "POST /v1/prefixes/reload", "k", 403),  # no admin key
+        ({"api_keys": ("k",)}, "/v1/prefixes", None, 401),
+        ({"api_keys": ("k",), "admin_api_key": "a"}, "/v1/models", "a", 200),  # admin infers
+        ({"api_keys": ("k",), "admin_api_key": "a"}, "/v1/prefixes", "a", 200),
+        ({"api_keys": ("k",), "admin_api_key": "a"}, "POST /v1/prefixes/reload", "k", 403),
+        ({"api_keys": ("a=k1", "b=k2")}, "/v1/models", "k2", 200),  # every key is a tenant
+        ({"api_keys": ("a=k1", "b=k2")}, "/v1/models", "k3", 401),
         ({"admin_api_key": "a"}, "/v1/models", None, 200),  # no api key: inference open
         ({"admin_api_key": "a"}, "/v1/prefixes", None, 401),
         ({}, "/v1/prefixes", None, 200),  # no keys at all: local development
         ({"metrics_api_key": "m"}, "/metrics", None, 401),
         ({"metrics_api_key": "m"}, "/metrics", "m", 200),
         ({"metrics_api_key": "m", "admin_api_key": "a"}, "/metrics", "a", 200),
-        ({"api_key": "k"}, "/metrics", None, 200),  # public unless --metrics-api-key
+        ({"api_keys": ("k",)}, "/metrics", None, 200),  # public unless --metrics-api-key
     ],
 )
 def test_who_may_call_what(
@@ -424,7 +427,8 @@ def test_who_may_call_what(
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         with TestClient(app) as client:
-            response = client.get(path, headers=headers)
+            method, _, route = path.rpartition(" ")
+            response = client.request(method or "GET", route, headers=headers)
     finally:
         _gateway(app).shutdown()
     assert response.status_code == status, response.text

@@ -34,6 +34,7 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
     config = _serve(
         [
             *("--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--admin-api-key", "a"),
+            *("--api-key", "b=k2", "--api-key-file", "keys.txt"),
             *("--max-waiting", "7", "--shutdown-grace", "2.5", "--served-model-name", "m"),
             *("--max-request-bytes", "1MiB", "--request-read-timeout", "3"),
             *("--metrics-api-key", "mk", "--allowed-origins", "https://a.example", "*"),
@@ -69,7 +70,8 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
         engine=engine,
         host="0.0.0.0",
         port=9001,
-        api_key="k",
+        api_keys=("k", "b=k2"),
+        api_key_file="keys.txt",
         admin_api_key="a",
         max_waiting=7,
         shutdown_grace=2.5,
@@ -96,12 +98,13 @@ def test_keys_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("PREFIXGATE_API_KEY", "from-env")
     monkeypatch.setenv("PREFIXGATE_ADMIN_API_KEY", "admin-env")
     config = _serve([])
-    assert (config.api_key, config.admin_api_key, config.metrics_api_key) == (
-        "from-env",
+    assert (config.api_keys, config.admin_api_key, config.metrics_api_key) == (
+        ("from-env",),
         "admin-env",
         None,
     )
-    assert _serve(["--api-key", "flag"]).api_key == "flag"
+    # Given on the command line, the flag replaces the environment's key.
+    assert _serve(["--api-key", "flag", "--api-key", "x=y"]).api_keys == ("flag", "x=y")
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ def test_request_and_response_bodies_are_the_validating_models() -> None:
     [
         ({}, set()),
         (
-            {"api_key": "k"},
+            {"api_keys": ("k",)},
             {
                 "/v1/chat/completions",
                 "/v1/completions",

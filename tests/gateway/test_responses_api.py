@@ -498,7 +498,8 @@ def test_a_failure_mid_stream_ends_with_response_failed(client: TestClient) -> N
 
     gateway = client.app.state.gateway  # type: ignore[attr-defined]
     body = ResponsesRequest.model_validate({**BASE, "input": "Hi"})
-    run = route.ResponseRun(_FailingJob(gateway), ResponseObject(model=MODEL), body, [])  # type: ignore[arg-type]
+    job: Any = _FailingJob(gateway)
+    run = route.ResponseRun(job, ResponseObject(model=MODEL), body, [], owner=None)
     events = asyncio.run(_collect(route._stream(run, gateway)))
     types = [event["event"] for event in events]
     assert types[-1] == "response.failed" and "response.output_text.delta" in types

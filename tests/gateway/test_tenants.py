@@ -1,0 +1,159 @@
+"""API keys as tenants (in-process, tiny Llama): each key's automatically cached prompts are
+invisible to the others (cached_tokens stays 0 for a prompt another tenant sent), a registry
+entry limited by `tenants:` is hit and listed only for them, stored responses belong to their
+tenant, and the key ring reads keys and key files as documented."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine import AsyncEngine, EngineConfig, LLMEngine
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.tenants import KeyRing
+
+MODEL = "tiny-llama"
+SHARED = "You are a helpful assistant. Answer the question briefly and politely."
+SECRET = "Internal playbook of Alice's team: escalate refunds above one hundred euros."
+PREFIXES = f"""version: 1
+prefixes:
+  - name: shared
+    messages:
+      - role: system
+        content: {SHARED}
+  - name: secret
+    tenants: [alice]
+    text: "{SECRET}"
+"""
+KEYS = {"alice": "key-alice", "bob": "key-bob"}
+ADMIN = "key-admin"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    path = tmp_path_factory.mktemp("tenants") / "prefixes.yaml"
+    path.write_text(PREFIXES)
+    engine_config = EngineConfig(
+        model=str(tiny_llama_path),
+        block_size=4,
+        num_kv_blocks=512,
+        max_model_len=256,
+        prefix_file=str(path),
+        debug_check_integrity=True,
+    )
+    config = GatewayConfig(
+        engine=engine_config,
+        api_keys=tuple(f"{name}={key}" for name, key in KEYS.items()),
+        admin_api_key=ADMIN,
+    )
+    app = create_app(config, engine=AsyncEngine(engine_config, engine=LLMEngine(engine_config)))
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def _as(tenant: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS.get(tenant, ADMIN)}"}
+
+
+def _cached(client: TestClient, tenant: str, prompt: str, **fields: Any) -> int:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **fields}
+    response = client.post("/v1/completions", json=body, headers=_as(tenant))
+    assert response.status_code == 200, response.text
+    cached: int = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return cached
+
+
+def test_one_tenants_prompt_is_invisible_to_another(client: TestClient) -> None:
+    prompt = "Alice's private draft: the merger closes on the fourth of June, tell nobody."
+    assert _cached(client, "alice", prompt) == 0
+    assert _cached(client, "alice", prompt) > 0  # her own repeat hits her own cache
+    assert _cached(client, "bob", prompt) == 0  # the guess is not confirmed
+    assert _cached(client, "bob", prompt) > 0  # his own repeat hits his own cache
+    assert _cached(client, "alice", prompt, cache_salt="narrow") == 0  # a salt narrows it
+
+
+def test_a_tenant_scoped_entry_is_hit_only_by_its_tenants(client: TestClient) -> None:
+    prompt = SECRET + " What now?"
+    secret_tokens = _cached(client, "alice", prompt)
+    assert secret_tokens > 0
+    assert _cached(client, "bob", prompt) == 0
+    assert _cached(client, "admin", prompt) == 0  # the admin key's requests are nobody's
+    shared = [{"role": "system", "content": SHARED}, {"role": "user", "content": "Hi"}]
+    for tenant in ("alice", "bob"):  # the shared entry is everybody's
+        body = {"model": MODEL, "messages": shared, "max_tokens": 1, "cache_salt": tenant}
+        response = client.post("/v1/chat/completions", json=body, headers=_as(tenant))
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_listing_and_match_show_only_what_the_caller_may_hit(client: TestClient) -> None:
+    def names(tenant: str) -> dict[str, Any]:
+        listing = client.get("/v1/prefixes", headers=_as(tenant))
+        assert listing.status_code == 200, listing.text
+        return {card["name"]: card["tenants"] for card in listing.json()["data"]}
+
+    assert names("alice") == {"shared": None, "secret": None}
+    assert names("bob") == {"shared": None}
+    assert names("admin") == {"shared": None, "secret": ["alice"]}
+    body = {"model": MODEL, "prompt": SECRET + " What now?", "cache_salt": "fresh"}
+    bob = client.post("/v1/prefixes/match", json=body, headers=_as("bob")).json()
+    assert bob["matched"] is None and bob["cached_tokens"] == 0
+    assert bob["closest"] is None or bob["closest"]["name"] != "secret"
+    alice = client.post("/v1/prefixes/match", json=body, headers=_as("alice")).json()
+    assert alice["matched"] == "secret" and alice["cache_source"] == "registry"
+    reload = client.post("/v1/prefixes/reload", headers=_as("alice"))
+    assert reload.status_code == 403
+
+
+def test_stored_responses_belong_to_their_tenant(client: TestClient) -> None:
+    body = {"model": MODEL, "input": "Remember 42.", "max_output_tokens": 2}
+    created = client.post("/v1/responses", json=body, headers=_as("alice")).json()
+    assert client.get(f"/v1/responses/{created['id']}", headers=_as("alice")).status_code == 200
+    assert client.get(f"/v1/responses/{created['id']}", headers=_as("bob")).status_code == 404
+    chained = {**body, "previous_response_id": created["id"]}
+    stolen = client.post("/v1/responses", json=chained, headers=_as("bob"))
+    assert stolen.status_code == 404
+    assert stolen.json()["error"]["code"] == "response_not_found"
+    own = client.post("/v1/responses", json=chained, headers=_as("alice"))
+    assert own.status_code == 200
+
+
+# -- the key ring ----------------------------------------------------------------------------
+
+
+def test_keys_names_and_files(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("# team keys\ncarol: key-c\n\n  dave :  key-d  \n")
+    ring = KeyRing(("key-a", "bob=key-b"), str(key_file))
+    assert ring.names == ["bob", "carol", "dave", "key-1"]
+    alice, bob = ring.tenant_of("key-a"), ring.tenant_of("key-b")
+    assert alice is not None and alice.name == "key-1"
+    assert bob is not None and bob.name == "bob"
+    assert ring.tenant_of("key-d") is not None and ring.tenant_of("key-x") is None
+    assert ring.tenant_of(None) is None
+    assert alice.scope != bob.scope and len(alice.scope) == 64
+    assert KeyRing().is_empty
+
+
+@pytest.mark.parametrize(
+    ("keys", "file_text", "message"),
+    [
+        (("a=k1", "a=k2"), None, "given twice"),
+        (("a=k1", "b=k1"), None, "are equal"),
+        ((), "no separator here\n", "expected 'NAME: KEY'"),
+        ((), "bad name!: k\n", "expected 'NAME: KEY'"),
+    ],
+)
+def test_bad_keys_are_refused(
+    tmp_path: Path, keys: tuple[str, ...], file_text: str | None, message: str
+) -> None:
+    key_file = None
+    if file_text is not None:
+        key_file = tmp_path / "keys.txt"
+        key_file.write_text(file_text)
+    with pytest.raises(ValueError, match=message):
+        KeyRing(keys, str(key_file) if key_file else None)
