@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from starlette.applications import Starlette
+
+from engine import AsyncEngine, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from gateway.app import create_app
+from gateway.config import GatewayConfig
 
 
 def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:
@@ -46,3 +50,19 @@ def assert_all_free(engine: LLMEngine) -> None:
     """No leak: the pool's invariants hold and every block is free again."""
     engine.check_integrity()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def tiny_app(path: Path, gateway: dict[str, Any] | None = None, **engine: Any) -> Starlette:
+    """The whole gateway in-process over a ready engine on a tiny test model: 4-token blocks,
+    a 512-block pool, a 512-token context; `engine` overrides EngineConfig fields, `gateway`
+    GatewayConfig fields."""
+    settings: dict[str, Any] = {
+        "model": str(path),
+        "block_size": 4,
+        "num_kv_blocks": 512,
+        "max_model_len": 512,
+        **engine,
+    }
+    config = EngineConfig(**settings)
+    ready = AsyncEngine(config, engine=LLMEngine(config))
+    return create_app(GatewayConfig(engine=config, **(gateway or {})), engine=ready)

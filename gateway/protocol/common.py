@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,25 @@ class GenerationBase(RequestModel):
     @property
     def num_sequences(self) -> int:
         return 1
+
+
+def string_as_parts(text_type: str) -> Callable[[Any], Any]:
+    """A before-validator for message content: a string becomes one text part of type
+    `text_type`, a list passes on to be validated as parts, anything else is refused naming
+    the field (not a union branch)."""
+
+    def as_parts(value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": text_type, "text": value}]
+        if not isinstance(value, list):
+            raise PydanticCustomError(
+                "invalid_type",
+                "expected a string or an array of content parts, but got {got} instead",
+                {"got": json_type_name(value)},
+            )
+        return value
+
+    return as_parts
 
 
 def random_id(prefix: str) -> str:

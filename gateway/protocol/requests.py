@@ -33,6 +33,7 @@ from gateway.protocol.common import (
     GenerationBase,
     RequestModel,
     json_type_name,
+    string_as_parts,
 )
 from gateway.protocol.structured import (
     JsonSchemaValue,
@@ -45,6 +46,7 @@ from gateway.protocol.tools import (
     NamedToolChoice,
     ToolCall,
     ToolChoice,
+    check_choice_among_tools,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,25 +104,13 @@ class TextContentPart(RequestModel):
         return data
 
 
-def _content_as_parts(value: Any) -> Any:
-    if isinstance(value, str):
-        return [{"type": "text", "text": value}]
-    if not isinstance(value, list):
-        raise PydanticCustomError(
-            "invalid_type",
-            "expected a string or an array of content parts, but got {got} instead",
-            {"got": json_type_name(value)},
-        )
-    return value
-
-
 # Content is a string or a list of parts; both are stored as parts so that validation errors
 # carry their index ("messages[0].content[1]") instead of a union branch name.
 MessageContent = Annotated[
     list[TextContentPart],
     Field(min_length=1),  # an empty array says nothing: send "" for empty text
     BeforeValidator(
-        _content_as_parts,
+        string_as_parts("text"),
         json_schema_input_type=str | Annotated[list[TextContentPart], Field(min_length=1)],
     ),
 ]
@@ -480,17 +470,9 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator("tool_choice")
     @classmethod
     def _choice_among_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        tools = info.data.get("tools") or []
-        if (value == "required" or isinstance(value, NamedToolChoice)) and not tools:
-            raise PydanticCustomError("invalid_value", "needs 'tools' to choose from")
-        if isinstance(value, NamedToolChoice):
-            names = [tool.function.name for tool in tools]
-            if value.function.name not in names:
-                raise PydanticCustomError(
-                    "invalid_value",
-                    "names '{name}', which is not among 'tools'",
-                    {"name": value.function.name},
-                )
+        named = value.function.name if isinstance(value, NamedToolChoice) else None
+        names = [tool.function.name for tool in info.data.get("tools") or []]
+        check_choice_among_tools(value, named, names)
         return value
 
     @field_validator("modalities")

@@ -23,9 +23,15 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import MAX_LOGPROBS
-from gateway.protocol.common import MAX_TOOLS, GenerationBase, RequestModel, json_type_name
+from gateway.protocol.common import (
+    MAX_TOOLS,
+    GenerationBase,
+    RequestModel,
+    json_type_name,
+    string_as_parts,
+)
 from gateway.protocol.structured import FORMAT_NAME
-from gateway.protocol.tools import FUNCTION_NAME
+from gateway.protocol.tools import FUNCTION_NAME, check_choice_among_tools, parse_tool_choice
 
 # The one `include` value that changes what this server returns; the others OpenAI
 # documents are accepted (there is nothing of theirs to include here).
@@ -125,23 +131,11 @@ class InputTextPart(TypedObject):
         return self.refusal if self.type == "refusal" else self.text
 
 
-def _parts(value: Any) -> Any:
-    if isinstance(value, str):
-        return [{"type": "input_text", "text": value}]
-    if not isinstance(value, list):
-        raise PydanticCustomError(
-            "invalid_type",
-            "expected a string or an array of content parts, but got {got} instead",
-            {"got": json_type_name(value)},
-        )
-    return value
-
-
 TextParts = Annotated[
     list[InputTextPart],
     Field(min_length=1),  # an empty array says nothing: send "" for empty text
     BeforeValidator(
-        _parts,
+        string_as_parts("input_text"),
         json_schema_input_type=str | Annotated[list[InputTextPart], Field(min_length=1)],
     ),
 ]
@@ -232,26 +226,16 @@ class NamedFunctionChoice(RequestModel):
     name: str
 
 
+def _named_function_choice(value: dict[str, Any]) -> NamedFunctionChoice:
+    if value.get("type") != "function" or not isinstance(value.get("name"), str):
+        raise _unsupported_value(
+            "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
+        )
+    return NamedFunctionChoice.model_validate(value)
+
+
 def _tool_choice(value: Any) -> Any:
-    if value is None or isinstance(value, NamedFunctionChoice):
-        return value
-    if isinstance(value, str):
-        if value not in ("none", "auto", "required"):
-            raise PydanticCustomError(
-                "invalid_value", "input should be 'none', 'auto' or 'required'"
-            )
-        return value
-    if isinstance(value, dict):
-        if value.get("type") != "function" or not isinstance(value.get("name"), str):
-            raise _unsupported_value(
-                "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
-            )
-        return NamedFunctionChoice.model_validate(value)
-    raise PydanticCustomError(
-        "invalid_type",
-        "expected a string or an object, but got {got} instead",
-        {"got": json_type_name(value)},
-    )
+    return parse_tool_choice(value, _named_function_choice)
 
 
 ResponsesToolChoice = Annotated[
@@ -371,13 +355,8 @@ class ResponsesRequest(GenerationBase):
     @field_validator("tool_choice")
     @classmethod
     def _choice_among_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        tools = info.data.get("tools") or []
-        if (value == "required" or isinstance(value, NamedFunctionChoice)) and not tools:
-            raise PydanticCustomError("invalid_value", "needs 'tools' to choose from")
-        if isinstance(value, NamedFunctionChoice) and value.name not in {t.name for t in tools}:
-            raise PydanticCustomError(
-                "invalid_value", "names '{name}', which is not among 'tools'", {"name": value.name}
-            )
+        named = value.name if isinstance(value, NamedFunctionChoice) else None
+        check_choice_among_tools(value, named, [tool.name for tool in info.data.get("tools") or []])
         return value
 
     @property

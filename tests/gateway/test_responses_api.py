@@ -17,20 +17,16 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine import (
-    AsyncEngine,
-    EngineConfig,
     EngineDeadError,
     GrammarSpec,
-    LLMEngine,
     RequestOutput,
     tool_call_grammar,
 )
-from gateway.app import create_app
-from gateway.config import GatewayConfig
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.response_objects import ResponseObject
 from gateway.protocol.responses_request import ResponsesRequest
 from gateway.routes import responses as route
+from tests.helpers import tiny_app
 
 MODEL = "tiny-llama"
 WEATHER = {
@@ -48,13 +44,7 @@ BASE = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_path: Path) -> Iterator[TestClient]:
-    config = EngineConfig(
-        model=str(tiny_llama_path), block_size=4, num_kv_blocks=512, max_model_len=512
-    )
-    app = create_app(
-        GatewayConfig(engine=config), engine=AsyncEngine(config, engine=LLMEngine(config))
-    )
-    with TestClient(app) as test_client:
+    with TestClient(tiny_app(tiny_llama_path)) as test_client:
         yield test_client
 
 

@@ -12,10 +12,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from engine import AsyncEngine, EngineConfig, LLMEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
 from gateway.tenants import KeyRing
+from tests.helpers import tiny_app
 
 MODEL = "tiny-llama"
 SHARED = "You are a helpful assistant. Answer the question briefly and politely."
@@ -38,20 +36,14 @@ ADMIN = "key-admin"
 def client(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     path = tmp_path_factory.mktemp("tenants") / "prefixes.yaml"
     path.write_text(PREFIXES)
-    engine_config = EngineConfig(
-        model=str(tiny_llama_path),
-        block_size=4,
-        num_kv_blocks=512,
+    keys = {"api_keys": tuple(f"{name}={key}" for name, key in KEYS.items())}
+    app = tiny_app(
+        tiny_llama_path,
+        {**keys, "admin_api_key": ADMIN},
         max_model_len=256,
         prefix_file=str(path),
         debug_check_integrity=True,
     )
-    config = GatewayConfig(
-        engine=engine_config,
-        api_keys=tuple(f"{name}={key}" for name, key in KEYS.items()),
-        admin_api_key=ADMIN,
-    )
-    app = create_app(config, engine=AsyncEngine(engine_config, engine=LLMEngine(engine_config)))
     with TestClient(app) as test_client:
         yield test_client
 

@@ -14,9 +14,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from engine import AsyncEngine, EngineConfig, LLMEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
+from tests.helpers import tiny_app
 
 MODEL = "tiny-llama"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}}
@@ -40,13 +38,7 @@ TOOL_CHAT = {**CHAT, "tools": [WEATHER, TIME], "parallel_tool_calls": False}
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_path: Path) -> Iterator[TestClient]:
-    config = EngineConfig(
-        model=str(tiny_llama_path), block_size=4, num_kv_blocks=512, max_model_len=512
-    )
-    app = create_app(
-        GatewayConfig(engine=config), engine=AsyncEngine(config, engine=LLMEngine(config))
-    )
-    with TestClient(app) as test_client:
+    with TestClient(tiny_app(tiny_llama_path)) as test_client:
         yield test_client
 
 
