@@ -125,6 +125,9 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
     submitted = sorted(r.submitted_s for r in records if r.submitted_s is not None)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    # Multi-turn: the share of prompt tokens served from cache from the second turn on.
+    later = [r for r in ok if r.turn >= 1 and r.prompt_tokens and r.cached_tokens is not None]
+    later_prompt = sum(r.prompt_tokens or 0 for r in later)
     num_output = sum(r.output_tokens for r in ok)
     span = submitted[-1] - submitted[0] if len(submitted) > 1 else 0.0
     errors = [r.error for r in records if r.status == "error" and r.error]
@@ -141,6 +144,9 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         "total_output_tokens": num_output,
         "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None,
         "cached_tokens_mean": sum(cached) / len(cached) if cached else None,
+        "cached_share_later_turns": (
+            sum(r.cached_tokens or 0 for r in later) / later_prompt if later_prompt else None
+        ),
         "ttft_ms": distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": distribution_ms([t for r in ok if (t := r.tpot_s) is not None]),
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
@@ -570,8 +576,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['workload']}, git {report['git_revision']}, {report['date']}",
         "| load | requests | ok | errors | unfinished | achieved QPS | TTFT ms p50/p95/p99 "
         "| TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 | e2e ms p50/p95/p99 | req/s | output tok/s "
-        "| cached tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cached tokens | cached share, turns 2+ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for step in report["steps"]:
         s = step["summary"]
@@ -581,7 +587,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"| {_num(s['achieved_qps'], '.2f')} | {_triple(s['ttft_ms'])} "
             f"| {_triple(s['tpot_ms'])} | {_triple(s['itl_ms'])} | {_triple(s['e2e_ms'])} "
             f"| {_num(s['request_throughput'], '.2f')} | {_num(s['output_throughput'], '.1f')} "
-            f"| {_num(s['cached_tokens_mean'], '.0f')} |"
+            f"| {_num(s['cached_tokens_mean'], '.0f')} "
+            f"| {_num(s['cached_share_later_turns'], '.0%')} |"
         )
     if report["sweep"]:
         sweep = report["sweep"]

@@ -244,6 +244,18 @@ def test_summarize_synthetic_records() -> None:
     assert s["first_errors"] == ["HTTP 500: boom"]
 
 
+def test_cached_share_counts_turns_after_the_first() -> None:
+    def turn(index: int, number: int, prompt: int, cached: int) -> bs.RequestRecord:
+        return bs.RequestRecord(index, 0, number, status="ok", submitted_s=0.0, ttft_s=0.1,
+                                e2e_s=0.2, output_tokens=1, prompt_tokens=prompt,
+                                cached_tokens=cached)  # fmt: skip
+
+    records = [turn(0, 0, 1000, 900), turn(1, 1, 1200, 1000), turn(2, 2, 1400, 1300)]
+    s = bs.summarize(records, duration_s=1.0)
+    assert s["cached_share_later_turns"] == pytest.approx(2300 / 2600)  # turn 0 left out
+    assert bs.summarize(records[:1], duration_s=1.0)["cached_share_later_turns"] is None
+
+
 def test_summarize_without_completions_has_no_figures() -> None:
     s = bs.summarize([_record(0, status="error", submitted_s=0.0, error="x")], duration_s=1.0)
     assert s["ttft_ms"] == {"mean": None, "p50": None, "p95": None, "p99": None}
