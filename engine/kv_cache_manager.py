@@ -17,6 +17,8 @@ longer argument.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -145,6 +147,23 @@ class KVCacheManager:
         for index in range(seq.num_indexed_blocks, num_full):
             self.pool.cache_block(seq.block_table[index], seq.block_hashes[index])
         seq.num_indexed_blocks = num_full
+
+    # -- invariants -----------------------------------------------------------------------------
+    def check_integrity(self, holders: Iterable[Sequence | list[int]]) -> None:
+        """The pool's own invariants (free queue, pins, the hash index) and: every block's
+        ref_cnt equals its number of holders (sequences, or the block lists of the other
+        holders: registry prefixes, fills in flight)."""
+        self.pool.check_integrity()
+        tables = [h if isinstance(h, list) else h.block_table for h in holders]
+        expected = Counter(b for table in tables for b in table)
+        actual = Counter({b: c for b, c in enumerate(self.pool.ref_cnt) if c})
+        if expected != actual:
+            diff = {
+                b: (actual.get(b, 0), expected.get(b, 0))
+                for b in expected | actual
+                if actual.get(b, 0) != expected.get(b, 0)
+            }
+            raise AssertionError(f"block ref_cnt != holders (block: (ref_cnt, holders)): {diff}")
 
     # -- giving back ----------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:

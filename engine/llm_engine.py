@@ -10,7 +10,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -326,21 +325,15 @@ class LLMEngine:
         return outputs
 
     def check_integrity(self) -> None:
-        """The pool's own invariants, plus: every block's ref_cnt equals its number of holders
-        (live requests, registered prefixes, prefix fills in flight) and only prefixes pin."""
-        self.pool.check_integrity()
-        holders = [state.seq.block_table for state in self._requests.values()]
-        prefix_tables = [p.block_ids for p in self.registry.prefixes.values()]
-        loader_tables = self.prefixes.block_holders()
-        expected = Counter(b for table in (*holders, *prefix_tables, *loader_tables) for b in table)
-        actual = Counter({b: c for b, c in enumerate(self.pool.ref_cnt) if c})
-        if expected != actual:
-            diff = {
-                b: (actual.get(b, 0), expected.get(b, 0))
-                for b in expected | actual
-                if actual.get(b, 0) != expected.get(b, 0)
-            }
-            raise AssertionError(f"block ref_cnt != holders (block: (ref_cnt, holders)): {diff}")
+        """The cache's invariants over every holder of blocks: live requests, registered
+        prefixes, prefix fills in flight (KVCacheManager.check_integrity)."""
+        self.cache.check_integrity(
+            [
+                *(state.seq for state in self._requests.values()),
+                *(p.block_ids for p in self.registry.prefixes.values()),
+                *self.prefixes.block_holders(),
+            ]
+        )
 
     def _append_or_fail(self, sampled: SampledToken) -> RequestOutput:
         """Post-process one sampled token; a failure there fails that request alone."""
