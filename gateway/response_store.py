@@ -33,8 +33,6 @@ class StoredResponse:
 
 
 class ResponseStore:
-    EMPTY: ResponseStore  # keeps nothing: its lookups are the "not found" answer
-
     def __init__(
         self,
         max_entries: int,
@@ -106,6 +104,3 @@ class ResponseStore:
             if self._entries[oldest].stored_at >= deadline:
                 return
             self.delete(oldest)
-
-
-ResponseStore.EMPTY = ResponseStore(0, 0, 1.0)

@@ -61,9 +61,7 @@ async def stored_response(request: Request) -> Response:
     """GET: the kept response, as it was returned; DELETE: forget it."""
     gateway = gateway_of(request)
     caller = gateway.check_auth(request)
-    stored = _stored(gateway.responses, request.path_params["id"], "id")
-    if stored.owner != caller.tenant_name and not caller.is_admin:
-        stored = _stored(ResponseStore.EMPTY, request.path_params["id"], "id")
+    stored = _stored(gateway.responses, request.path_params["id"], "id", caller)
     if request.method == "GET":
         return JSONResponse(stored.response)
     gateway.responses.delete(stored.response["id"])
@@ -76,9 +74,9 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
     caller = admitted.caller
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        previous = _stored(gateway.responses, body.previous_response_id, "previous_response_id")
-        if previous.owner != caller.tenant_name:  # another tenant's: as if it did not exist
-            _stored(ResponseStore.EMPTY, body.previous_response_id, "previous_response_id")
+        previous = _stored(
+            gateway.responses, body.previous_response_id, "previous_response_id", caller
+        )
         history = list(previous.conversation)
     _check_outputs_answer_calls(body, history)
     prepared = await gateway.run_blocking(
@@ -92,9 +90,10 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
     return await unless_disconnected(request, _complete(run))
 
 
-def _stored(store: ResponseStore, response_id: str, param: str) -> StoredResponse:
+def _stored(store: ResponseStore, response_id: str, param: str, caller: Caller) -> StoredResponse:
+    """The kept response, if the caller may see it: another tenant's reads as unknown."""
     stored = store.get(response_id)
-    if stored is None:
+    if stored is None or (stored.owner != caller.tenant_name and not caller.is_admin):
         raise errors.OpenAIError(
             404,
             f"No response with id '{response_id}' is kept here: it was never stored "

@@ -4,6 +4,7 @@ that drive it with client libraries, started once per session."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -12,6 +13,19 @@ from engine.loader import ModelSource
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
 
 SHIPPED_PREFIXES = REPO_ROOT / "prefixes.yaml"
+# One function tool in the two API shapes: chat nests it under "function", Responses is flat.
+WEATHER_FUNCTION: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CHAT_WEATHER_TOOL: Any = {"type": "function", "function": WEATHER_FUNCTION}
+RESPONSES_WEATHER_TOOL: Any = {"type": "function", **WEATHER_FUNCTION}
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,12 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from tests.e2e.conftest import SHIPPED_PREFIXES, model_of
+from tests.e2e.conftest import (
+    CHAT_WEATHER_TOOL,
+    RESPONSES_WEATHER_TOOL,
+    SHIPPED_PREFIXES,
+    model_of,
+)
 from tests.gateway.server_harness import Server
 
 pytestmark = pytest.mark.e2e
@@ -56,17 +61,7 @@ def get_weather(city: str) -> str:
     return f"{city}: 18 C, sunny"
 
 
-WEATHER_TOOL: Any = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 30}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
+WEATHER_TOOL = RESPONSES_WEATHER_TOOL
 
 
 # -- the openai SDK's Responses API -------------------------------------------------------------
@@ -266,10 +261,7 @@ def test_litellm_structured_output_and_tools(litellm: Any, real_server: Server) 
         **target,
     )
     Pet.model_validate_json(reply.choices[0].message.content)
-    chat_tool = {
-        "type": "function",
-        "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"},
-    }
+    chat_tool = CHAT_WEATHER_TOOL
     called = litellm.completion(
         messages=[{"role": "user", "content": "Weather in Rome?"}],
         tools=[chat_tool],

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from engine.loader import ModelSource
-from tests.e2e.conftest import SHIPPED_PREFIXES, model_of
+from tests.e2e.conftest import CHAT_WEATHER_TOOL, SHIPPED_PREFIXES, model_of
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, Server, ServerFactory
 
 pytestmark = pytest.mark.e2e
@@ -248,19 +248,7 @@ def test_instructor_returns_validated_models(sdk: openai.OpenAI, mode: str) -> N
 
 # -- tool calling ------------------------------------------------------------------------------
 
-WEATHER_TOOL: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER_TOOL = CHAT_WEATHER_TOOL
 
 
 def test_sdk_tool_call_round_trip(sdk: openai.OpenAI) -> None:
