@@ -45,7 +45,10 @@ class DecodeGroup:
     # None: a plain group
     prefix_blocks: slice | torch.Tensor | None
     block_tables: torch.Tensor  # [G, max_blocks] long: each sequence's blocks after the prefix
-    mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding
+    context_lens: torch.Tensor  # [G] long: tokens each sequence attends to after the prefix
+    # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding; None when the paged
+    # decode kernel reads the blocks in place (it needs only `context_lens`)
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -59,6 +62,8 @@ class ForwardBatch:
     num_prefill_tokens: int
     decode_groups: list[DecodeGroup]  # every decode row in exactly one group
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
+    # decode attention through `torch.ops.prefixgate.paged_decode_attention` (engine.kernels)
+    use_decode_kernel: bool = False
 
 
 def prefill_mask(
@@ -111,11 +116,11 @@ def paged_attention(
         start = batch.num_prefill_tokens
         decode_q, decode_out = q[start:], out[start:]
         for group in batch.decode_groups:
-            if len(batch.decode_groups) == 1:  # common case: no row shuffling
-                decode_out[:] = _group_attention(decode_q, k_cache, v_cache, group, scale)
-            else:
-                idx = group.rows
-                decode_out[idx] = _group_attention(decode_q[idx], k_cache, v_cache, group, scale)
+            # one group (the common case) needs no row shuffling
+            group_rows = slice(None) if len(batch.decode_groups) == 1 else group.rows
+            decode_out[group_rows] = _group_attention(
+                decode_q[group_rows], k_cache, v_cache, group, scale, batch.use_decode_kernel
+            )
     return out
 
 
@@ -147,11 +152,22 @@ def _span_attention(
 
 
 def _group_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    use_kernel: bool,
 ) -> torch.Tensor:
-    if group.prefix_blocks is None:
-        return _decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
-    return _cascade_attention(q, k_cache, v_cache, group, scale)
+    if group.prefix_blocks is not None:
+        return _cascade_attention(q, k_cache, v_cache, group, scale, use_kernel)
+    if use_kernel:
+        out_lse: tuple[torch.Tensor, torch.Tensor] = torch.ops.prefixgate.paged_decode_attention(
+            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+        )
+        return out_lse[0]
+    assert group.mask is not None
+    return _decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
 
 
 def _cascade_attention(
@@ -160,6 +176,7 @@ def _cascade_attention(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    use_kernel: bool,
 ) -> torch.Tensor:
     assert group.prefix_blocks is not None
     g, num_heads, head_dim = q.shape
@@ -173,10 +190,17 @@ def _cascade_attention(
     o_p, lse_p = attention_with_lse(qp, kp, vp, None, scale)
     o_p = o_p.view(num_kv_heads, g, per_kv, head_dim).transpose(0, 1)  # [G, kv, per_kv, d]
     lse_p = lse_p.view(num_kv_heads, g, per_kv).transpose(0, 1)  # [G, kv, per_kv]
-    # Private suffixes, per sequence (padded, masked).
-    keys, values = _gather(k_cache, v_cache, group.block_tables)
-    qg = q.view(g, num_kv_heads, per_kv, head_dim)
-    o_s, lse_s = attention_with_lse(qg, keys, values, group.mask, scale)
+    # Private suffixes, per sequence: read in place by the kernel, else gathered and masked.
+    if use_kernel:
+        o_s, lse_s = torch.ops.prefixgate.paged_decode_attention(
+            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+        )
+        o_s = o_s.view(g, num_kv_heads, per_kv, head_dim)
+        lse_s = lse_s.view(g, num_kv_heads, per_kv)
+    else:
+        keys, values = _gather(k_cache, v_cache, group.block_tables)
+        qg = q.view(g, num_kv_heads, per_kv, head_dim)
+        o_s, lse_s = attention_with_lse(qg, keys, values, group.mask, scale)
     # Merge the two partial softmaxes: the prefix's share of the whole is
     # exp(lse_p) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_p - lse_s).
     w_p = torch.sigmoid(lse_p - lse_s)[..., None]

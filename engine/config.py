@@ -7,9 +7,12 @@ from typing import Any
 
 import torch
 
+from engine.cpu import auto_dtype
 from engine.errors import InvalidRequestError
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATIONS = ("auto", "int4", "int8", "none")
 GiB = 1 << 30
 # A step's token budget bounds how long running decodes stall behind prefills, and how many
 # waiting requests share one long step before any of them gets a token. On CPU a 100-token
@@ -42,7 +45,18 @@ class EngineConfig:
         None, "local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
     )
     device: str = option("cpu", "cpu or cuda[:N]")
-    dtype: str = option("float32", "weights and KV cache dtype", choices=tuple(DTYPES))
+    dtype: str = option(
+        "auto",
+        "compute and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 "
+        "(AVX512_BF16, AMX), float32 otherwise",
+        choices=DTYPE_CHOICES,
+    )
+    quantization: str = option(
+        "auto",
+        "CPU linear weights: int4 (GGML Q4_1, group 32; int8 head), int8 (Q8_0) or none; "
+        "auto: as a .gguf file ships them, none for a Hugging Face folder",
+        choices=QUANTIZATIONS,
+    )
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(None, "KV pool size in blocks")
     kv_cache_memory: int | None = option(
@@ -63,6 +77,11 @@ class EngineConfig:
         True,
         "cache every computed block by content for later prompts (off: registered prefixes only)",
     )
+    enable_compile: bool = option(
+        True,
+        "build the C++ CPU kernels (paged decode attention) for this CPU on first start, cached "
+        "on disk; off (--no-compile): torch operations only, for debugging",
+    )
     prefix_file: str | None = option(
         None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
     )
@@ -72,8 +91,12 @@ class EngineConfig:
     debug_check_integrity: bool = option(False, "check the KV block accounting every step")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}", param="dtype")
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPE_CHOICES}", param="dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {QUANTIZATIONS}", param="quantization"
+            )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError("device must be cpu or cuda[:N]", param="device")
         _positive(self.block_size, "block_size")
@@ -91,6 +114,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """`dtype`, with auto resolved for this machine (see `engine.cpu.auto_dtype`)."""
+        if self.dtype == "auto":
+            return auto_dtype(self.torch_device)
         return DTYPES[self.dtype]
 
     @property

@@ -73,7 +73,9 @@ class LLMEngine:
             config.token_budget,
             self.registry if config.enable_prefix_cache else None,
         )
-        self.runner = ModelRunner(loaded.model, self.pool, config.torch_device)
+        self.runner = ModelRunner(
+            loaded.model, self.pool, config.torch_device, loaded.has_decode_kernel
+        )
         self._requests: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()
         self.prefixes = PrefixLoader(

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 from engine.models import SUPPORTED_MODEL_TYPES
+from engine.quantization import WeightFormat
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -61,10 +62,12 @@ _WEIGHT_LAYOUTS = (
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved model: the id it is served under and a local HF folder holding its files."""
+    """A resolved model: the id it is served under and a local HF folder holding its files
+    (for a .gguf file, its conversion; `gguf_path` then names the file itself)."""
 
     name: str
     path: Path
+    gguf_path: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -224,7 +227,36 @@ def _resolve_gguf(gguf_path: Path, cache_dir: Path | None, name: str) -> ModelSo
         logger.info("using cached conversion of %s at %s", gguf_path.name, dest)
     else:
         _convert_into_cache(gguf_path, dest)
-    return ModelSource(name=name, path=dest)
+    return ModelSource(name=name, path=dest, gguf_path=gguf_path)
+
+
+# GGML tensor types by the bits of the weight format that keeps them (see engine.quantization).
+_GGML_BITS = {
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"), "int4"),
+    **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), "int8"),
+}
+
+
+def shipped_weight_format(gguf_path: Path) -> WeightFormat:
+    """The weight format closest to what `gguf_path` ships: its decoder linears' and its
+    head's (`output.weight`, else the tied `token_embd.weight`) quantization.
+
+    Reads only the tensor table (the file is memory-mapped). Q4_1 and Q8_0 are reproduced
+    exactly; other 4-8 bit types are requantized to the nearest of the two."""
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(gguf_path).tensors}
+    layers = {_GGML_BITS.get(kind, "none") for name, kind in types.items() if _is_linear(name)}
+    head = types.get("output.weight", types.get("token_embd.weight", ""))
+    return WeightFormat(
+        layers=layers.pop() if len(layers) == 1 else "none", head=_GGML_BITS.get(head, "none")
+    )
+
+
+def _is_linear(gguf_name: str) -> bool:
+    return (
+        gguf_name.startswith("blk.") and gguf_name.endswith(".weight") and "norm" not in gguf_name
+    )
 
 
 def _gguf_cache_key(gguf_path: Path) -> str:

@@ -12,10 +12,21 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, GiB
+from engine.cpu import cpu_features
 from engine.errors import ModelLoadError
+from engine.kernels import load_cpu_kernels
 from engine.kv_cache import BlockPool, KVCacheSpec, num_blocks_for
-from engine.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from engine.loader import (
+    ModelSource,
+    default_cache_dir,
+    load_hf_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model,
+    shipped_weight_format,
+)
 from engine.models import CausalLM, build_model
+from engine.quantization import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +47,8 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    # decode attention runs in engine/kernels/paged_attention.cpp (compiled for this CPU)
+    has_decode_kernel: bool = False
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -47,23 +60,29 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = load_hf_config(source.path)
     tokenizer = load_tokenizer(source.path)
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
+    weights = weight_format(config, source)
+    dtype = config.torch_dtype
     model = build_model(
-        hf_config,
-        load_state_dict(source.path),
-        max_model_len,
-        config.torch_dtype,
-        config.torch_device,
+        hf_config, load_state_dict(source.path), max_model_len, dtype, config.torch_device, weights
     )
     logger.info(
-        "model %s (%s, %d layers) on %s in %s, loaded in %.1f s",
+        "model %s (%s, %d layers) on %s [%s], compute %s%s, %s, loaded in %.1f s",
         source.name,
         hf_config.model_type,
         len(model.attention_layers()),
         config.device,
-        config.dtype,
+        cpu_features().describe() if config.torch_device.type == "cpu" else "CUDA",
+        str(dtype).removeprefix("torch."),
+        " (--dtype auto)" if config.dtype == "auto" else "",
+        weights.describe(dtype),
         time.perf_counter() - start,
     )
     pool = _make_pool(config, model, max_model_len)
+    has_decode_kernel = (
+        config.enable_compile
+        and config.torch_device.type == "cpu"
+        and load_cpu_kernels(default_cache_dir())
+    )
     return LoadedModel(
         name=source.name,
         model=model,
@@ -72,7 +91,24 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
         vocab_size=int(hf_config.vocab_size),
+        has_decode_kernel=has_decode_kernel,
     )
+
+
+def weight_format(config: EngineConfig, source: ModelSource) -> WeightFormat:
+    """`--quantization` resolved: auto keeps a GGUF file's own format on CPU (its 4-bit
+    layers and 8-bit head) and a Hugging Face folder's float weights; int4 / int8 quantize
+    at load. The int4 kernel is CPU-only: a GPU serves the float weights."""
+    choice = config.quantization
+    if config.torch_device.type != "cpu":
+        if choice in ("int4", "int8"):
+            raise ModelLoadError(f"--quantization {choice} runs on CPU only")
+        return WeightFormat()
+    if choice == "auto":
+        return shipped_weight_format(source.gguf_path) if source.gguf_path else WeightFormat()
+    if choice == "none":
+        return WeightFormat()
+    return WeightFormat(layers=choice, head="int8")
 
 
 def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:

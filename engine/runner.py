@@ -33,10 +33,13 @@ class StepResult:
 class ModelRunner:
     """Owns the model and binds the pool's per-layer K/V tensors to its attention layers."""
 
-    def __init__(self, model: CausalLM, pool: BlockPool, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, pool: BlockPool, device: torch.device, use_decode_kernel: bool
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.use_decode_kernel = use_decode_kernel
         self.sampler = Sampler()
         self.masker: GrammarMasker | None = None  # made when a constrained row first comes
         self.num_forward_calls = 0
@@ -154,6 +157,7 @@ class ModelRunner:
             num_prefill_tokens=num_prefill_tokens,
             decode_groups=self._decode_groups([d.seq for d in decodes]),
             logits_indices=self._tensor(logits_indices),
+            use_decode_kernel=self.use_decode_kernel,
         )
 
     def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
@@ -189,13 +193,18 @@ class ModelRunner:
         tables = [seqs[r].block_table[num_shared:] for r in rows]
         lens = [seqs[r].num_computed_tokens + 1 - num_shared * block_size for r in rows]
         max_blocks = -(-max(lens) // block_size)
-        # Pad with block 0: padded key slots are masked out, whatever they hold.
+        # Pad with block 0: padded key slots are masked out (or never read), whatever they hold.
         padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+        context_lens = self._tensor(lens)
+        mask = None
+        if not self.use_decode_kernel:
+            mask = decode_mask(context_lens, max_blocks * block_size, self.pool.spec.dtype)
         return DecodeGroup(
             rows=self._tensor(rows),
             prefix_blocks=self._prefix_blocks(seqs[rows[0]].block_table[:num_shared]),
             block_tables=self._tensor(padded),  # [G, max_blocks]
-            mask=decode_mask(self._tensor(lens), max_blocks * block_size, self.pool.spec.dtype),
+            context_lens=context_lens,
+            mask=mask,
         )
 
     def _prefix_blocks(self, block_ids: list[int]) -> slice | torch.Tensor | None:

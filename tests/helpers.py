@@ -17,6 +17,7 @@ def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:
     the block accounting checked after every step."""
     settings: dict[str, Any] = {
         "model": str(path),
+        "dtype": "float32",  # exact comparisons with transformers, on every CPU
         "block_size": 4,
         "num_kv_blocks": 256,
         "max_num_batched_tokens": 64,
@@ -58,6 +59,7 @@ def tiny_app(path: Path, gateway: dict[str, Any] | None = None, **engine: Any) -
     GatewayConfig fields."""
     settings: dict[str, Any] = {
         "model": str(path),
+        "dtype": "float32",
         "block_size": 4,
         "num_kv_blocks": 512,
         "max_model_len": 512,

@@ -3,6 +3,9 @@
 # prefixgate with its registry and with --no-prefix-cache, llama.cpp server with its prompt
 # cache on and off, transformers serve with continuous batching.
 #   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode"
+# SYSTEMS picks who runs (default "registry nocache llamacpp llamacpp-nocache transformers");
+# DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
+# suffixes prefixgate's result names (to keep two configurations apart).
 # Every server is started on 127.0.0.1 and stopped by PID; every load run is bounded.
 # The QPS sweep uses SWEEP for servers that reuse the prefix and SWEEP_SLOW for those that
 # cannot (each step sends QPS x 60 s requests, 10 to 40, and stops after 120 s).
@@ -10,7 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}
 MODES=${2:-"seq c8"}
-DTYPE=${DTYPE:-bfloat16}
+DTYPE=${DTYPE:-auto}
+SYSTEMS=${SYSTEMS:-"registry nocache llamacpp llamacpp-nocache transformers"}
+read -r -a EXTRA <<< "${PREFIXGATE_FLAGS:-}"
 SWEEP=${SWEEP:-0.25,0.5,1,1.5,2,3,4}
 SWEEP_SLOW=${SWEEP_SLOW:-0.1,0.25,0.5,1}
 PY=.venv/bin/python
@@ -38,7 +43,8 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
 
 prefixgate() {  # label flags...
   local label=$1; shift
-  .venv/bin/prefixgate serve --port $PORT --prefixes prefixes.yaml --dtype "$DTYPE" "$@" \
+  .venv/bin/prefixgate serve --port $PORT --prefixes prefixes.yaml --dtype "$DTYPE" \
+    ${EXTRA[@]+"${EXTRA[@]}"} "$@" \
     > "$OUT/$label.log" 2>&1 &
   local pid=$!
   for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
@@ -46,16 +52,26 @@ prefixgate() {  # label flags...
   kill -TERM "$pid"; wait "$pid" || true
 }
 
-prefixgate "prefixgate-registry-$DTYPE"
-RATES=$SWEEP_SLOW prefixgate "prefixgate-nocache-$DTYPE" --no-prefix-cache
+wants() { [[ " $SYSTEMS " == *" $1 "* ]]; }
 
-$PY tools/peers.py start llama-cpp --port 8081 --no-build
-bench llama.cpp-cache-on --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": true}'
-RATES=$SWEEP_SLOW bench llama.cpp-cache-off --base-url http://127.0.0.1:8081/v1 \
-  --extra-body '{"cache_prompt": false}'
-$PY tools/peers.py stop llama-cpp
+if wants registry; then prefixgate "prefixgate-registry-$DTYPE${LABEL:-}"; fi
+if wants nocache; then
+  RATES=$SWEEP_SLOW prefixgate "prefixgate-nocache-$DTYPE${LABEL:-}" --no-prefix-cache
+fi
 
-if [ "${SKIP_TRANSFORMERS:-0}" != 1 ]; then
+if wants llamacpp || wants llamacpp-nocache; then
+  $PY tools/peers.py start llama-cpp --port 8081 --no-build
+  if wants llamacpp; then
+    bench llama.cpp-cache-on --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": true}'
+  fi
+  if wants llamacpp-nocache; then
+    RATES=$SWEEP_SLOW bench llama.cpp-cache-off --base-url http://127.0.0.1:8081/v1 \
+      --extra-body '{"cache_prompt": false}'
+  fi
+  $PY tools/peers.py stop llama-cpp
+fi
+
+if wants transformers; then
   MODEL_DIR=$(ls -d ~/.cache/prefixgate/SmolLM2-135M-Instruct.Q4_1-* | head -1)
   $PY tools/peers.py start transformers --port 8082 --continuous-batching --no-build
   RATES=$SWEEP_SLOW bench transformers-serve-cb --base-url http://127.0.0.1:8082/v1 --model "$MODEL_DIR" \

@@ -10,6 +10,7 @@ from engine.attention import ForwardBatch
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.layers import can_pack_linears, pack_linears
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import WeightFormat, quantize_linears
 
 
 class AttentionLayer(Protocol):
@@ -46,18 +47,22 @@ def build_model(
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
+    weights: WeightFormat,
 ) -> CausalLM:
-    """Instantiate the model for `hf_config.model_type`, load weights, cast, move, eval;
-    on CPU, pack the linear weights for oneDNN (see `PackedLinear`).
+    """Instantiate the model for `hf_config.model_type`, load weights (consuming
+    `state_dict`), quantize them as `weights` says (from the float weights, before any cast),
+    cast, move, eval; on CPU, pack the dense linear weights for oneDNN (see `PackedLinear`).
 
     Built on the meta device so no time goes into a random init that the weights overwrite.
     """
     cls = MODEL_CLASSES[hf_config.model_type]
     with torch.device("meta"):
         model = cls(hf_config, max_positions, dtype)
-    model = model.to_empty(device="cpu")
-    model.init_buffers()
     model.load_weights(state_dict)
+    state_dict.clear()  # the model holds the tensors now; drop the caller's references
+    model.init_buffers()
+    if weights.is_quantized:
+        quantize_linears(model, weights)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     if can_pack_linears(device, dtype):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardBatch, paged_attention
-from engine.models.layers import RMSNorm, RotaryEmbedding, load_exact, stack_weights
+from engine.models.layers import RMSNorm, RotaryEmbedding, load_exact, rotate, stack_weights
 
 
 class LlamaAttention(nn.Module):
@@ -32,14 +32,13 @@ class LlamaAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [n, heads, head_dim]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
+        qkv = self.qkv_proj(x).view(n, -1, self.head_dim)  # [n, heads + 2 * kv_heads, head_dim]
+        qk = rotate(qkv[:, : self.num_heads + self.num_kv_heads], rope)
+        q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]  # [n, kv_heads, head_dim]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
@@ -65,9 +64,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rotary)
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,8 +101,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary(batch.positions)
         for layer in self.layers:
-            x = layer(x, batch, self.rotary)
+            x = layer(x, batch, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab]

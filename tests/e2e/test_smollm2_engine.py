@@ -33,6 +33,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
     settings: dict[str, Any] = {
         "model": str(source.path),
+        "dtype": "float32",  # token for token against transformers' float32 generate
         "kv_cache_memory": 256 << 20,
         "max_model_len": 2048,
         "debug_check_integrity": True,

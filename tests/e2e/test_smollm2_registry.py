@@ -29,6 +29,7 @@ def _engine(source: ModelSource, cached: bool) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(source.path),
+            dtype="float32",  # hits equal recomputation token for token
             kv_cache_memory=512 << 20,
             max_model_len=2048,
             prefix_file=str(PREFIXES),

@@ -56,6 +56,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 def _config(path: Path, **overrides: Any) -> EngineConfig:
     settings: dict[str, Any] = {
         "model": str(path),
+        "dtype": "float32",
         "num_kv_blocks": 64,
         "block_size": 4,
         "max_num_seqs": 8,

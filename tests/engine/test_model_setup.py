@@ -12,7 +12,12 @@ from engine.model_setup import load_model
 
 
 def _config(model: Path, **overrides: object) -> EngineConfig:
-    settings: dict[str, object] = {"model": str(model), "block_size": 4, "max_model_len": 64}
+    settings: dict[str, object] = {
+        "model": str(model),
+        "dtype": "float32",
+        "block_size": 4,
+        "max_model_len": 64,
+    }
     settings.update(overrides)
     return EngineConfig(**settings)  # type: ignore[arg-type]
 

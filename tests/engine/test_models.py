@@ -22,15 +22,19 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.kernels import load_cpu_kernels
 from engine.kv_cache import BlockPool, KVCacheSpec, num_blocks_for
+from engine.loader import default_cache_dir
 from engine.models import build_model
+from engine.quantization import QuantizedLinear, WeightFormat, quantize_planes
 from engine.runner import ModelRunner, batch_order
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
 BLOCK_SIZE = 4
-SMALL = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+# vocab 320: the int4 kernel packs output sizes in multiples of 16 (the quantized head)
+SMALL = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 
 
 def _llama_gqa() -> Any:
@@ -92,16 +96,24 @@ ARCHITECTURES = {
 class PagedHarness:
     """Our model over a small pool, fed chunk by chunk; records the logits of every position."""
 
-    def __init__(self, hf_model: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        hf_model: Any,
+        dtype: torch.dtype = torch.float32,
+        *,
+        weights: WeightFormat | None = None,
+        use_decode_kernel: bool = False,
+    ) -> None:
+        state = {k: v.clone() for k, v in hf_model.state_dict().items()}  # build_model takes them
         self.model = build_model(
-            hf_model.config, hf_model.state_dict(), 256, dtype, torch.device("cpu")
+            hf_model.config, state, 256, dtype, torch.device("cpu"), weights or WeightFormat()
         )
         layers = self.model.attention_layers()
         spec = KVCacheSpec(
             len(layers), self.model.num_kv_heads, self.model.head_dim, BLOCK_SIZE, dtype
         )
         self.pool = BlockPool(spec, 128, torch.device("cpu"))
-        self.runner = ModelRunner(self.model, self.pool, torch.device("cpu"))
+        self.runner = ModelRunner(self.model, self.pool, torch.device("cpu"), use_decode_kernel)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def add(self, request_id: str, token_ids: list[int]) -> Sequence:
@@ -131,11 +143,16 @@ def _reference_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("use_decode_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_paged_forward_matches_transformers_in_mixed_batches(arch: str) -> None:
+def test_paged_forward_matches_transformers_in_mixed_batches(
+    arch: str, use_decode_kernel: bool
+) -> None:
+    if use_decode_kernel:
+        assert load_cpu_kernels(default_cache_dir())
     torch.manual_seed(0)
     hf = ARCHITECTURES[arch]().eval()
-    harness = PagedHarness(hf)
+    harness = PagedHarness(hf, use_decode_kernel=use_decode_kernel)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (7, 13, 1, 21)]
     seqs = [harness.add(str(i), p) for i, p in enumerate(prompts)]
@@ -173,4 +190,40 @@ def test_weights_that_do_not_fit_are_rejected() -> None:
     state = hf.state_dict()
     del state["model.norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
-        build_model(hf.config, state, 64, torch.float32, torch.device("cpu"))
+        build_model(hf.config, state, 64, torch.float32, torch.device("cpu"), WeightFormat())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias"])
+def test_quantized_model_matches_transformers_on_the_dequantized_weights(
+    arch: str, dtype: torch.dtype
+) -> None:
+    """int4 layers and an int8 head: prefill chunks take the dense copy, decodes the int4
+    kernel; both must compute the model whose weights are the quantized ones."""
+    torch.manual_seed(0)
+    hf = ARCHITECTURES[arch]().eval()
+    harness = PagedHarness(hf, dtype, weights=WeightFormat(layers="int4", head="int8"))
+    quantized = [m for m in harness.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
+    # The reference: transformers on the weights the planes stand for. A new Parameter per
+    # linear unties a tied head: the embedding keeps its float weights, as ours does.
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            bits = 8 if name == "lm_head" else 4
+            weight = quantize_planes(module.weight.detach(), bits)[1]
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    gen = torch.Generator().manual_seed(1)
+    seq = harness.add("x", torch.randint(0, 300, (20,), generator=gen).tolist())
+    harness.run([(seq, 20)])  # 20 rows: above every max_rows, the dense path
+    for _ in range(4):  # 1 row: the int4 kernel
+        seq.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
+        harness.run([(seq, 1)])
+    expected = _reference_logits(hf, seq.token_ids)
+    got = harness.all_logits(seq)
+    # The int4 kernel takes bf16 activations: bf16-level agreement even in float32.
+    torch.testing.assert_close(got[:20], expected[:20], **_tolerance(dtype))
+    torch.testing.assert_close(got[20:], expected[20:], rtol=0.03, atol=0.03)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}

@@ -51,6 +51,7 @@ def prefix_file(tmp_path: Path) -> Path:
 def _engine(model: Path, prefix_file: Path | None, **overrides: Any) -> LLMEngine:
     settings: dict[str, Any] = {
         "model": str(model),
+        "dtype": "float32",
         "block_size": BLOCK,
         "num_kv_blocks": 256,
         "max_model_len": 256,

@@ -249,6 +249,7 @@ class Reference:
     def __init__(self, model: Path, block_size: int, num_kv_blocks: int, max_model_len: int):
         config = EngineConfig(
             model=str(model),
+            dtype="float32",
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,

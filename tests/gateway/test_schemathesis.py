@@ -62,7 +62,16 @@ API_KEY, ADMIN_KEY = "sk-test", "sk-admin"
 MAX_EXAMPLES = 50
 MIN_EXAMPLES = 20
 SERVER_ARGS = (
-    *("--block-size", "4", "--num-kv-blocks", "1024", "--max-model-len", "512"),
+    *(
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--num-kv-blocks",
+        "1024",
+        "--max-model-len",
+        "512",
+    ),
     *("--admin-api-key", ADMIN_KEY, "--max-waiting", "64"),
 )
 # (field, code) of the cross-field rules the module docstring lists.

@@ -43,13 +43,17 @@ BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 512
 MAX_MODEL_LEN = 256
 TINY_ARGS = (
+    *("--dtype", "float32"),  # outputs equal the in-process float32 reference on every CPU
     *("--block-size", str(BLOCK_SIZE)),
     *("--num-kv-blocks", str(NUM_KV_BLOCKS)),
     *("--max-model-len", str(MAX_MODEL_LEN)),
 )
 # The long-context twin of the tiny model (same weights, 4096 positions): a 3000-token
 # completion takes seconds, long enough to disconnect from or to SIGTERM the server under it.
-LONG_ARGS = ("--block-size", "16", "--num-kv-blocks", "300", "--max-model-len", "4096")
+LONG_ARGS = (
+    *("--dtype", "float32", "--block-size", "16"),
+    *("--num-kv-blocks", "300", "--max-model-len", "4096"),
+)
 LONG_TOKENS = 3000
 LONG_BODY = {
     "model": LONG_MODEL,

@@ -1,0 +1,230 @@
+// Decode attention over the paged KV cache, read in place through each sequence's block
+// table: no gather of the context into a contiguous copy (which cost as much as the attention
+// itself), one pass over K and one over V per (sequence, KV head), every query head of the
+// GQA group served by the same read. float32 accumulation, bf16 or float32 storage.
+//
+// Registered as torch.ops.prefixgate.paged_decode_attention; parallel over (sequence, KV
+// head) on torch's own thread pool. Compiled at run time by engine/kernels/__init__.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// bf16 -> float is a 16-bit shift; written on raw bits so the compiler vectorizes it.
+inline void load_row(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
+inline void load_row(const float* __restrict src, float* __restrict dst, int64_t n) {
+  std::copy(src, src + n, dst);
+}
+
+// exp(x) for x <= 0 as 2^k * 2^f (f in [-0.5, 0.5], degree-6 polynomial, relative error
+// ~2e-7): glibc's expf is scalar here and was most of the kernel's time.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);  // exp(-87) ~ 1.6e-38: still a normal float; -inf lands here too
+  const float t = x * 1.44269504088896341f;  // log2(e)
+  const float k = std::nearbyint(t);
+  const float f = t - k;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(k) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// Tokens of one work item: a sequence's context is cut into chunks attended separately and
+// merged by their log-sum-exp (split-K, "flash decoding"), so one long sequence keeps every
+// thread busy. A multiple of any block size up to 256.
+constexpr int64_t kChunkTokens = 256;
+
+// HEAD_DIM > 0 fixes the row length at compile time (fully unrolled, vectorized loops);
+// 0 reads it at run time.
+template <typename T, int64_t HEAD_DIM>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+            at::Tensor& out, at::Tensor& lse) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t block_stride = k_cache.stride(0), token_stride = k_cache.stride(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  float* lse_ptr = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t chunk = std::max<int64_t>(block_size, kChunkTokens / block_size * block_size);
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) max_len = std::max(max_len, lens[i]);
+  const int64_t num_chunks = (max_len + chunk - 1) / chunk;
+  const int64_t num_items = num_seqs * num_kv_heads * num_chunks;
+  // Per item and query head: the unnormalized output, then the running max and sum.
+  std::vector<float> part_acc(num_items * group * head_dim);
+  std::vector<float> part_max(num_items * group), part_sum(num_items * group);
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), row(head_dim), probs(group * chunk);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / (num_kv_heads * num_chunks);
+      const int64_t kv_head = item / num_chunks % num_kv_heads;
+      const int64_t start = item % num_chunks * chunk;
+      const int64_t len = std::min(chunk, lens[seq] - start);
+      float* acc = part_acc.data() + item * group * head_dim;
+      std::fill(acc, acc + group * head_dim, 0.f);
+      if (len <= 0) {  // past this sequence's end: an empty part
+        std::fill(part_max.begin() + item * group, part_max.begin() + (item + 1) * group,
+                  -std::numeric_limits<float>::infinity());
+        std::fill(part_sum.begin() + item * group, part_sum.begin() + (item + 1) * group, 0.f);
+        continue;
+      }
+      const int64_t* table = tables + seq * max_blocks + start / block_size;
+      const int64_t first_head = kv_head * group, kv_off = kv_head * head_dim;
+      load_row(q_ptr + (seq * num_heads + first_head) * head_dim, qf.data(), group * head_dim);
+      for (float& x : qf) x *= fscale;
+      // Pass 1: every key's score, for every query head of the group. Walked block by block:
+      // a division per token cost more than the arithmetic.
+      for (int64_t b = 0, t = 0; t < len; ++b) {
+        const T* block = k_ptr + table[b] * block_stride + kv_off;
+        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
+          load_row(block + i * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* __restrict qg = qf.data() + g * head_dim;
+            const float* __restrict r = row.data();
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * r[d];
+            probs[g * chunk + t] = s;
+          }
+        }
+      }
+      // Softmax numerators per query head, with their max and sum for the merge.
+      for (int64_t g = 0; g < group; ++g) {
+        float* __restrict p = probs.data() + g * chunk;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          p[t] = fast_exp(p[t] - m);
+          sum += p[t];
+        }
+        part_max[item * group + g] = m;
+        part_sum[item * group + g] = sum;
+      }
+      // Pass 2: the numerator-weighted sum of the values.
+      for (int64_t b = 0, t = 0; t < len; ++b) {
+        const T* block = v_ptr + table[b] * block_stride + kv_off;
+        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
+          load_row(block + i * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float w = probs[g * chunk + t];
+            float* __restrict a = acc + g * head_dim;
+            const float* __restrict r = row.data();
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += w * r[d];
+          }
+        }
+      }
+    }
+  });
+
+  // Merge each (sequence, query head)'s chunks: out = sum_c acc_c e^(m_c - M) / L.
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t row_id = begin; row_id < end; ++row_id) {
+      const int64_t seq = row_id / num_heads, head = row_id % num_heads;
+      const int64_t kv_head = head / group, g = head % group;
+      const int64_t first = (seq * num_kv_heads + kv_head) * num_chunks;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < num_chunks; ++c) m = std::max(m, part_max[(first + c) * group + g]);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t item = first + c;
+        const float sum = part_sum[item * group + g];
+        if (sum == 0.f) continue;
+        const float w = fast_exp(part_max[item * group + g] - m);
+        total += sum * w;
+        const float* a = part_acc.data() + (item * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
+      }
+      T* o = out_ptr + row_id * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(merged[d] / total);
+      lse_ptr[row_id] = m + std::log(total);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       double scale, at::Tensor& out, at::Tensor& lse) {
+  switch (q.size(2)) {
+    case 64:
+      return decode<T, 64>(q, k_cache, v_cache, block_tables, context_lens, scale, out, lse);
+    case 128:
+      return decode<T, 128>(q, k_cache, v_cache, block_tables, context_lens, scale, out, lse);
+    default:
+      return decode<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, lse);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
+    const at::Tensor& q,             // [num_seqs, num_heads, head_dim]
+    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& v_cache,       // same
+    const at::Tensor& block_tables,  // [num_seqs, max_blocks] int64
+    const at::Tensor& context_lens,  // [num_seqs] int64, each >= 1
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3));
+  TORCH_CHECK(k_cache.strides() == v_cache.strides());
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(),
+                   lens = context_lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch_head_dim<c10::BFloat16>(qc, k_cache, v_cache, tables, lens, scale, out, lse);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bfloat16 or float32 only");
+    dispatch_head_dim<float>(qc, k_cache, v_cache, tables, lens, scale, out, lse);
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(prefixgate, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
