@@ -51,7 +51,11 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Bytes of the linears a batch-1 step reads: the int4 planes where quantized (the small
     -batch path), the packed or plain weight elsewhere."""
     total = 0
-    for module in engine.runner.model.modules():
+    modules = list(engine.runner.model.modules())
+    dense_copies = {id(m.dense) for m in modules if isinstance(m, QuantizedLinear)}
+    for module in modules:
+        if id(module) in dense_copies:
+            continue  # prefill-sized calls only
         if isinstance(module, QuantizedLinear):
             total += module.num_weight_bytes
         elif isinstance(module, PackedLinear):
