@@ -65,6 +65,11 @@ class ForwardBatch:
     # decode attention through `torch.ops.prefixgate.paged_decode_attention` (engine.kernels)
     use_decode_kernel: bool = False
 
+    @property
+    def decode_only(self) -> bool:
+        """No prefill span in this step: quantized linears may use their int4 kernel."""
+        return not self.prefills
+
 
 def prefill_mask(
     num_cached: int, num_new: int, group: int, dtype: torch.dtype, device: torch.device

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -65,6 +66,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = build_model(
         hf_config, load_state_dict(source.path), max_model_len, dtype, config.torch_device, weights
     )
+    _return_freed_memory()
     logger.info(
         "model %s (%s, %d layers) on %s [%s], compute %s%s, %s, loaded in %.1f s",
         source.name,
@@ -93,6 +95,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         vocab_size=int(hf_config.vocab_size),
         has_decode_kernel=has_decode_kernel,
     )
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap pages freed after loading back to the OS. glibc keeps them mapped: the
+    float32 weights read from disk and the temporaries of quantizing and packing left a
+    server at 1.06 GB RSS with ~0.36 GB of it free heap."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim, or it trims by itself
 
 
 def weight_format(config: EngineConfig, source: ModelSource) -> WeightFormat:

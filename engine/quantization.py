@@ -130,8 +130,9 @@ class WeightFormat:
         return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE})"
 
 
-def quantize_linears(model: nn.Module, weights: WeightFormat) -> int:
-    """Replace the model's `nn.Linear`s (float32, on CPU) by `QuantizedLinear`s, the head
+def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype) -> int:
+    """Replace the model's `nn.Linear`s (float, on CPU) by `QuantizedLinear`s whose dense copy
+    is in `dtype` (made per layer, so loading never holds a second float32 model), the head
     (`lm_head`) by `weights.head`'s format and the others by `weights.layers`'; a linear the
     kernel cannot take (input size not a multiple of 32, output size of 16) stays as it is.
     Returns how many."""
@@ -151,7 +152,7 @@ def quantize_linears(model: nn.Module, weights: WeightFormat) -> int:
             continue
         planes, weight = quantize_planes(child.weight.detach(), BITS[kind])
         dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-        dense.weight = nn.Parameter(weight, requires_grad=False)
+        dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         dense.bias = child.bias
         setattr(parent, name, QuantizedLinear(planes, child.bias, dense, max_rows))
         count += 1
@@ -178,8 +179,8 @@ class QuantizedLinear(nn.Module):
         self.dense = dense
         self.max_rows = max_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+    def forward(self, x: torch.Tensor, allow_int4: bool = True) -> torch.Tensor:
+        if not allow_int4 or x.shape[0] > self.max_rows:
             out: torch.Tensor = self.dense(x)
             return out
         x16 = x.to(ACTIVATION_DTYPE)
@@ -193,3 +194,13 @@ class QuantizedLinear(nn.Module):
     @property
     def num_weight_bytes(self) -> int:
         return sum(p.packed.nbytes + p.scales_zeros.nbytes for p in self.planes)
+
+
+def project(linear: nn.Module, x: torch.Tensor, decode_only: bool) -> torch.Tensor:
+    """`linear(x)` inside a decoder layer. A quantized linear takes its int4 kernel only in a
+    step with no prefill span: a prompt's K/V then come from the same (dense) arithmetic
+    whether it is prefilled whole, in chunks or after a cache hit of any length, so an
+    identical request gives identical text (the int4 path rounds activations to bf16, enough
+    to flip a near-tie). The LM head, which sees only sampled rows, always may."""
+    out: torch.Tensor = linear(x, decode_only) if isinstance(linear, QuantizedLinear) else linear(x)
+    return out

@@ -62,7 +62,7 @@ def build_model(
     state_dict.clear()  # the model holds the tensors now; drop the caller's references
     model.init_buffers()
     if weights.is_quantized:
-        quantize_linears(model, weights)
+        quantize_linears(model, weights, dtype)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     if can_pack_linears(device, dtype):

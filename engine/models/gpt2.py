@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.attention import ForwardBatch, paged_attention
 from engine.models.layers import load_exact
+from engine.quantization import project
 
 
 class GPT2Attention(nn.Module):
@@ -25,9 +26,10 @@ class GPT2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n, hidden = x.shape
-        q, k, v = self.c_attn(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        qkv = project(self.c_attn, x, batch.decode_only)
+        q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        return self.c_proj(o.reshape(n, hidden))
+        return project(self.c_proj, o.reshape(n, hidden), batch.decode_only)
 
 
 class GPT2MLP(nn.Module):
@@ -37,8 +39,9 @@ class GPT2MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, inner)
         self.c_proj = nn.Linear(inner, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = F.gelu(project(self.c_fc, x, batch.decode_only), approximate="tanh")
+        return project(self.c_proj, hidden, batch.decode_only)
 
 
 class GPT2Block(nn.Module):
@@ -51,7 +54,7 @@ class GPT2Block(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), batch)
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp(self.ln_2(x), batch)
 
 
 class GPT2LMHeadModel(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.attention import ForwardBatch, paged_attention
 from engine.models.layers import RMSNorm, RotaryEmbedding, load_exact, rotate, stack_weights
+from engine.quantization import project
 
 
 class LlamaAttention(nn.Module):
@@ -35,12 +36,13 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, -1, self.head_dim)  # [n, heads + 2 * kv_heads, head_dim]
+        qkv = project(self.qkv_proj, x, batch.decode_only).view(n, -1, self.head_dim)
+        # qkv: [n, heads + 2 * kv_heads, head_dim]
         qk = rotate(qkv[:, : self.num_heads + self.num_kv_heads], rope)
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]  # [n, kv_heads, head_dim]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return project(self.o_proj, o.reshape(n, self.q_size), batch.decode_only)
 
 
 class LlamaMLP(nn.Module):
@@ -50,9 +52,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate_up = project(self.gate_up_proj, x, batch.decode_only)
+        gate, up = torch.split(gate_up, self.intermediate_size, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up, batch.decode_only)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -70,7 +70,7 @@ def test_rows_above_max_rows_take_the_dense_copy() -> None:
     gen = torch.Generator().manual_seed(3)
     linear = nn.Linear(K, N, bias=True)
     model = nn.Sequential(linear)
-    quantize_linears(model, WeightFormat(layers="int4"))
+    quantize_linears(model, WeightFormat(layers="int4"), torch.float32)
     layer = model[0]
     assert isinstance(layer, QuantizedLinear) and layer.max_rows >= 1
     big = torch.randn(layer.max_rows + 1, K, generator=gen)
@@ -83,7 +83,7 @@ def test_rows_above_max_rows_take_the_dense_copy() -> None:
 def test_linears_the_kernel_cannot_take_stay_dense() -> None:
     model = nn.Sequential(nn.Linear(K, N), nn.Linear(40, N), nn.Linear(K, 40))
     model.lm_head = nn.Linear(K, N)
-    assert quantize_linears(model, WeightFormat(layers="int4", head="none")) == 1
+    assert quantize_linears(model, WeightFormat(layers="int4", head="none"), torch.float32) == 1
     assert [type(m).__name__ for m in list(model)[:3]] == ["QuantizedLinear", "Linear", "Linear"]
     assert isinstance(model.lm_head, nn.Linear)
     assert (

@@ -56,6 +56,7 @@ COMPLETION = {
 def engine_config(tiny_llama_path: Path) -> EngineConfig:
     return EngineConfig(
         model=str(tiny_llama_path),
+        dtype="float32",  # logprobs asserted against a float32 reference
         block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_KV_BLOCKS,
         max_model_len=MAX_MODEL_LEN,
