@@ -1,10 +1,10 @@
 """Group-wise 4- and 8-bit weights for CPU decode, on torch's int4 CPU kernel.
 
 Why: a batch-1 decode step streams every weight once, so its time is the weights' size over
-memory bandwidth. SmolLM2's linears in bf16 are 269 MB; as 4-bit codes with a scale and a
-zero per group of 32 they are ~75 MB, and torch's `_weight_int4pack_mm_for_cpu` reads them
-at 3.1x (AVX-512) to 3.8x (AVX2) the speed of the prepacked bf16/fp32 GEMV
-(docs/benchmarks.md, "Issue 12").
+memory bandwidth. SmolLM2's linears and head in bf16 are 269 MB; as 4-bit codes with a scale
+and a zero per group of 32 (8-bit for the head) they are 102 MB, and torch's
+`_weight_int4pack_mm_for_cpu` runs a batch-1 pass 2.9x (AVX-512, vs bf16) to 3.2x (AVX2, vs
+fp32) faster than the prepacked dense GEMV (docs/benchmarks.md, "Issue 12").
 
 The two schemes are GGML's own: `int4` is Q4_1 (per group, d = (max - min) / 15, m = min,
 q = round((w - m) / d)) and `int8` is Q8_0 (d = absmax / 127, q = round(w / d)). Applied to
@@ -37,10 +37,10 @@ BITS = {"int4": 4, "int8": 8}
 ACTIVATION_DTYPE = torch.bfloat16
 
 # Rows up to which the int4 kernel beats the prepacked dense GEMM over SmolLM2's 120 layer
-# linears (30 distinct layers, weights not in cache), 2 threads, measured on Zen 4
+# linears (30 distinct layers, weights not in cache), 2 threads, Zen 4, whole pass in ms
 # (`tools/bench_decode_step.py --linears`, docs/benchmarks.md "Issue 12"):
-#   AVX512 (bf16 dense):  M=1 5.4 vs 17.0 ms, M=4 8.5 vs 15.4, M=8 15.2 vs 17.2, M=16 26 vs 19
-#   AVX2   (fp32 dense):  M=1 7.8 vs 30.0 ms, M=8 24.6 vs 37.9, M=16 39.5 vs 47.5, M=32 89 vs 61
+#   AVX512 (bf16 dense):  M=1 4.8 vs 14.0, M=4 8.2 vs 13.2, M=8 13.4 vs 14.6, M=16 24.8 vs 18.6
+#   AVX2   (fp32 dense):  M=1 9.6 vs 30.7, M=8 26.2 vs 40.8, M=16 49.2 vs 52.3, M=32 104 vs 79
 DENSE_ABOVE_ROWS = {"AVX512": 8, "AVX2": 16}
 DEFAULT_DENSE_ABOVE_ROWS = 16
 
