@@ -1,5 +1,6 @@
 """One real `prefixgate serve` (default model, shipped prefixes.yaml) for the e2e modules
-that drive it with client libraries, started once per session."""
+that drive it with client libraries, started once per session; the questions the in-process
+engine tests generate from."""
 
 from __future__ import annotations
 
@@ -26,6 +27,28 @@ WEATHER_FUNCTION: dict[str, Any] = {
 }
 CHAT_WEATHER_TOOL: Any = {"type": "function", "function": WEATHER_FUNCTION}
 RESPONSES_WEATHER_TOOL: Any = {"type": "function", **WEATHER_FUNCTION}
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain gravity in one sentence to a child who is five years old and likes dinosaurs.",
+    "Hi",
+]
+
+
+def question_prompts(tokenizer: Any) -> list[list[int]]:
+    """Each of QUESTIONS as one user turn, rendered with the generation prompt."""
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for q in QUESTIONS
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -15,17 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import ModelSource
+from tests.e2e.conftest import question_prompts
 from tests.helpers import assert_all_free, run_staggered, tokens_of
 
 pytestmark = pytest.mark.e2e
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain gravity in one sentence to a child who is five years old and likes dinosaurs.",
-    "Hi",
-]
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
@@ -49,17 +43,7 @@ def engine(smollm2_source: ModelSource) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def prompts(engine: LLMEngine) -> list[list[int]]:
-    return [
-        list(
-            engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
-        for q in QUESTIONS
-    ]
+    return question_prompts(engine.tokenizer)
 
 
 @pytest.fixture(scope="module")

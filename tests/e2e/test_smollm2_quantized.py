@@ -19,17 +19,11 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.outputs import SampleLogprobs
 from engine.quantization import QuantizedLinear
+from tests.e2e.conftest import question_prompts
 from tests.helpers import assert_all_free, run_staggered
 
 pytestmark = pytest.mark.e2e
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain gravity in one sentence to a child who is five years old and likes dinosaurs.",
-    "Hi",
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
 LOGPROB_TOLERANCE = 0.25
 NEAR_TIE = 0.2  # nats between the float path's top two tokens
@@ -43,18 +37,6 @@ def _engine(**overrides: Any) -> LLMEngine:
     }
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
-
-
-def _prompts(engine: LLMEngine) -> list[list[int]]:
-    def render(question: str) -> list[int]:
-        messages = [{"role": "user", "content": question}]
-        return list(
-            engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-
-    return [render(q) for q in QUESTIONS]
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[SampleLogprobs]]:
@@ -81,7 +63,7 @@ def test_int4_as_shipped_matches_the_float_weights(dtype: str) -> None:
     int4_engine = _engine(dtype=dtype)  # auto: the GGUF's own format
     model = int4_engine.runner.model
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 30 * 4 + 1
-    prompts = _prompts(float_engine)
+    prompts = question_prompts(float_engine.tokenizer)
     for want, got in zip(_run(float_engine, prompts), _run(int4_engine, prompts), strict=True):
         _assert_same_text_up_to_a_near_tie(want, got)
 
@@ -92,7 +74,7 @@ def test_compiled_decode_kernel_gives_the_torch_paths_tokens() -> None:
     compiled = _engine(dtype="float32", quantization="none")
     eager = _engine(dtype="float32", quantization="none", enable_compile=False)
     assert compiled.runner.use_decode_kernel and not eager.runner.use_decode_kernel
-    prompts = _prompts(compiled)
+    prompts = question_prompts(compiled.tokenizer)
     tokens = [[lp.token_id for lp in lps] for lps in _run(compiled, prompts)]
     assert tokens == [[lp.token_id for lp in lps] for lps in _run(eager, prompts)]
 
@@ -104,7 +86,7 @@ def test_a_repeated_request_gives_the_same_text(dtype: str) -> None:
     when that short prefill took the int4 kernel, the repeats answered "L'Étoile, ...". Prefill
     spans always take the dense weights, so they must not."""
     engine = _engine(dtype=dtype)
-    [prompt] = _prompts(engine)[:1]
+    [prompt] = question_prompts(engine.tokenizer)[:1]
     params = SamplingParams(temperature=0, max_tokens=16)
     first = engine.generate([prompt], params)
     assert engine.tokenizer.decode(first[0]).startswith("The capital of France is Paris")
