@@ -130,6 +130,24 @@ class WeightFormat:
         return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE})"
 
 
+def _quantizable(
+    model: nn.Module, weights: WeightFormat
+) -> list[tuple[str, nn.Module, str, nn.Linear, str]]:
+    """(qualified name, parent, attribute, linear, format) of every linear `weights` quantizes."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if not isinstance(child, nn.Linear):
+                continue
+            if child.in_features % GROUP_SIZE or child.out_features % 16:
+                continue  # the kernel packs K in groups of 32 and N in tiles of 16
+            kind = weights.head if name == "lm_head" else weights.layers
+            if kind != "none":
+                full = f"{parent_name}.{name}" if parent_name else name
+                found.append((full, parent, name, child, kind))
+    return found
+
+
 def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype) -> int:
     """Replace the model's `nn.Linear`s (float, on CPU) by `QuantizedLinear`s whose dense copy
     is in `dtype` (made per layer, so loading never holds a second float32 model), the head
@@ -137,26 +155,60 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
     kernel cannot take (input size not a multiple of 32, output size of 16) stays as it is.
     Returns how many."""
     max_rows = dense_above_rows()
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-        and child.in_features % GROUP_SIZE == 0
-        and child.out_features % 16 == 0
-    ]
-    count = 0
-    for parent, name, child in targets:
-        kind = weights.head if name == "lm_head" else weights.layers
-        if kind == "none":
-            continue
+    targets = _quantizable(model, weights)
+    for _full, parent, name, child, kind in targets:
         planes, weight = quantize_planes(child.weight.detach(), BITS[kind])
         dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
         dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         dense.bias = child.bias
         setattr(parent, name, QuantizedLinear(planes, child.bias, dense, max_rows))
-        count += 1
-    return count
+    return len(targets)
+
+
+def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What `restore_linears` + `load_state_dict` need to rebuild a quantized model without
+    its float weights: the state dict (dense copies in the compute dtype) plus every plane.
+    Shared tensors appear once (a tied head, a bias the dense copy shares)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            for i, plane in enumerate(module.planes):
+                state[f"{name}.planes.{i}.packed"] = plane.packed
+                state[f"{name}.planes.{i}.scales_zeros"] = plane.scales_zeros
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            state[name] = tensor.contiguous()
+    return state
+
+
+def restore_linears(
+    model: nn.Module, state: dict[str, torch.Tensor], weights: WeightFormat
+) -> None:
+    """Put `QuantizedLinear`s where `quantize_linears` put them, their planes taken (popped)
+    from `state`, their dense copies on the meta device for `load_state_dict` to assign."""
+    max_rows = dense_above_rows()
+    for full, parent, name, child, _kind in _quantizable(model, weights):
+        planes: list[Int4Plane] = []
+        while f"{full}.planes.{len(planes)}.packed" in state:
+            i = len(planes)
+            packed = state.pop(f"{full}.planes.{i}.packed")
+            planes.append(Int4Plane(packed, state.pop(f"{full}.planes.{i}.scales_zeros")))
+        if not planes:
+            raise ValueError(f"no planes for {full} in the quantized state")
+        dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+        setattr(parent, name, QuantizedLinear(planes, child.bias, dense, max_rows))
+
+
+def relink_dense_biases(model: nn.Module) -> None:
+    """After an assigning load: a dense copy shares its layer's bias again."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            bias = module.bias
+            if bias is not None:
+                assert isinstance(bias, nn.Parameter)
+                module.dense.register_parameter("bias", bias)
 
 
 def dense_above_rows() -> int:

@@ -10,7 +10,12 @@ from engine.attention import ForwardBatch
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.layers import can_pack_linears, pack_linears
 from engine.models.llama import LlamaForCausalLM
-from engine.quantization import WeightFormat, quantize_linears
+from engine.quantization import (
+    WeightFormat,
+    quantize_linears,
+    relink_dense_biases,
+    restore_linears,
+)
 
 
 class AttentionLayer(Protocol):
@@ -49,22 +54,71 @@ def build_model(
     device: torch.device,
     weights: WeightFormat,
 ) -> CausalLM:
+    """`load_model_weights`, then `pack_model` for `device`: the model ready to serve."""
+    model = load_model_weights(hf_config, state_dict, max_positions, dtype, device, weights)
+    pack_model(model, device, dtype)
+    return model
+
+
+def load_model_weights(
+    hf_config: Any,
+    state_dict: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: WeightFormat,
+) -> CausalLM:
     """Instantiate the model for `hf_config.model_type`, load weights (consuming
     `state_dict`), quantize them as `weights` says (from the float weights, before any cast),
-    cast, move, eval; on CPU, pack the dense linear weights for oneDNN (see `PackedLinear`).
+    cast, move, eval.
 
     Built on the meta device so no time goes into a random init that the weights overwrite.
     """
-    cls = MODEL_CLASSES[hf_config.model_type]
-    with torch.device("meta"):
-        model = cls(hf_config, max_positions, dtype)
+    model = _on_meta(hf_config, max_positions, dtype)
     model.load_weights(state_dict)
     state_dict.clear()  # the model holds the tensors now; drop the caller's references
     model.init_buffers()
     if weights.is_quantized:
         quantize_linears(model, weights, dtype)
+    return _ready(model, device, dtype)
+
+
+def restore_quantized_model(
+    hf_config: Any,
+    state: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    weights: WeightFormat,
+) -> CausalLM:
+    """The model `load_model_weights` built, from its `quantized_state` (consumed): no float
+    weights read, nothing quantized again."""
+    model = _on_meta(hf_config, max_positions, dtype)
+    restore_linears(model, state, weights)
+    tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    state.clear()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"quantized state does not fit: {missing}, {unexpected}")
+    relink_dense_biases(model)
+    model.init_buffers()
+    return _ready(model, torch.device("cpu"), dtype)
+
+
+def pack_model(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """On CPU, pack the dense linear weights for oneDNN (see `PackedLinear`)."""
+    if can_pack_linears(device, dtype):
+        assert isinstance(model, torch.nn.Module)
+        pack_linears(model)
+
+
+def _on_meta(hf_config: Any, max_positions: int, dtype: torch.dtype) -> Any:
+    cls = MODEL_CLASSES[hf_config.model_type]
+    with torch.device("meta"):
+        return cls(hf_config, max_positions, dtype)
+
+
+def _ready(model: Any, device: torch.device, dtype: torch.dtype) -> CausalLM:
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    if can_pack_linears(device, dtype):
-        pack_linears(model)
-    return model
+    result: CausalLM = model
+    return result

@@ -1,4 +1,4 @@
-"""engine.model_setup: the default KV pool size."""
+"""engine.model_setup: the default KV pool size; the quantized-weights cache."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import EngineConfig, model_setup
 from engine.model_setup import load_model
+from engine.quantization import QuantizedLinear
 
 
 def _config(model: Path, **overrides: object) -> EngineConfig:
@@ -48,3 +50,59 @@ def test_explicit_sizes_win(tiny_llama_path: Path) -> None:
     probe = load_model(_config(tiny_llama_path, num_kv_blocks=16)).pool.spec.bytes_per_block
     memory = load_model(_config(tiny_llama_path, kv_cache_memory=20 * probe + 1))
     assert memory.pool.num_blocks == 20
+
+
+def test_quantized_weights_are_cached_and_restored_exactly(
+    tiny_llama_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first start quantizes and writes the cache; the second reads it (no float weights)
+    and computes the same thing; a damaged cache file is ignored and written again."""
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    config = _config(tiny_llama_path, quantization="int4", enable_compile=False)
+    first = load_model(config)
+    [cached] = (tmp_path / "quantized").glob("*.safetensors")
+    monkeypatch.setattr(model_setup, "load_state_dict", _never)
+    second = load_model(config)
+    assert _weights(second.model) == _weights(first.model)
+    assert len(_quantized(second.model)) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down), head
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for a, b in zip(_quantized(first.model), _quantized(second.model), strict=True):
+            for rows in (1, 17):  # the int4 kernel, the dense copy
+                x = torch.randn(rows, a.dense.in_features, generator=gen)
+                assert torch.equal(a(x), b(x))
+    cached.write_bytes(cached.read_bytes()[:100])  # truncated
+    monkeypatch.undo()
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        third = load_model(config)
+    assert "ignoring the quantized cache" in caplog.text
+    assert _weights(third.model) == _weights(first.model)
+    assert cached.stat().st_size > 100  # written again
+
+
+def _never(path: Path) -> dict[str, torch.Tensor]:
+    raise AssertionError(f"the float weights of {path} were read")
+
+
+def _quantized(model: object) -> list[QuantizedLinear]:
+    assert isinstance(model, torch.nn.Module)
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def _weights(model: object) -> list[tuple[str, bytes]]:
+    """Every plane's bytes and every parameter's, by name: equal means the same model."""
+    assert isinstance(model, torch.nn.Module)
+    planes = [
+        (f"{i}.{j}", bytes(p.packed.numpy()) + bytes(p.scales_zeros.view(torch.uint8).numpy()))
+        for i, m in enumerate(_quantized(model))
+        for j, p in enumerate(m.planes)
+    ]
+    params = [
+        (n, bytes(t.detach().contiguous().view(torch.uint8).numpy()))
+        for n, t in model.state_dict().items()
+    ]
+    return planes + params
