@@ -46,20 +46,6 @@ MODEL_CLASSES: dict[str, type[Any]] = {
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)
 
 
-def build_model(
-    hf_config: Any,
-    state_dict: dict[str, torch.Tensor],
-    max_positions: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    weights: WeightFormat,
-) -> CausalLM:
-    """`load_model_weights`, then `pack_model` for `device`: the model ready to serve."""
-    model = load_model_weights(hf_config, state_dict, max_positions, dtype, device, weights)
-    pack_model(model, device, dtype)
-    return model
-
-
 def load_model_weights(
     hf_config: Any,
     state_dict: dict[str, torch.Tensor],
@@ -70,7 +56,7 @@ def load_model_weights(
 ) -> CausalLM:
     """Instantiate the model for `hf_config.model_type`, load weights (consuming
     `state_dict`), quantize them as `weights` says (from the float weights, before any cast),
-    cast, move, eval.
+    cast, move, eval. `pack_model` then readies it to serve on its device.
 
     Built on the meta device so no time goes into a random init that the weights overwrite.
     """

@@ -25,7 +25,7 @@ from transformers import (
 from engine.kernels import load_cpu_kernels
 from engine.kv_cache import BlockPool, KVCacheSpec, num_blocks_for
 from engine.loader import default_cache_dir
-from engine.models import build_model
+from engine.models import CausalLM, load_model_weights, pack_model
 from engine.quantization import QuantizedLinear, WeightFormat, quantize_planes
 from engine.runner import ModelRunner, batch_order
 from engine.sampling_params import SamplingParams
@@ -93,6 +93,20 @@ ARCHITECTURES = {
 }
 
 
+def build_model(
+    hf_config: Any,
+    state: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    weights: WeightFormat,
+) -> CausalLM:
+    """The model as model_setup builds it from float weights, packed for the CPU."""
+    cpu = torch.device("cpu")
+    model = load_model_weights(hf_config, state, max_positions, dtype, cpu, weights)
+    pack_model(model, cpu, dtype)
+    return model
+
+
 class PagedHarness:
     """Our model over a small pool, fed chunk by chunk; records the logits of every position."""
 
@@ -105,9 +119,7 @@ class PagedHarness:
         use_decode_kernel: bool = False,
     ) -> None:
         state = {k: v.clone() for k, v in hf_model.state_dict().items()}  # build_model takes them
-        self.model = build_model(
-            hf_model.config, state, 256, dtype, torch.device("cpu"), weights or WeightFormat()
-        )
+        self.model = build_model(hf_model.config, state, 256, dtype, weights or WeightFormat())
         layers = self.model.attention_layers()
         spec = KVCacheSpec(
             len(layers), self.model.num_kv_heads, self.model.head_dim, BLOCK_SIZE, dtype
@@ -190,7 +202,7 @@ def test_weights_that_do_not_fit_are_rejected() -> None:
     state = hf.state_dict()
     del state["model.norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
-        build_model(hf.config, state, 64, torch.float32, torch.device("cpu"), WeightFormat())
+        build_model(hf.config, state, 64, torch.float32, WeightFormat())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
