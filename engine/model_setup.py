@@ -213,7 +213,7 @@ def weight_format(config: EngineConfig, source: ModelSource) -> WeightFormat:
             raise ModelLoadError(f"--quantization {choice} runs on CPU only")
         return WeightFormat()
     if choice == "auto":
-        return shipped_weight_format(source.gguf_path) if source.gguf_path else WeightFormat()
+        return shipped_weight_format(source)
     if choice == "none":
         return WeightFormat()
     return WeightFormat(layers=choice, head="int8")

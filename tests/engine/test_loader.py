@@ -21,7 +21,9 @@ from engine.loader import (
     load_state_dict,
     load_tokenizer,
     resolve_model,
+    shipped_weight_format,
 )
+from engine.quantization import WeightFormat
 
 
 def _hf_parameters(path: Path) -> dict[str, torch.Tensor]:
@@ -331,3 +333,14 @@ def test_default_model_tokenizer_matches_the_gguf(smollm2_source: ModelSource) -
         kwargs = {"add_generation_prompt": True, "tokenize": tokenize, "return_dict": False}
         rendered = tokenizer.apply_chat_template(messages, **kwargs)
         assert rendered == original.apply_chat_template(messages, **kwargs)
+
+
+@pytest.mark.e2e
+def test_the_shipped_weight_format_is_read_once_per_conversion(tmp_path: Path) -> None:
+    """The embedded GGUF ships Q4_1 layers and a Q8_0 head; the answer is recorded in the
+    conversion folder, so later starts do not parse the GGUF again (2.9 s)."""
+    gguf = ModelSource(name="m", path=tmp_path, gguf_path=loader._default_gguf_path())
+    assert shipped_weight_format(gguf) == WeightFormat(layers="int4", head="int8")
+    gone = ModelSource(name="m", path=tmp_path, gguf_path=tmp_path / "moved-away.gguf")
+    assert shipped_weight_format(gone) == WeightFormat(layers="int4", head="int8")
+    assert shipped_weight_format(ModelSource(name="hf", path=tmp_path)) == WeightFormat()
