@@ -134,7 +134,7 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     Accepts `*.safetensors` and `pytorch_model*.bin`, single files or shards listed in an
     index json. Pickled `.bin` files load with `weights_only=True`, so they cannot run code.
     """
-    files = _weight_files(path)
+    files = weight_files(path)
     state_dict: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
         state_dict.update(_load_weight_file(file))
@@ -147,7 +147,7 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 def _resolve_folder(path: Path) -> ModelSource:
     config_path = path / "config.json"
     _check_model_type(_read_model_type(config_path), config_path)
-    _weight_files(path)
+    weight_files(path)
     return ModelSource(name=path.name, path=path)
 
 
@@ -172,7 +172,8 @@ def _check_model_type(model_type: str, where: Path) -> None:
         )
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of an HF folder, shards listed by their index in order."""
     for index_name, pattern in _WEIGHT_LAYOUTS:
         index_path = path / index_name
         if index_path.is_file():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import json
 import logging
 import os
 import time
@@ -14,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from engine import quantized_cache
 from engine.config import EngineConfig, GiB
 from engine.cpu import cpu_features
 from engine.errors import ModelLoadError
@@ -31,7 +29,7 @@ from engine.loader import (
     shipped_weight_format,
 )
 from engine.models import CausalLM, load_model_weights, pack_model, restore_quantized_model
-from engine.quantization import WeightFormat, quantized_state
+from engine.quantization import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_SHARE = 0.1  # of total RAM, capped at DEFAULT_CPU_KV_CAP
 DEFAULT_CPU_KV_CAP = 2 * GiB
 DEFAULT_CUDA_KV_SHARE = 0.85  # of free device memory after the weights
-_QUANTIZED_CACHE_VERSION = 1  # bump when quantized_state's layout changes
 
 
 @dataclass
@@ -123,76 +120,18 @@ def _quantized_model(
     Why the cache: quantizing reads the whole float32 model first (the embedded one: 540 MB,
     a 1.65 GB peak RSS) and takes seconds; the cached planes and dense copies load at the
     size they serve at."""
-    path = _quantized_cache_file(source, weights, dtype)
+    path = quantized_cache.cache_file(source, weights, dtype)
     if path.is_file():
         try:
-            state = _read_safetensors(path)
+            state = quantized_cache.read(path)
             return restore_quantized_model(hf_config, state, max_model_len, dtype, weights)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             logger.warning("ignoring the quantized cache %s: %s", path, exc)
     model = load_model_weights(
         hf_config, load_state_dict(source.path), max_model_len, dtype, torch.device("cpu"), weights
     )
-    _save_quantized(model, path)
+    quantized_cache.write(model, path)
     return model
-
-
-_SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "U8": torch.uint8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file read into process memory with plain reads. safetensors' own loaders
-    memory-map the file, and a mapped file stays resident (and counted in RSS) while any of
-    its tensors lives: the quantized cache's dense copies, replaced by packing, kept ~270 MB
-    of it mapped."""
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header: dict[str, Any] = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        base = 8 + header_len
-        state = {}
-        for name, entry in header.items():
-            start, end = entry["data_offsets"]
-            tensor = torch.empty(end - start, dtype=torch.uint8)
-            f.seek(base + start)
-            if f.readinto(tensor.numpy()) != end - start:  # type: ignore[arg-type]
-                raise ValueError(f"{path} is truncated at {name}")
-            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-            state[name] = tensor.view(dtype).reshape(entry["shape"])
-    return state
-
-
-def _quantized_cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
-    """Keyed by the weight files (name, size, mtime), the format, the dtype, torch's version
-    and the CPU capability (the kernel's packed layout is torch's to choose)."""
-    digest = hashlib.sha256(
-        f"v{_QUANTIZED_CACHE_VERSION}|{source.path}|{weights}|{dtype}|{torch.__version__}|"
-        f"{torch.backends.cpu.get_cpu_capability()}".encode()
-    )
-    for file in sorted(source.path.glob("*.safetensors")) + sorted(source.path.glob("*.bin")):
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    name = f"{source.path.name}-{digest.hexdigest()[:16]}.safetensors"
-    return default_cache_dir() / "quantized" / name
-
-
-def _save_quantized(model: CausalLM, path: Path) -> None:
-    assert isinstance(model, torch.nn.Module)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(quantized_state(model), tmp)
-        os.replace(tmp, path)
-        logger.info("cached the quantized weights at %s", path)
-    except (OSError, RuntimeError) as exc:
-        logger.warning("could not cache the quantized weights at %s: %s", path, exc)
 
 
 def _return_freed_memory() -> None:
