@@ -53,19 +53,26 @@ def string_as_parts(text_type: str) -> Callable[[Any], Any]:
     """A before-validator for message content: a string becomes one text part of type
     `text_type`, a list passes on to be validated as parts, anything else is refused naming
     the field (not a union branch)."""
+    return string_or_array(lambda text: {"type": text_type, "text": text}, "content parts")
 
-    def as_parts(value: Any) -> Any:
+
+def string_or_array(wrap: Callable[[str], Any], items: str) -> Callable[[Any], Any]:
+    """A before-validator for a field that takes a string or an array of `items`: a string
+    becomes the one-element array `[wrap(string)]`, a list passes on, anything else is
+    refused naming the field."""
+
+    def as_array(value: Any) -> Any:
         if isinstance(value, str):
-            return [{"type": text_type, "text": value}]
+            return [wrap(value)]
         if not isinstance(value, list):
             raise PydanticCustomError(
                 "invalid_type",
-                "expected a string or an array of content parts, but got {got} instead",
+                f"expected a string or an array of {items}, but got {{got}} instead",
                 {"got": json_type_name(value)},
             )
         return value
 
-    return as_parts
+    return as_array
 
 
 def random_id(prefix: str) -> str:

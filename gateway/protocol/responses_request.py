@@ -27,8 +27,8 @@ from gateway.protocol.common import (
     MAX_TOOLS,
     GenerationBase,
     RequestModel,
-    json_type_name,
     string_as_parts,
+    string_or_array,
 )
 from gateway.protocol.structured import FORMAT_NAME
 from gateway.protocol.tools import FUNCTION_NAME, check_choice_among_tools, parse_tool_choice
@@ -181,16 +181,10 @@ class InputItem(TypedObject):
         return "".join(part.plain or "" for part in parts or ())
 
 
-def _input(value: Any) -> Any:
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise PydanticCustomError(
-            "invalid_type",
-            "expected a string or an array of input items, but got {got} instead",
-            {"got": json_type_name(value)},
-        )
-    return value
+# A string input is one user message.
+_input = string_or_array(
+    lambda text: {"type": "message", "role": "user", "content": text}, "input items"
+)
 
 
 # -- tools, text format ------------------------------------------------------------------------
