@@ -63,7 +63,7 @@ class ForwardBatch:
     decode_groups: list[DecodeGroup]  # every decode row in exactly one group
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
     # decode attention through `torch.ops.prefixgate.paged_decode_attention` (engine.kernels)
-    use_decode_kernel: bool = False
+    use_cpu_kernels: bool = False
 
     @property
     def decode_only(self) -> bool:
@@ -95,6 +95,20 @@ def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype) ->
     return zeros.masked_fill_(~valid, float("-inf"))
 
 
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] long
+) -> None:
+    """Write the step's new K/V rows into the pool at their slots, before attention reads
+    them. (Llama's C++ path does this inside its RoPE kernel.)"""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -104,9 +118,11 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of the step's queries; their K/V rows are already in the pool (`store_kv`)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    if not batch.prefills and len(batch.decode_groups) == 1:  # every row in one group
+        group = batch.decode_groups[0]
+        return _group_attention(q, k_cache, v_cache, group, scale, batch.use_cpu_kernels)
     out = torch.empty_like(q)
     for span in batch.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)
@@ -124,7 +140,7 @@ def paged_attention(
             # one group (the common case) needs no row shuffling
             group_rows = slice(None) if len(batch.decode_groups) == 1 else group.rows
             decode_out[group_rows] = _group_attention(
-                decode_q[group_rows], k_cache, v_cache, group, scale, batch.use_decode_kernel
+                decode_q[group_rows], k_cache, v_cache, group, scale, batch.use_cpu_kernels
             )
     return out
 

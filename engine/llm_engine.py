@@ -74,7 +74,7 @@ class LLMEngine:
             self.registry if config.enable_prefix_cache else None,
         )
         self.runner = ModelRunner(
-            loaded.model, self.pool, config.torch_device, loaded.has_decode_kernel
+            loaded.model, self.pool, config.torch_device, loaded.has_cpu_kernels
         )
         self._requests: dict[str, _RequestState] = {}
         self._arrivals = itertools.count()

@@ -51,7 +51,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     vocab_size: int
     # decode attention runs in engine/kernels/paged_attention.cpp (compiled for this CPU)
-    has_decode_kernel: bool = False
+    has_cpu_kernels: bool = False
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -91,7 +91,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         time.perf_counter() - start,
     )
     pool = _make_pool(config, model, max_model_len)
-    has_decode_kernel = (
+    has_cpu_kernels = (
         config.enable_compile
         and config.torch_device.type == "cpu"
         and load_cpu_kernels(default_cache_dir())
@@ -104,7 +104,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
         vocab_size=int(hf_config.vocab_size),
-        has_decode_kernel=has_decode_kernel,
+        has_cpu_kernels=has_cpu_kernels,
     )
 
 

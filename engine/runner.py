@@ -34,12 +34,12 @@ class ModelRunner:
     """Owns the model and binds the pool's per-layer K/V tensors to its attention layers."""
 
     def __init__(
-        self, model: CausalLM, pool: BlockPool, device: torch.device, use_decode_kernel: bool
+        self, model: CausalLM, pool: BlockPool, device: torch.device, use_cpu_kernels: bool
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
-        self.use_decode_kernel = use_decode_kernel
+        self.use_cpu_kernels = use_cpu_kernels
         self.sampler = Sampler()
         self.masker: GrammarMasker | None = None  # made when a constrained row first comes
         self.num_forward_calls = 0
@@ -157,7 +157,7 @@ class ModelRunner:
             num_prefill_tokens=num_prefill_tokens,
             decode_groups=self._decode_groups([d.seq for d in decodes]),
             logits_indices=self._tensor(logits_indices),
-            use_decode_kernel=self.use_decode_kernel,
+            use_cpu_kernels=self.use_cpu_kernels,
         )
 
     def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
@@ -197,7 +197,7 @@ class ModelRunner:
         padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
         context_lens = self._tensor(lens)
         mask = None
-        if not self.use_decode_kernel:
+        if not self.use_cpu_kernels:
             mask = decode_mask(context_lens, max_blocks * block_size, self.pool.spec.dtype)
         return DecodeGroup(
             rows=self._tensor(rows),

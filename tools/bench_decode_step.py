@@ -95,7 +95,7 @@ def decode_step(config: str, context: int, steps: int) -> dict[str, Any]:
     return {
         "config": config,
         "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
-        "decode_kernel": engine.runner.use_decode_kernel,
+        "decode_kernel": engine.runner.use_cpu_kernels,
         "context": context,
         "step_p50_ms": 1000 * statistics.median(times),
         "step_min_ms": 1000 * min(times),

@@ -17,7 +17,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")

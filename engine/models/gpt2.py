@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import ForwardBatch, paged_attention
+from engine.attention import ForwardBatch, paged_attention, store_kv
 from engine.models.layers import load_exact
 from engine.quantization import project
 
@@ -28,6 +28,7 @@ class GPT2Attention(nn.Module):
         n, hidden = x.shape
         qkv = project(self.c_attn, x, batch.decode_only)
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         return project(self.c_proj, o.reshape(n, hidden), batch.decode_only)
 

@@ -5,22 +5,49 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine.attention import ForwardBatch, store_kv
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in float32 and cast back exactly as transformers does."""
+    """Llama RMSNorm, computed in float32 and cast back exactly as transformers does.
+
+    `use_kernel` takes the C++ op (engine/kernels/layer_ops.cpp): one call where torch makes
+    four, and a batch-1 step runs 61 norms."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused kernel: one op where pow-mean-add-rsqrt-mul were five per norm, and a
-        # batch-1 decode step runs 61 norms.
+    def forward(self, x: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
+        if use_kernel:
+            out: torch.Tensor = torch.ops.prefixgate.rms_norm(x, self.weight, self.eps)
+            return out
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, use_kernel: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a sublayer's residual add fused into the norm
+        that reads its sum, as vLLM does."""
+        if use_kernel:
+            normed, total = torch.ops.prefixgate.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed, total
+        total = residual + x
+        return self.forward(total), total
+
+
+def silu_and_mul(gate_up: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up` of a fused [rows, 2 * intermediate] projection."""
+    if use_kernel:
+        out: torch.Tensor = torch.ops.prefixgate.silu_and_mul(gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class PackedLinear(nn.Module):
@@ -94,6 +121,30 @@ class RotaryEmbedding(nn.Module):
         """cos and sin rows of `positions`, [num_tokens, 1, rot_dim]: looked up once per
         forward and shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def rope_and_store(
+    qkv: torch.Tensor,  # [num_tokens, num_heads + 2 * num_kv_heads, head_dim], fresh
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a fused projection, q and k rotated, k and v stored into the paged cache.
+    The C++ op does both in one pass over the row (rotating in place); torch takes ~10 ops."""
+    num_qk_heads = num_heads + k_cache.shape[2]
+    v = qkv[:, num_qk_heads:]
+    if batch.use_cpu_kernels:
+        cos, sin = rope
+        torch.ops.prefixgate.rope_and_cache(
+            qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, num_heads
+        )
+        qk = qkv[:, :num_qk_heads]
+    else:
+        qk = rotate(qkv[:, :num_qk_heads], rope)
+        store_kv(qk[:, num_heads:], v, k_cache, v_cache, batch.slot_mapping)
+    return qk[:, :num_heads], qk[:, num_heads:], v
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -10,11 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardBatch, paged_attention
-from engine.models.layers import RMSNorm, RotaryEmbedding, load_exact, rotate, stack_weights
+from engine.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    load_exact,
+    rope_and_store,
+    silu_and_mul,
+    stack_weights,
+)
 from engine.quantization import project
 
 
@@ -37,10 +43,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = project(self.qkv_proj, x, batch.decode_only).view(n, -1, self.head_dim)
-        # qkv: [n, heads + 2 * kv_heads, head_dim]
-        qk = rotate(qkv[:, : self.num_heads + self.num_kv_heads], rope)
-        q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]  # [n, kv_heads, head_dim]
+        q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         return project(self.o_proj, o.reshape(n, self.q_size), batch.decode_only)
 
@@ -48,14 +51,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x, batch.decode_only)
-        gate, up = torch.split(gate_up, self.intermediate_size, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up, batch.decode_only)
+        act = silu_and_mul(gate_up, batch.use_cpu_kernels)
+        return project(self.down_proj, act, batch.decode_only)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,10 +69,24 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it). `x` is the previous
+        layer's MLP output, not yet added to `residual` (None: x is the embedding): each add
+        happens inside the norm that reads it."""
+        kernels = batch.use_cpu_kernels
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, kernels)
+        else:
+            h, residual = self.input_layernorm.add(x, residual, kernels)
+        h, residual = self.post_attention_layernorm.add(
+            self.self_attn(h, batch, rope), residual, kernels
+        )
+        return self.mlp(h, batch), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -105,9 +121,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch, rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, rope)
+        assert residual is not None
+        return self.norm.add(x, residual, batch.use_cpu_kernels)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab]
         return self.lm_head(hidden)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
 LOGPROB_TOLERANCE = 0.25
-NEAR_TIE = 0.2  # nats between the float path's top two tokens
+NEAR_TIE = 0.3  # nats between the float path's top two tokens
 
 
 def _engine(**overrides: Any) -> LLMEngine:
@@ -73,7 +73,7 @@ def test_compiled_decode_kernel_gives_the_torch_paths_tokens() -> None:
     float32 rounding differences into bf16 ones, and flip the near-ties above."""
     compiled = _engine(dtype="float32", quantization="none")
     eager = _engine(dtype="float32", quantization="none", enable_compile=False)
-    assert compiled.runner.use_decode_kernel and not eager.runner.use_decode_kernel
+    assert compiled.runner.use_cpu_kernels and not eager.runner.use_cpu_kernels
     prompts = question_prompts(compiled.tokenizer)
     tokens = [[lp.token_id for lp in lps] for lps in _run(compiled, prompts)]
     assert tokens == [[lp.token_id for lp in lps] for lps in _run(eager, prompts)]

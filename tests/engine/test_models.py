@@ -116,7 +116,7 @@ class PagedHarness:
         dtype: torch.dtype = torch.float32,
         *,
         weights: WeightFormat | None = None,
-        use_decode_kernel: bool = False,
+        use_cpu_kernels: bool = False,
     ) -> None:
         state = {k: v.clone() for k, v in hf_model.state_dict().items()}  # build_model takes them
         self.model = build_model(hf_model.config, state, 256, dtype, weights or WeightFormat())
@@ -125,7 +125,7 @@ class PagedHarness:
             len(layers), self.model.num_kv_heads, self.model.head_dim, BLOCK_SIZE, dtype
         )
         self.pool = BlockPool(spec, 128, torch.device("cpu"))
-        self.runner = ModelRunner(self.model, self.pool, torch.device("cpu"), use_decode_kernel)
+        self.runner = ModelRunner(self.model, self.pool, torch.device("cpu"), use_cpu_kernels)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def add(self, request_id: str, token_ids: list[int]) -> Sequence:
@@ -155,16 +155,16 @@ def _reference_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("use_decode_kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("use_cpu_kernels", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_paged_forward_matches_transformers_in_mixed_batches(
-    arch: str, use_decode_kernel: bool
+    arch: str, use_cpu_kernels: bool
 ) -> None:
-    if use_decode_kernel:
+    if use_cpu_kernels:
         assert load_cpu_kernels(default_cache_dir())
     torch.manual_seed(0)
     hf = ARCHITECTURES[arch]().eval()
-    harness = PagedHarness(hf, use_decode_kernel=use_decode_kernel)
+    harness = PagedHarness(hf, use_cpu_kernels=use_cpu_kernels)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (7, 13, 1, 21)]
     seqs = [harness.add(str(i), p) for i, p in enumerate(prompts)]
