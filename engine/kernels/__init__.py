@@ -1,8 +1,10 @@
 """C++ CPU kernels, compiled at run time once per machine and cached on disk.
 
-Built with `-march=native` for the CPU at hand (AVX-512 or AVX2 alike), so the cache key
-holds the source, torch's version and the CPU's flags. Where no compiler works the engine
-keeps its pure-torch paths and says so in the log.
+Built for the instruction set torch itself runs with (`torch.backends.cpu.get_cpu_capability()`):
+`-march=native` on an AVX-512 CPU, AVX2 code where torch runs AVX2 (an AVX2-only CPU, or
+`ATEN_CPU_CAPABILITY=avx2`, which is how the AVX2 path is tested on an AVX-512 machine). The
+cache key holds the sources, torch's version, the flags and the CPU's. Where no compiler works
+the engine keeps its pure-torch paths and says so in the log.
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+# torch's CPU capability -> the target: x86-64-v3 is AVX2 + FMA + F16C, what every AVX2 CPU has
+MARCH = {"AVX512": "-march=native", "AVX2": "-march=x86-64-v3"}
+
+
+def compile_flags() -> list[str]:
+    march = MARCH.get(torch.backends.cpu.get_cpu_capability())
+    return [*CFLAGS, *([march] if march else [])]
 
 
 def kernel_cache_key() -> str:
     digest = hashlib.sha256(torch.__version__.encode())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(compile_flags()).encode())
     digest.update(_cpu_flags().encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
@@ -49,7 +58,7 @@ def load_cpu_kernels(cache_dir: Path) -> bool:
         load(
             name=f"prefixgate_kernels_{key}",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=compile_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
@@ -58,7 +67,9 @@ def load_cpu_kernels(cache_dir: Path) -> bool:
     except (OSError, RuntimeError, ImportError) as exc:
         logger.warning("CPU kernels unavailable, using the torch paths: %s", exc)
         return False
-    logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    logger.info(
+        "CPU kernels ready (%s) in %.1f s", " ".join(compile_flags()), time.perf_counter() - started
+    )
     return True
 
 
