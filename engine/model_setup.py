@@ -94,6 +94,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     has_cpu_kernels = (
         config.enable_compile
         and config.torch_device.type == "cpu"
+        and model.head_dim % 8 == 0  # the decode kernel's vector width
         and load_cpu_kernels(default_cache_dir())
     )
     return LoadedModel(

@@ -1,10 +1,11 @@
 // Decode attention over the paged KV cache, read in place through each sequence's block
 // table: no gather of the context into a contiguous copy (which cost as much as the attention
-// itself), one pass over K and one over V per (sequence, KV head), every query head of the
-// GQA group served by the same read. float32 accumulation, bf16 or float32 storage.
+// itself), one pass over K and one over V per chunk of a sequence, every query head of a GQA
+// group served by the same read. float32 accumulation, bf16 or float32 storage; head_dim a
+// multiple of 8.
 //
-// Registered as torch.ops.prefixgate.paged_decode_attention; parallel over (sequence, KV
-// head) on torch's own thread pool. Compiled at run time by engine/kernels/__init__.py.
+// Registered as torch.ops.prefixgate.paged_decode_attention; parallel over (sequence, chunk
+// of 128 tokens) on torch's own thread pool. Compiled at run time by engine/kernels/__init__.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +33,41 @@ inline void load_row(const float* __restrict src, float* __restrict dst, int64_t
   std::copy(src, src + n, dst);
 }
 
+// A row as float32: float32 storage is read in place, bf16 converted into `buffer`.
+inline const float* float_row(const float* src, float*, int64_t) { return src; }
+
+inline const float* float_row(const c10::BFloat16* src, float* buffer, int64_t n) {
+  load_row(src, buffer, n);
+  return buffer;
+}
+
+// Eight floats: one AVX2 register, half an AVX-512 one (GCC/clang vector types, so the same
+// source compiles to either under -march).
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f4 __attribute__((vector_size(16)));
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// a . b for n a multiple of 8, summed as a tree: a plain reduction loop adds the lanes one
+// after another (the compiler may not reorder float sums), a 16-add dependency chain per
+// key that was most of the kernel's time.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  f8 even{}, odd{};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    even += load8(a + d) * load8(b + d);
+    odd += load8(a + d + 8) * load8(b + d + 8);
+  }
+  if (d < n) even += load8(a + d) * load8(b + d);
+  const f8 s8 = even + odd;
+  const f4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
 // exp(x) for x <= 0 as 2^k * 2^f (f in [-0.5, 0.5], degree-6 polynomial, relative error
 // ~2e-7): glibc's expf is scalar here and was most of the kernel's time.
 inline float fast_exp(float x) {
@@ -55,8 +91,8 @@ inline float fast_exp(float x) {
 
 // Tokens of one work item: a sequence's context is cut into chunks attended separately and
 // merged by their log-sum-exp (split-K, "flash decoding"), so one long sequence keeps every
-// thread busy. A multiple of any block size up to 256.
-constexpr int64_t kChunkTokens = 256;
+// thread busy. A multiple of any block size up to 128.
+constexpr int64_t kChunkTokens = 128;
 
 // HEAD_DIM > 0 fixes the row length at compile time (fully unrolled, vectorized loops);
 // 0 reads it at run time.
@@ -81,49 +117,50 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   int64_t max_len = 0;
   for (int64_t i = 0; i < num_seqs; ++i) max_len = std::max(max_len, lens[i]);
   const int64_t num_chunks = (max_len + chunk - 1) / chunk;
-  const int64_t num_items = num_seqs * num_kv_heads * num_chunks;
+  // An item is one chunk of one sequence, all its KV heads: the chunk's token rows (every KV
+  // head side by side) are then read front to back, one sequential stream per pass, which the
+  // hardware prefetcher follows; an item per KV head read a third of each row and stalled.
+  const int64_t num_items = num_seqs * num_chunks;
   // Per item and query head: the unnormalized output, then the running max and sum.
-  std::vector<float> part_acc(num_items * group * head_dim);
-  std::vector<float> part_max(num_items * group), part_sum(num_items * group);
+  std::vector<float> part_acc(num_items * num_heads * head_dim);
+  std::vector<float> part_max(num_items * num_heads), part_sum(num_items * num_heads);
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), row(head_dim), probs(group * chunk);
+    std::vector<float> qf(num_heads * head_dim), row(head_dim), probs(num_heads * chunk);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / (num_kv_heads * num_chunks);
-      const int64_t kv_head = item / num_chunks % num_kv_heads;
+      const int64_t seq = item / num_chunks;
       const int64_t start = item % num_chunks * chunk;
       const int64_t len = std::min(chunk, lens[seq] - start);
-      float* acc = part_acc.data() + item * group * head_dim;
-      std::fill(acc, acc + group * head_dim, 0.f);
+      float* acc = part_acc.data() + item * num_heads * head_dim;
+      std::fill(acc, acc + num_heads * head_dim, 0.f);
       if (len <= 0) {  // past this sequence's end: an empty part
-        std::fill(part_max.begin() + item * group, part_max.begin() + (item + 1) * group,
+        std::fill(part_max.begin() + item * num_heads, part_max.begin() + (item + 1) * num_heads,
                   -std::numeric_limits<float>::infinity());
-        std::fill(part_sum.begin() + item * group, part_sum.begin() + (item + 1) * group, 0.f);
+        std::fill(part_sum.begin() + item * num_heads, part_sum.begin() + (item + 1) * num_heads,
+                  0.f);
         continue;
       }
       const int64_t* table = tables + seq * max_blocks + start / block_size;
-      const int64_t first_head = kv_head * group, kv_off = kv_head * head_dim;
-      load_row(q_ptr + (seq * num_heads + first_head) * head_dim, qf.data(), group * head_dim);
+      load_row(q_ptr + seq * num_heads * head_dim, qf.data(), num_heads * head_dim);
       for (float& x : qf) x *= fscale;
-      // Pass 1: every key's score, for every query head of the group. Walked block by block:
-      // a division per token cost more than the arithmetic.
+      // Pass 1: every key's score, for every query head. Walked block by block: a division
+      // per token cost more than the arithmetic.
       for (int64_t b = 0, t = 0; t < len; ++b) {
-        const T* block = k_ptr + table[b] * block_stride + kv_off;
+        const T* block = k_ptr + table[b] * block_stride;
         for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
-          load_row(block + i * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* __restrict qg = qf.data() + g * head_dim;
-            const float* __restrict r = row.data();
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * r[d];
-            probs[g * chunk + t] = s;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float* r = float_row(block + i * token_stride + h * head_dim, row.data(), head_dim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              const float* __restrict qg = qf.data() + head * head_dim;
+              probs[head * chunk + t] = dot(qg, r, head_dim);
+            }
           }
         }
       }
       // Softmax numerators per query head, with their max and sum for the merge.
-      for (int64_t g = 0; g < group; ++g) {
-        float* __restrict p = probs.data() + g * chunk;
+      for (int64_t head = 0; head < num_heads; ++head) {
+        float* __restrict p = probs.data() + head * chunk;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t]);
         float sum = 0.f;
@@ -132,20 +169,22 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           p[t] = fast_exp(p[t] - m);
           sum += p[t];
         }
-        part_max[item * group + g] = m;
-        part_sum[item * group + g] = sum;
+        part_max[item * num_heads + head] = m;
+        part_sum[item * num_heads + head] = sum;
       }
       // Pass 2: the numerator-weighted sum of the values.
       for (int64_t b = 0, t = 0; t < len; ++b) {
-        const T* block = v_ptr + table[b] * block_stride + kv_off;
+        const T* block = v_ptr + table[b] * block_stride;
         for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
-          load_row(block + i * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float w = probs[g * chunk + t];
-            float* __restrict a = acc + g * head_dim;
-            const float* __restrict r = row.data();
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const float* r = float_row(block + i * token_stride + h * head_dim, row.data(), head_dim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              const float w = probs[head * chunk + t];
+              float* __restrict a = acc + head * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += w * r[d];
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += w * r[d];
+            }
           }
         }
       }
@@ -157,19 +196,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> merged(head_dim);
     for (int64_t row_id = begin; row_id < end; ++row_id) {
       const int64_t seq = row_id / num_heads, head = row_id % num_heads;
-      const int64_t kv_head = head / group, g = head % group;
-      const int64_t first = (seq * num_kv_heads + kv_head) * num_chunks;
+      const int64_t first = seq * num_chunks;
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < num_chunks; ++c) m = std::max(m, part_max[(first + c) * group + g]);
+      for (int64_t c = 0; c < num_chunks; ++c)
+        m = std::max(m, part_max[(first + c) * num_heads + head]);
       float total = 0.f;
       std::fill(merged.begin(), merged.end(), 0.f);
       for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t item = first + c;
-        const float sum = part_sum[item * group + g];
+        const float sum = part_sum[item * num_heads + head];
         if (sum == 0.f) continue;
-        const float w = fast_exp(part_max[item * group + g] - m);
+        const float w = fast_exp(part_max[item * num_heads + head] - m);
         total += sum * w;
-        const float* a = part_acc.data() + (item * group + g) * head_dim;
+        const float* a = part_acc.data() + (item * num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
       }
       T* o = out_ptr + row_id * head_dim;
@@ -206,6 +245,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   TORCH_CHECK(k_cache.strides() == v_cache.strides());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  TORCH_CHECK(q.size(2) % 8 == 0, "head_dim must be a multiple of 8");
   const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(),
                    lens = context_lens.contiguous();
   at::Tensor out = at::empty_like(qc);

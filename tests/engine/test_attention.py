@@ -121,7 +121,7 @@ def test_span_over_cached_context_is_causal_with_offset(dtype: torch.dtype) -> N
     ("block_size", "head_dim", "lens"),
     [
         (4, DIM, [1, 5, 23]),  # head_dim read at run time
-        (16, 64, [1, 256, 257, 700]),  # compiled head_dim; split at 256-token chunks
+        (16, 64, [1, 256, 257, 700]),  # compiled head_dim; split at 128-token chunks
         (16, 128, [3, 512, 40]),
         (32, 64, [1000, 1, 65]),
     ],
