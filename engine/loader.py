@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engine import safetensors_io
 from engine.errors import ModelLoadError
 from engine.models import SUPPORTED_MODEL_TYPES
 from engine.quantization import WeightFormat
@@ -199,7 +200,7 @@ def _index_shards(index_path: Path) -> list[Path]:
 def _load_weight_file(file: Path) -> dict[str, torch.Tensor]:
     try:
         if file.suffix == ".safetensors":
-            return load_file(file, device="cpu")
+            return safetensors_io.read(file)  # not memory-mapped: see the module
         loaded: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
         return loaded
     except (OSError, RuntimeError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import time
@@ -28,6 +26,7 @@ from engine.loader import (
     resolve_model,
     shipped_weight_format,
 )
+from engine.memory import return_freed_memory
 from engine.models import CausalLM, load_model_weights, pack_model, restore_quantized_model
 from engine.quantization import WeightFormat
 
@@ -77,7 +76,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             weights,
         )
     pack_model(model, config.torch_device, dtype)
-    _return_freed_memory()
+    return_freed_memory()
     logger.info(
         "model %s (%s, %d layers) on %s [%s], compute %s%s, %s, loaded in %.1f s",
         source.name,
@@ -133,14 +132,6 @@ def _quantized_model(
     )
     quantized_cache.write(model, path)
     return model
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap pages freed after loading back to the OS. glibc keeps them mapped: the
-    float32 weights read from disk and the temporaries of quantizing and packing left a
-    server at 1.06 GB RSS with ~0.36 GB of it free heap."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: it trims by itself
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def weight_format(config: EngineConfig, source: ModelSource) -> WeightFormat:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.memory import return_freed_memory
+
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
@@ -43,6 +45,7 @@ ACTIVATION_DTYPE = torch.bfloat16
 #   AVX2   (fp32 dense):  M=1 9.6 vs 30.7, M=8 26.2 vs 40.8, M=16 49.2 vs 52.3, M=32 104 vs 79
 DENSE_ABOVE_ROWS = {"AVX512": 8, "AVX2": 16}
 DEFAULT_DENSE_ABOVE_ROWS = 16
+QUANTIZE_ROWS = 4096  # a multiple of the int4 packing's row tile (64)
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,36 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(groups / safe).clamp_(-127, 127), scale
 
 
-def quantize_planes(w: torch.Tensor, bits: int) -> tuple[list[Int4Plane], torch.Tensor]:
+def quantize_planes(
+    w: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[Int4Plane], torch.Tensor]:
     """`w` [N, K] (K a multiple of 32) as the 4-bit planes whose sum stands for it, and the
-    float32 weight they stand for (what the kernel multiplies by, bf16 scales included).
+    weight they stand for (what the kernel multiplies by, bf16 scales included) in `dtype`.
 
     Codes stay float32 until packing: torch's integer elementwise ops are several times
-    slower, and quantizing the 49152-row head took 1.5 s with them."""
+    slower, and quantizing the 49152-row head took 1.5 s with them. Rows go
+    `QUANTIZE_ROWS` at a time (the kernel packs rows in tiles that a chunk boundary does not
+    cut): whole, the head's temporaries were ~500 MB of the first start's peak."""
+    if w.shape[0] <= QUANTIZE_ROWS:
+        planes, weight = _quantize_rows(w, bits)
+        return planes, weight.to(dtype)
+    weight = torch.empty(w.shape, dtype=dtype)
+    parts = []
+    for start in range(0, w.shape[0], QUANTIZE_ROWS):
+        planes, rows = _quantize_rows(w[start : start + QUANTIZE_ROWS], bits)
+        weight[start : start + QUANTIZE_ROWS] = rows
+        parts.append(planes)
+    merged = [
+        Int4Plane(
+            torch.cat([p[i].packed for p in parts]),
+            torch.cat([p[i].scales_zeros for p in parts], dim=1),
+        )
+        for i in range(len(parts[0]))
+    ]
+    return merged, weight
+
+
+def _quantize_rows(w: torch.Tensor, bits: int) -> tuple[list[Int4Plane], torch.Tensor]:
     if bits == 4:
         codes, scale, low = quantize_int4(w)
         return _planes([(codes, scale, low + 8 * scale)])
@@ -156,13 +183,17 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
     Returns how many."""
     max_rows = dense_above_rows()
     targets = _quantizable(model, weights)
-    for _full, parent, name, child, kind in targets:
-        planes, weight = quantize_planes(child.weight.detach(), BITS[kind])
+    count = len(targets)
+    while targets:  # popped: a replaced linear's float weight is freed as soon as it is done
+        _full, parent, name, child, kind = targets.pop()
+        planes, weight = quantize_planes(child.weight.detach(), BITS[kind], dtype)
         dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-        dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        dense.weight = nn.Parameter(weight, requires_grad=False)
         dense.bias = child.bias
         setattr(parent, name, QuantizedLinear(planes, child.bias, dense, max_rows))
-    return len(targets)
+        del child, weight
+        return_freed_memory()  # else the freed float weight stays in the heap
+    return count
 
 
 def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The quantized weights of a model, cached on disk so that only the first start quantizes.
 
-Quantizing reads the whole float model first (the embedded one: 540 MB of float32, a 1.65 GB
-peak RSS) and takes seconds; the cached planes and dense copies (in the compute dtype) load
+Quantizing reads the whole float model first (the embedded one: 540 MB of float32) and takes
+seconds; the cached planes and dense copies (in the compute dtype) load
 at the size they serve at. A file is keyed by the model's weight files, the format, the dtype,
 torch's version and the CPU capability; a damaged one is the caller's to ignore.
 """
@@ -9,15 +9,13 @@ torch's version and the CPU capability; a damaged one is the caller's to ignore.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from engine import safetensors_io
 from engine.loader import ModelSource, default_cache_dir, weight_files
 from engine.models import CausalLM
 from engine.quantization import WeightFormat, quantized_state
@@ -27,36 +25,9 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 1  # bump when quantized_state's layout changes
 
 
-_SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "U8": torch.uint8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
-
-
 def read(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file read into process memory with plain reads. safetensors' own loaders
-    memory-map the file, and a mapped file stays resident (and counted in RSS) while any of
-    its tensors lives: the quantized cache's dense copies, replaced by packing, kept ~270 MB
-    of it mapped."""
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header: dict[str, Any] = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        base = 8 + header_len
-        state = {}
-        for name, entry in header.items():
-            start, end = entry["data_offsets"]
-            tensor = torch.empty(end - start, dtype=torch.uint8)
-            f.seek(base + start)
-            if f.readinto(tensor.numpy()) != end - start:  # type: ignore[arg-type]
-                raise ValueError(f"{path} is truncated at {name}")
-            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-            state[name] = tensor.view(dtype).reshape(entry["shape"])
-    return state
+    """A cached state, for `restore_quantized_model`; ValueError or OSError when damaged."""
+    return safetensors_io.read(path)
 
 
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
@@ -78,7 +49,7 @@ def write(model: CausalLM, path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(quantized_state(model), tmp)
+        safetensors_io.write(quantized_state(model), tmp)
         os.replace(tmp, path)
         logger.info("cached the quantized weights at %s", path)
     except (OSError, RuntimeError) as exc:

@@ -134,8 +134,9 @@ class LlamaForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a Hugging Face Llama state dict, fusing q/k/v and gate/up."""
-        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        """Load a Hugging Face Llama state dict (consumed: each unfused q/k/v or gate/up
+        tensor is freed once fused, not held to the end), fusing q/k/v and gate/up."""
+        sd = {k.removeprefix("model."): state_dict.pop(k) for k in list(state_dict)}
         if self.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         for i in range(len(self.layers)):

@@ -11,6 +11,7 @@ from torch import nn
 from engine.cpu import CpuFeatures, auto_dtype
 from engine.quantization import (
     GROUP_SIZE,
+    QUANTIZE_ROWS,
     QuantizedLinear,
     WeightFormat,
     quantize_int4,
@@ -64,6 +65,24 @@ def test_the_kernel_multiplies_by_the_weight_the_planes_stand_for(bits: int) -> 
     x = torch.randn(3, K, generator=gen)
     reference = x.bfloat16().double() @ dequantized.double().t()
     torch.testing.assert_close(layer(x).double(), reference, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tall_weight_quantized_in_row_chunks_equals_it_quantized_whole(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of QUANTIZE_ROWS (the head's 49152 rows go 4096 at a time, to keep the first
+    start's peak low) pack exactly as the whole weight would, a short last chunk included."""
+    weight = torch.randn(2 * 128 + 48, K, generator=torch.Generator().manual_seed(7)) * 0.05
+    whole_planes, whole = quantize_planes(weight, bits)
+    monkeypatch.setattr("engine.quantization.QUANTIZE_ROWS", 128)  # a multiple of the tile
+    planes, chunked = quantize_planes(weight, bits, torch.bfloat16)
+    assert QUANTIZE_ROWS % 64 == 0
+    assert chunked.dtype == torch.bfloat16 and torch.equal(chunked, whole.bfloat16())
+    assert len(planes) == len(whole_planes) == bits // 4
+    for got, want in zip(planes, whole_planes, strict=True):
+        assert torch.equal(got.packed, want.packed)
+        assert torch.equal(got.scales_zeros, want.scales_zeros)
 
 
 def test_rows_above_max_rows_take_the_dense_copy() -> None:

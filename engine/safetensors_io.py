@@ -1,0 +1,75 @@
+"""safetensors files read and written through process memory, tensor by tensor.
+
+Why not the safetensors package's own functions: its loaders memory-map the file, and a
+mapped file stays resident (counted in RSS) while any tensor points into it, so the float32
+weights of a model being quantized could not be freed linear by linear (a 1.64 GB first-start
+peak for the embedded model); its `save_file` first copies every tensor into a bytes object.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, each in memory of its own. Raises ValueError on a damaged or
+    unsupported file, OSError when it cannot be read."""
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        try:
+            header: dict[str, Any] = json.loads(f.read(header_len))
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a safetensors file ({exc})") from exc
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        state = {}
+        for name, entry in header.items():
+            if entry.get("dtype") not in DTYPES:
+                raise ValueError(f"{path}: {name} has unsupported dtype {entry.get('dtype')}")
+            start, end = entry["data_offsets"]
+            raw = torch.empty(end - start, dtype=torch.uint8)
+            f.seek(base + start)
+            if f.readinto(raw.numpy()) != end - start:  # type: ignore[arg-type]
+                raise ValueError(f"{path} is truncated at {name}")
+            state[name] = raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return state
+
+
+def write(state: dict[str, torch.Tensor], path: Path) -> None:
+    """The tensors (CPU, any layout) as one safetensors file, written from their own memory."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
+    with path.open("wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for tensor in state.values():
+            flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+            f.write(flat.numpy().data)
