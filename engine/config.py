@@ -79,8 +79,8 @@ class EngineConfig:
     )
     enable_compile: bool = option(
         True,
-        "build the C++ CPU kernels (paged decode attention) for this CPU on first start, cached "
-        "on disk; off (--no-compile): torch operations only, for debugging",
+        "build the C++ CPU kernels (paged decode attention, fused layer ops) for this CPU on "
+        "first start, cached on disk; off (--no-compile): torch operations only, for debugging",
     )
     prefix_file: str | None = option(
         None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
