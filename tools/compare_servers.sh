@@ -5,7 +5,9 @@
 #   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode"
 # SYSTEMS picks who runs (default "registry nocache llamacpp llamacpp-nocache transformers");
 # DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
-# suffixes prefixgate's result names (to keep two configurations apart).
+# suffixes prefixgate's result names (to keep two configurations apart); LLAMA_ISA picks the
+# llama.cpp build (native, or avx2: `tools/peers.py build llama-cpp --isa avx2`) and suffixes
+# its result names unless native.
 # Every server is started on 127.0.0.1 and stopped by PID; every load run is bounded.
 # The QPS sweep uses SWEEP for servers that reuse the prefix and SWEEP_SLOW for those that
 # cannot (each step sends QPS x 60 s requests, 10 to 40, and stops after 120 s).
@@ -60,12 +62,15 @@ if wants nocache; then
 fi
 
 if wants llamacpp || wants llamacpp-nocache; then
-  $PY tools/peers.py start llama-cpp --port 8081 --no-build
+  ISA=${LLAMA_ISA:-native}
+  SUFFIX=$([[ $ISA == native ]] || echo "-$ISA")
+  $PY tools/peers.py start llama-cpp --port 8081 --no-build --isa "$ISA"
   if wants llamacpp; then
-    bench llama.cpp-cache-on --base-url http://127.0.0.1:8081/v1 --extra-body '{"cache_prompt": true}'
+    bench "llama.cpp-cache-on$SUFFIX" --base-url http://127.0.0.1:8081/v1 \
+      --extra-body '{"cache_prompt": true}'
   fi
   if wants llamacpp-nocache; then
-    RATES=$SWEEP_SLOW bench llama.cpp-cache-off --base-url http://127.0.0.1:8081/v1 \
+    RATES=$SWEEP_SLOW bench "llama.cpp-cache-off$SUFFIX" --base-url http://127.0.0.1:8081/v1 \
       --extra-body '{"cache_prompt": false}'
   fi
   $PY tools/peers.py stop llama-cpp

@@ -1,6 +1,6 @@
 """Start and stop comparison servers ("peers") on 127.0.0.1 with prefixgate's default model.
 
-    python tools/peers.py build llama-cpp          # llama.cpp's llama-server from the PyPI sdist
+    python tools/peers.py build llama-cpp [--isa avx2]   # llama-server from the PyPI sdist
     python tools/peers.py build transformers       # /work/peers-venv with torch + transformers
     python tools/peers.py start llama-cpp --port 8081 [--no-build] [--no-cache-prompt]
     python tools/peers.py start transformers --port 8082 [--continuous-batching]
@@ -47,8 +47,6 @@ PEERS_VENV = Path(os.environ.get("PREFIXGATE_PEERS_VENV", "/work/peers-venv"))
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its vendor/llama.cpp is ggml 0.25.3
 LLAMA_SRC = PEERS_DIR / "llama.cpp-src"
-LLAMA_BUILD = PEERS_DIR / "llama.cpp-build"
-LLAMA_SERVER = LLAMA_BUILD / "bin" / "llama-server"
 LLAMA_CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DLLAMA_BUILD_SERVER=ON",
@@ -60,9 +58,19 @@ LLAMA_CMAKE_FLAGS = [
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",  # no HTTPS downloads (this option replaced LLAMA_CURL)
-    "-DGGML_NATIVE=ON",  # -march=native for the CPU backend (AVX-512 here)
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary
 ]
+# The CPU backend's instruction set, each build in a folder of its own: native (-march=native,
+# AVX-512 here), or AVX2 + FMA + F16C + BMI2 only, to compare on this machine as an AVX2-only
+# one would run (prefixgate's side: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
+LLAMA_ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": [
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{x}=ON" for x in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")),
+        *(f"-DGGML_{x}=OFF" for x in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")),
+    ],
+}
 
 TORCH_PIN = "torch==2.13.0"  # the CPU wheel on disk here; never unpinned (CUDA wheels)
 TRANSFORMERS_PIN = "transformers[serving]==5.23.0"
@@ -147,11 +155,22 @@ def _run(cmd: list[str], **kw: Any) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
-def build_llama_cpp(jobs: int, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+def llama_build_dir(isa: str) -> Path:
+    return PEERS_DIR / ("llama.cpp-build" if isa == "native" else f"llama.cpp-build-{isa}")
+
+
+def llama_server(isa: str) -> Path:
+    return llama_build_dir(isa) / "bin" / "llama-server"
+
+
+def build_llama_cpp(
+    jobs: int, isa: str = "native", version: str = LLAMA_CPP_PYTHON_VERSION
+) -> Path:
     """Build llama-server once; later calls return at once (ninja/make rebuild nothing)."""
-    if LLAMA_SERVER.is_file() and os.access(LLAMA_SERVER, os.X_OK):
-        print(f"llama-server already built: {LLAMA_SERVER}")
-        return LLAMA_SERVER
+    build, server = llama_build_dir(isa), llama_server(isa)
+    if server.is_file() and os.access(server, os.X_OK):
+        print(f"llama-server already built: {server}")
+        return server
     t0 = time.monotonic()
     if not (LLAMA_SRC / "CMakeLists.txt").is_file():
         with tempfile.TemporaryDirectory(prefix="llama-sdist-") as tmp:
@@ -169,13 +188,12 @@ def build_llama_cpp(jobs: int, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
             LLAMA_SRC.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(vendored, LLAMA_SRC, symlinks=True)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    if not (LLAMA_BUILD / "CMakeCache.txt").is_file():
-        _run(
-            ["cmake", "-S", str(LLAMA_SRC), "-B", str(LLAMA_BUILD), *generator, *LLAMA_CMAKE_FLAGS]
-        )
-    _run(["cmake", "--build", str(LLAMA_BUILD), "--target", "llama-server", f"-j{jobs}"])
-    print(f"built {LLAMA_SERVER} in {time.monotonic() - t0:.0f} s")
-    return LLAMA_SERVER
+    if not (build / "CMakeCache.txt").is_file():
+        flags = [*LLAMA_CMAKE_FLAGS, *LLAMA_ISA_FLAGS[isa]]
+        _run(["cmake", "-S", str(LLAMA_SRC), "-B", str(build), *generator, *flags])
+    _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"])
+    print(f"built {server} in {time.monotonic() - t0:.0f} s")
+    return server
 
 
 def build_transformers() -> Path:
@@ -272,11 +290,12 @@ def _post_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[float 
 
 
 def _llama_cpp_command(args: argparse.Namespace) -> tuple[list[str], str, dict[str, str]]:
-    server = LLAMA_SERVER
+    server = llama_server(args.isa)
     if not server.exists():
         if args.no_build:
-            sys.exit(f"{server} is not built; run `python tools/peers.py build llama-cpp`")
-        build_llama_cpp(args.jobs)
+            build_cmd = f"python tools/peers.py build llama-cpp --isa {args.isa}"
+            sys.exit(f"{server} is not built; run `{build_cmd}`")
+        build_llama_cpp(args.jobs, args.isa)
     gguf = find_gguf(args.model)
     argv = [
         str(server),
@@ -464,7 +483,9 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def show_status(args: argparse.Namespace) -> int:
-    print(f"llama-server: {LLAMA_SERVER} ({'built' if LLAMA_SERVER.exists() else 'not built'})")
+    for isa in LLAMA_ISA_FLAGS:
+        server = llama_server(isa)
+        print(f"llama-server ({isa}): {server} ({'built' if server.exists() else 'not built'})")
     tf = PEERS_VENV / "bin" / "transformers"
     print(f"transformers: {tf} ({'installed' if tf.exists() else 'not installed'})")
     states = sorted(STATE_DIR.glob("*.json"))
@@ -490,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build/install a peer (idempotent)")
     b.add_argument("peer", choices=PEERS)
     b.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (llama-cpp)")
+    b.add_argument("--isa", choices=LLAMA_ISA_FLAGS, default="native", help="llama-cpp's CPU code")
 
     s = sub.add_parser("start", help="start a peer on 127.0.0.1 and wait until it answers")
     s.add_argument("peer", choices=PEERS)
@@ -502,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-build", action="store_true", help="fail instead of building/installing")
     s.add_argument("--jobs", type=int, default=2, help="compile jobs if a build is needed")
     g = s.add_argument_group("llama-cpp")
+    g.add_argument("--isa", choices=LLAMA_ISA_FLAGS, default="native", help="which build runs")
     g.add_argument("--slots", type=int, default=8, help="-np, parallel slots")
     g.add_argument("--ctx-size", type=int, default=9216, help="-c, split evenly over the slots")
     g.add_argument(
@@ -542,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("arguments after -- are only for `start`")
     if args.cmd == "build":
         if args.peer == "llama-cpp":
-            build_llama_cpp(args.jobs)
+            build_llama_cpp(args.jobs, args.isa)
         else:
             build_transformers()
         return 0
