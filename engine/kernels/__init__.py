@@ -20,6 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("vec.h"),)  # part of the cache key, not compiled alone
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
@@ -36,7 +37,7 @@ def kernel_cache_key() -> str:
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(" ".join(compile_flags()).encode())
     digest.update(_cpu_flags().encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +22,9 @@
 #include <vector>
 
 namespace {
+
+using prefixgate::dot;
+using prefixgate::exp1;
 
 // bf16 -> float is a 16-bit shift; written on raw bits so the compiler vectorizes it.
 inline void load_row(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
@@ -39,54 +44,6 @@ inline const float* float_row(const float* src, float*, int64_t) { return src; }
 inline const float* float_row(const c10::BFloat16* src, float* buffer, int64_t n) {
   load_row(src, buffer, n);
   return buffer;
-}
-
-// Eight floats: one AVX2 register, half an AVX-512 one (GCC/clang vector types, so the same
-// source compiles to either under -march).
-typedef float f8 __attribute__((vector_size(32)));
-typedef float f4 __attribute__((vector_size(16)));
-
-inline f8 load8(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// a . b for n a multiple of 8, summed as a tree: a plain reduction loop adds the lanes one
-// after another (the compiler may not reorder float sums), a 16-add dependency chain per
-// key that was most of the kernel's time.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  f8 even{}, odd{};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    even += load8(a + d) * load8(b + d);
-    odd += load8(a + d + 8) * load8(b + d + 8);
-  }
-  if (d < n) even += load8(a + d) * load8(b + d);
-  const f8 s8 = even + odd;
-  const f4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-// exp(x) for x <= 0 as 2^k * 2^f (f in [-0.5, 0.5], degree-6 polynomial, relative error
-// ~2e-7): glibc's expf is scalar here and was most of the kernel's time.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.f);  // exp(-87) ~ 1.6e-38: still a normal float; -inf lands here too
-  const float t = x * 1.44269504088896341f;  // log2(e)
-  const float k = std::nearbyint(t);
-  const float f = t - k;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(k) << 23;
-  std::memcpy(&p, &bits, sizeof p);
-  return p;
 }
 
 // Tokens of one work item: a sequence's context is cut into chunks attended separately and
@@ -163,12 +120,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         float* __restrict p = probs.data() + head * chunk;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t]);
+        prefixgate::f8 sums{};
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+          const prefixgate::f8 e = prefixgate::exp8(prefixgate::load8(p + t) - m);
+          prefixgate::store8(p + t, e);
+          sums += e;
+        }
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          p[t] = fast_exp(p[t] - m);
+        for (; t < len; ++t) {
+          p[t] = exp1(p[t] - m);
           sum += p[t];
         }
+        for (int i = 0; i < 8; ++i) sum += sums[i];
         part_max[item * num_heads + head] = m;
         part_sum[item * num_heads + head] = sum;
       }
@@ -206,7 +170,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t item = first + c;
         const float sum = part_sum[item * num_heads + head];
         if (sum == 0.f) continue;
-        const float w = fast_exp(part_max[item * num_heads + head] - m);
+        const float w = exp1(part_max[item * num_heads + head] - m);
         total += sum * w;
         const float* a = part_acc.data() + (item * num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];

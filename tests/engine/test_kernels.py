@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,3 +29,14 @@ def test_an_avx2_build_is_cached_apart_from_an_avx512_one(monkeypatch: pytest.Mo
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         keys.add(kernels.kernel_cache_key())
     assert len(keys) == 2
+
+
+def test_the_shared_header_is_part_of_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header = tmp_path / "vec.h"
+    header.write_text("// one")
+    monkeypatch.setattr(kernels, "HEADERS", (header,))
+    before = kernels.kernel_cache_key()
+    header.write_text("// two")
+    assert kernels.kernel_cache_key() != before
