@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cpu import cpu_features
+from engine.kernels import compile_flags
 from engine.models.layers import PackedLinear
 from engine.quantization import QuantizedLinear, quantize_planes
 from tools.provenance import git_revision
@@ -161,6 +162,7 @@ def _run(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {
         "git": git_revision(),
         "cpu": cpu_features().describe(),
+        "kernel_flags": " ".join(compile_flags()),  # what the C++ kernels are built for
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
