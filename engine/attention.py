@@ -62,7 +62,8 @@ class ForwardBatch:
     num_prefill_tokens: int
     decode_groups: list[DecodeGroup]  # every decode row in exactly one group
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
-    # decode attention through `torch.ops.prefixgate.paged_decode_attention` (engine.kernels)
+    # the C++ CPU ops of engine.kernels: decode attention (`paged_decode_attention`) and the
+    # layers' fused norm / SwiGLU / RoPE + K/V store; False: torch ops only
     use_cpu_kernels: bool = False
 
     @property
