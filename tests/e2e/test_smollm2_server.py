@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 import openai
 import pytest
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.loader import ModelSource
 from tests.e2e.conftest import CHAT_WEATHER_TOOL, SHIPPED_PREFIXES, model_of
@@ -48,12 +48,19 @@ class Intent(BaseModel):
 LABELS = get_args(Intent.model_fields["intent"].annotation)
 
 
+# Closed objects (additionalProperties: false), as OpenAI requires of a strict schema and as
+# the SDK's `parse` sends one: an open schema lets greedy decoding wander into extra keys with
+# unbounded strings (seen: 2,400 characters of an invented "image_..." field at max_tokens).
 class Pet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     species: Literal["cat", "dog", "fish"]
     age: int = Field(ge=0, le=30)
 
 
 class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=120)
     pets: list[Pet] = Field(max_length=2)
