@@ -86,9 +86,6 @@ def quantize_planes(
     slower, and quantizing the 49152-row head took 1.5 s with them. Rows go
     `QUANTIZE_ROWS` at a time (the kernel packs rows in tiles that a chunk boundary does not
     cut): whole, the head's temporaries were ~500 MB of the first start's peak."""
-    if w.shape[0] <= QUANTIZE_ROWS:
-        planes, weight = _quantize_rows(w, bits)
-        return planes, weight.to(dtype)
     weight = torch.empty(w.shape, dtype=dtype)
     parts = []
     for start in range(0, w.shape[0], QUANTIZE_ROWS):

@@ -26,23 +26,12 @@ namespace {
 using prefixgate::dot;
 using prefixgate::exp1;
 
-// bf16 -> float is a 16-bit shift; written on raw bits so the compiler vectorizes it.
-inline void load_row(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
-}
-
-inline void load_row(const float* __restrict src, float* __restrict dst, int64_t n) {
-  std::copy(src, src + n, dst);
-}
-
-// A row as float32: float32 storage is read in place, bf16 converted into `buffer`.
+// A row as float32 (n a multiple of 8): float32 storage is read in place, bf16 widened into
+// `buffer`.
 inline const float* float_row(const float* src, float*, int64_t) { return src; }
 
 inline const float* float_row(const c10::BFloat16* src, float* buffer, int64_t n) {
-  load_row(src, buffer, n);
+  for (int64_t d = 0; d < n; d += 8) prefixgate::store8(buffer + d, prefixgate::load8(src + d));
   return buffer;
 }
 
@@ -98,8 +87,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         continue;
       }
       const int64_t* table = tables + seq * max_blocks + start / block_size;
-      load_row(q_ptr + seq * num_heads * head_dim, qf.data(), num_heads * head_dim);
-      for (float& x : qf) x *= fscale;
+      const float* q_row = float_row(q_ptr + seq * num_heads * head_dim, qf.data(), qf.size());
+      for (size_t i = 0; i < qf.size(); ++i) qf[i] = q_row[i] * fscale;
       // Pass 1: every key's score, for every query head. Walked block by block: a division
       // per token cost more than the arithmetic.
       for (int64_t b = 0, t = 0; t < len; ++b) {
