@@ -49,7 +49,7 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
-    # decode attention runs in engine/kernels/paged_attention.cpp (compiled for this CPU)
+    # decode attention and the layers' fused ops run engine/kernels' C++ (built for this CPU)
     has_cpu_kernels: bool = False
 
 
@@ -117,9 +117,8 @@ def _quantized_model(
 ) -> CausalLM:
     """A quantized model from its cache file, or quantized from the float weights and cached.
 
-    Why the cache: quantizing reads the whole float32 model first (the embedded one: 540 MB,
-    a 1.65 GB peak RSS) and takes seconds; the cached planes and dense copies load at the
-    size they serve at."""
+    Why the cache: quantizing reads the whole float32 model first (the embedded one: 540 MB)
+    and takes seconds; the cached planes and dense copies load at the size they serve at."""
     path = quantized_cache.cache_file(source, weights, dtype)
     if path.is_file():
         try:

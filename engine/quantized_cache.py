@@ -1,8 +1,8 @@
 """The quantized weights of a model, cached on disk so that only the first start quantizes.
 
 Quantizing reads the whole float model first (the embedded one: 540 MB of float32) and takes
-seconds; the cached planes and dense copies (in the compute dtype) load
-at the size they serve at. A file is keyed by the model's weight files, the format, the dtype,
+seconds; the cached planes and dense copies (in the compute dtype) load at the size they serve
+at. A file is keyed by the model's weight files, the format, the dtype,
 torch's version and the CPU capability; a damaged one is the caller's to ignore.
 """
 
