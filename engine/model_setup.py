@@ -28,7 +28,7 @@ from engine.loader import (
 )
 from engine.memory import return_freed_memory
 from engine.models import CausalLM, load_model_weights, pack_model, restore_quantized_model
-from engine.quantization import WeightFormat
+from engine.quantization import WeightFormat, use_quantized_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +90,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         time.perf_counter() - start,
     )
     pool = _make_pool(config, model, max_model_len)
-    has_cpu_kernels = (
+    kernels_built = (
         config.enable_compile
         and config.torch_device.type == "cpu"
-        and model.head_dim % 8 == 0  # the decode kernel's vector width
         and load_cpu_kernels(default_cache_dir())
     )
+    if kernels_built and weights.is_quantized:
+        assert isinstance(model, torch.nn.Module)
+        use_quantized_kernel(model)
+    elif weights.is_quantized:
+        logger.info("quantized linears run on their dense copies: no CPU kernels")
     return LoadedModel(
         name=source.name,
         model=model,
@@ -104,7 +108,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
         vocab_size=int(hf_config.vocab_size),
-        has_cpu_kernels=has_cpu_kernels,
+        has_cpu_kernels=kernels_built and model.head_dim % 8 == 0,  # the kernels' width
     )
 
 
@@ -118,7 +122,8 @@ def _quantized_model(
     """A quantized model from its cache file, or quantized from the float weights and cached.
 
     Why the cache: quantizing reads the whole float32 model first (the embedded one: 540 MB)
-    and takes seconds; the cached planes and dense copies load at the size they serve at."""
+    and takes seconds; the cached quantized weights and dense copies load at the size they
+    serve at."""
     path = quantized_cache.cache_file(source, weights, dtype)
     if path.is_file():
         try:

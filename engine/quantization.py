@@ -1,25 +1,22 @@
-"""Group-wise 4- and 8-bit weights for CPU decode, on torch's int4 CPU kernel.
+"""Group-wise 4- and 8-bit weights for CPU decode, on our integer-dot-product kernel.
 
 Why: a batch-1 decode step streams every weight once, so its time is the weights' size over
 memory bandwidth. SmolLM2's linears and head in bf16 are 269 MB; as 4-bit codes with a scale
-and a zero per group of 32 (8-bit for the head) they are 102 MB, and torch's
-`_weight_int4pack_mm_for_cpu` runs a batch-1 pass 2.9x (AVX-512, vs bf16) to 3.2x (AVX2, vs
-fp32) faster than the prepacked dense GEMV (docs/benchmarks.md, "Issue 12").
+and a min per group of 32 (8-bit for the head) they are ~100 MB, and
+`torch.ops.prefixgate.quant_matmul` (engine/kernels/quant_matmul.cpp) multiplies them by
+activations quantized to 8 bits per group, llama.cpp's scheme, at close to memory bandwidth
+on AVX2 as on AVX-512 (docs/benchmarks.md, "Issue 12, third session").
 
 The two schemes are GGML's own: `int4` is Q4_1 (per group, d = (max - min) / 15, m = min,
 q = round((w - m) / d)) and `int8` is Q8_0 (d = absmax / 127, q = round(w / d)). Applied to
 weights dequantized from a Q4_1 / Q8_0 GGUF they give back the file's codes exactly, since
-each group's extremes sit on its grid: the embedded model runs on the weights as shipped.
-
-torch's kernel computes w = (c - 8) * s + z for a 4-bit code c, so an int4 weight is one
-such plane (s = d, z = m + 8d) and an int8 weight two, summed: with u = q + 128 = 16h + l,
-w = d(16h + l - 128) = [(h - 8) * 16d + 0] + [(l - 8) * d + 8d]. Scales and zeros are kept
-in bf16 (the kernel takes them in the activation's dtype; activations go in as bf16 on any
-CPU), which rounds s and z by at most 2^-9 relative.
+each group's extremes sit on its grid; d and m are kept in float16, as the GGUF keeps them:
+the embedded model runs on the weights as shipped.
 
 The kernel is a GEMV at heart: beyond a few rows the prepacked dense GEMM is faster, so a
 `QuantizedLinear` also keeps a dense copy of the same (dequantized) weights and picks per
-call by row count (`dense_above_rows`).
+call by row count (`max_rows`; 0, dense only, until `use_quantized_kernel` switches the
+kernel on where it was built).
 """
 
 from __future__ import annotations
@@ -35,25 +32,32 @@ from engine.memory import return_freed_memory
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
+TILE_ROWS = 4  # the kernel's tile: weight rows interleaved group by group
 BITS = {"int4": 4, "int8": 8}
-ACTIVATION_DTYPE = torch.bfloat16
 
-# Rows up to which the int4 kernel beats the prepacked dense GEMM over SmolLM2's 120 layer
-# linears (30 distinct layers, weights not in cache), 2 threads, Zen 4, whole pass in ms
-# (`tools/bench_decode_step.py --linears`, docs/benchmarks.md "Issue 12"):
-#   AVX512 (bf16 dense):  M=1 4.8 vs 14.0, M=4 8.2 vs 13.2, M=8 13.4 vs 14.6, M=16 24.8 vs 18.6
-#   AVX2   (fp32 dense):  M=1 9.6 vs 30.7, M=8 26.2 vs 40.8, M=16 49.2 vs 52.3, M=32 104 vs 79
-DENSE_ABOVE_ROWS = {"AVX512": 8, "AVX2": 16}
+# Rows up to which the quantized kernel beats the prepacked dense GEMM over SmolLM2's 120
+# layer linears (30 distinct layers, weights not in cache), 2 threads, Zen 4, whole pass in ms
+# (`tools/bench_decode_step.py --linears`, docs/benchmarks.md "Issue 12, third session"):
+#   AVX512 (bf16 dense):  M=1 4.4 vs 14.4, M=4 10.8 vs 12.9, M=8 17.2 vs 15.8 (18.5 vs 21.5
+#                         in another run), M=16 35.2 vs 19.8
+#   AVX2   (fp32 dense):  M=1 4.6 vs 30.7, M=8 15.2 vs 36.8, M=16 27.4 vs 48.4, M=32 70.3 vs
+#                         72.8 (72.4 vs 82.4 in another run)
+DENSE_ABOVE_ROWS = {"AVX512": 8, "AVX2": 32}
 DEFAULT_DENSE_ABOVE_ROWS = 16
-QUANTIZE_ROWS = 4096  # a multiple of the int4 packing's row tile (64)
+QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 
 
 @dataclass(frozen=True)
-class Int4Plane:
-    """One 4-bit plane in the kernel's layout."""
+class QuantizedWeight:
+    """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
 
-    packed: torch.Tensor  # [N, K / 2] uint8 (the kernel's tiling)
-    scales_zeros: torch.Tensor  # [K / GROUP_SIZE, N, 2] bf16
+    codes: torch.Tensor  # [N / 4, K / 32, 4 * bits * 4] uint8: tiles of 4 rows, group by group
+    scales: torch.Tensor  # [N / 4, 2, K / 32, 4] float16: per tile, d then m
+    bits: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,64 +80,51 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(groups / safe).clamp_(-127, 127), scale
 
 
-def quantize_planes(
+def quantize_weight(
     w: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
-) -> tuple[list[Int4Plane], torch.Tensor]:
-    """`w` [N, K] (K a multiple of 32) as the 4-bit planes whose sum stands for it, and the
-    weight they stand for (what the kernel multiplies by, bf16 scales included) in `dtype`.
+) -> tuple[QuantizedWeight, torch.Tensor]:
+    """`w` [N, K] (K a multiple of 32, N of 4) in the kernel's layout, and the weight it
+    stands for (float16 scales included) in `dtype`, for the dense copy.
 
     Codes stay float32 until packing: torch's integer elementwise ops are several times
-    slower, and quantizing the 49152-row head took 1.5 s with them. Rows go
-    `QUANTIZE_ROWS` at a time (the kernel packs rows in tiles that a chunk boundary does not
-    cut): whole, the head's temporaries were ~500 MB of the first start's peak."""
+    slower. Rows go `QUANTIZE_ROWS` at a time: whole, the 49152-row head's temporaries were
+    ~500 MB of the first start's peak."""
     weight = torch.empty(w.shape, dtype=dtype)
-    parts = []
+    codes, scales = [], []
     for start in range(0, w.shape[0], QUANTIZE_ROWS):
-        planes, rows = _quantize_rows(w[start : start + QUANTIZE_ROWS], bits)
-        weight[start : start + QUANTIZE_ROWS] = rows
-        parts.append(planes)
-    merged = [
-        Int4Plane(
-            torch.cat([p[i].packed for p in parts]),
-            torch.cat([p[i].scales_zeros for p in parts], dim=1),
+        chunk = w[start : start + QUANTIZE_ROWS]
+        if bits == 4:
+            q, scale, low = quantize_int4(chunk)
+        else:
+            q, scale = quantize_int8(chunk)
+            low = torch.zeros_like(scale)
+        scale, low = scale.half(), low.half()
+        weight[start : start + QUANTIZE_ROWS] = (
+            q.mul(scale.float()[..., None]).add_(low.float()[..., None]).flatten(1)
         )
-        for i in range(len(parts[0]))
-    ]
-    return merged, weight
+        packed = pack_weight(q, scale, low, bits)
+        codes.append(packed.codes)
+        scales.append(packed.scales)
+    return QuantizedWeight(torch.cat(codes), torch.cat(scales), bits), weight
 
 
-def _quantize_rows(w: torch.Tensor, bits: int) -> tuple[list[Int4Plane], torch.Tensor]:
+def pack_weight(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int
+) -> QuantizedWeight:
+    """Codes [N, K / 32, 32] (0..15 for 4 bits, -127..127 for 8, any dtype) with d and m
+    [N, K / 32] into the kernel's tiled layout."""
+    rows, groups = scale.shape
     if bits == 4:
-        codes, scale, low = quantize_int4(w)
-        return _planes([(codes, scale, low + 8 * scale)])
-    codes, scale = quantize_int8(w)
-    unsigned = codes.add_(128)  # 1..255 = 16 * high + low
-    high = torch.div(unsigned, 16, rounding_mode="floor")
-    low = unsigned.sub_(high * 16)
-    return _planes([(high, 16 * scale, torch.zeros_like(scale)), (low, scale, 8 * scale)])
-
-
-def _planes(
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> tuple[list[Int4Plane], torch.Tensor]:
-    planes = []
-    weight = torch.zeros(parts[0][0].shape)  # [N, K / 32, 32]
-    for codes, scale, zero in parts:
-        scale, zero = scale.to(ACTIVATION_DTYPE), zero.to(ACTIVATION_DTYPE)  # [N, K / 32]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.flatten(1).to(torch.int32), 1
-        )
-        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [K / 32, N, 2]
-        planes.append(Int4Plane(packed, scales_zeros))
-        weight.addcmul_(codes - 8, scale.float()[..., None]).add_(zero.float()[..., None])
-    return planes, weight.flatten(1)
-
-
-def _int4_mm(x: torch.Tensor, plane: Int4Plane) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, plane.packed, GROUP_SIZE, plane.scales_zeros
+        nibbles = codes.to(torch.uint8)
+        row_bytes = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # GGML's order
+    else:
+        row_bytes = codes.to(torch.int8).view(torch.uint8)
+    tiles = rows // TILE_ROWS
+    tiled = row_bytes.reshape(tiles, TILE_ROWS, groups, -1).transpose(1, 2)
+    scales = torch.stack([scale, low], 1).half().reshape(tiles, TILE_ROWS, 2, groups)
+    return QuantizedWeight(
+        tiled.reshape(tiles, groups, -1).contiguous(), scales.permute(0, 2, 3, 1).contiguous(), bits
     )
-    return out
 
 
 @dataclass(frozen=True)
@@ -163,8 +154,8 @@ def _quantizable(
         for name, child in parent.named_children():
             if not isinstance(child, nn.Linear):
                 continue
-            if child.in_features % GROUP_SIZE or child.out_features % 16:
-                continue  # the kernel packs K in groups of 32 and N in tiles of 16
+            if child.in_features % GROUP_SIZE or child.out_features % TILE_ROWS:
+                continue  # the kernel takes K in groups of 32 and N in tiles of 4
             kind = weights.head if name == "lm_head" else weights.layers
             if kind != "none":
                 full = f"{parent_name}.{name}" if parent_name else name
@@ -176,18 +167,17 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
     """Replace the model's `nn.Linear`s (float, on CPU) by `QuantizedLinear`s whose dense copy
     is in `dtype` (made per layer, so loading never holds a second float32 model), the head
     (`lm_head`) by `weights.head`'s format and the others by `weights.layers`'; a linear the
-    kernel cannot take (input size not a multiple of 32, output size of 16) stays as it is.
+    kernel cannot take (input size not a multiple of 32, output size of 4) stays as it is.
     Returns how many."""
-    max_rows = dense_above_rows()
     targets = _quantizable(model, weights)
     count = len(targets)
     while targets:  # popped: a replaced linear's float weight is freed as soon as it is done
         _full, parent, name, child, kind = targets.pop()
-        planes, weight = quantize_planes(child.weight.detach(), BITS[kind], dtype)
+        quantized, weight = quantize_weight(child.weight.detach(), BITS[kind], dtype)
         dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
         dense.weight = nn.Parameter(weight, requires_grad=False)
         dense.bias = child.bias
-        setattr(parent, name, QuantizedLinear(planes, child.bias, dense, max_rows))
+        setattr(parent, name, QuantizedLinear(quantized, child.bias, dense))
         del child, weight
         return_freed_memory()  # else the freed float weight stays in the heap
     return count
@@ -195,14 +185,13 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
 
 def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What `restore_linears` + `load_state_dict` need to rebuild a quantized model without
-    its float weights: the state dict (dense copies in the compute dtype) plus every plane.
-    Shared tensors appear once (a tied head, a bias the dense copy shares)."""
+    its float weights: the state dict (dense copies in the compute dtype) plus every quantized
+    weight. Shared tensors appear once (a tied head, a bias the dense copy shares)."""
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
-            for i, plane in enumerate(module.planes):
-                state[f"{name}.planes.{i}.packed"] = plane.packed
-                state[f"{name}.planes.{i}.scales_zeros"] = plane.scales_zeros
+            state[f"{name}.quantized.codes"] = module.quantized.codes
+            state[f"{name}.quantized.scales"] = module.quantized.scales
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() not in seen:
@@ -214,19 +203,17 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def restore_linears(
     model: nn.Module, state: dict[str, torch.Tensor], weights: WeightFormat
 ) -> None:
-    """Put `QuantizedLinear`s where `quantize_linears` put them, their planes taken (popped)
-    from `state`, their dense copies on the meta device for `load_state_dict` to assign."""
-    max_rows = dense_above_rows()
-    for full, parent, name, child, _kind in _quantizable(model, weights):
-        planes: list[Int4Plane] = []
-        while f"{full}.planes.{len(planes)}.packed" in state:
-            i = len(planes)
-            packed = state.pop(f"{full}.planes.{i}.packed")
-            planes.append(Int4Plane(packed, state.pop(f"{full}.planes.{i}.scales_zeros")))
-        if not planes:
-            raise ValueError(f"no planes for {full} in the quantized state")
+    """Put `QuantizedLinear`s where `quantize_linears` put them, their quantized weights taken
+    (popped) from `state`, their dense copies on the meta device for `load_state_dict` to
+    assign."""
+    for full, parent, name, child, kind in _quantizable(model, weights):
+        if f"{full}.quantized.codes" not in state:
+            raise ValueError(f"no quantized weight for {full} in the quantized state")
+        quantized = QuantizedWeight(
+            state.pop(f"{full}.quantized.codes"), state.pop(f"{full}.quantized.scales"), BITS[kind]
+        )
         dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-        setattr(parent, name, QuantizedLinear(planes, child.bias, dense, max_rows))
+        setattr(parent, name, QuantizedLinear(quantized, child.bias, dense))
 
 
 def relink_dense_biases(model: nn.Module) -> None:
@@ -245,42 +232,53 @@ def dense_above_rows() -> int:
     return DENSE_ABOVE_ROWS.get(capability, DEFAULT_DENSE_ABOVE_ROWS)
 
 
+def use_quantized_kernel(model: nn.Module) -> None:
+    """Switch the quantized linears to `quant_matmul` for calls of up to `dense_above_rows()`
+    rows, once engine.kernels has built it: without it they run on their dense copies."""
+    rows = dense_above_rows()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.max_rows = rows
+
+
 class QuantizedLinear(nn.Module):
-    """A linear layer with group-wise quantized weights: the int4 kernel for calls of up to
-    `max_rows` rows (decode), `dense` (same weights, dequantized; prepacked where it can be)
-    for larger ones (prefill, big decode batches)."""
+    """A linear layer with group-wise quantized weights: the quantized kernel for calls of up
+    to `max_rows` rows (decode), `dense` (same weights, dequantized; prepacked where it can
+    be) for larger ones (prefill, big decode batches) and while `max_rows` is 0."""
 
     def __init__(
-        self, planes: list[Int4Plane], bias: torch.Tensor | None, dense: nn.Module, max_rows: int
+        self,
+        quantized: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dense: nn.Module,
+        max_rows: int = 0,
     ) -> None:
         super().__init__()
-        self.planes = planes
+        self.quantized = quantized
         self.bias = bias
         self.dense = dense
         self.max_rows = max_rows
 
-    def forward(self, x: torch.Tensor, allow_int4: bool = True) -> torch.Tensor:
-        if not allow_int4 or x.shape[0] > self.max_rows:
+    def forward(self, x: torch.Tensor, allow_quantized: bool = True) -> torch.Tensor:
+        if not allow_quantized or x.shape[0] > self.max_rows:
             out: torch.Tensor = self.dense(x)
             return out
-        x16 = x if x.dtype == ACTIVATION_DTYPE else x.to(ACTIVATION_DTYPE)
-        y = _int4_mm(x16, self.planes[0])
-        for plane in self.planes[1:]:
-            y = y + _int4_mm(x16, plane)
-        if self.bias is not None:
-            y = y + self.bias
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        q = self.quantized
+        y: torch.Tensor = torch.ops.prefixgate.quant_matmul(
+            x.contiguous(), q.codes, q.scales, q.bits
+        )
+        return y if self.bias is None else y + self.bias
 
     @property
     def num_weight_bytes(self) -> int:
-        return sum(p.packed.nbytes + p.scales_zeros.nbytes for p in self.planes)
+        return self.quantized.num_bytes
 
 
 def project(linear: nn.Module, x: torch.Tensor, decode_only: bool) -> torch.Tensor:
-    """`linear(x)` inside a decoder layer. A quantized linear takes its int4 kernel only in a
-    step with no prefill span: a prompt's K/V then come from the same (dense) arithmetic
+    """`linear(x)` inside a decoder layer. A quantized linear takes its quantized kernel only
+    in a step with no prefill span: a prompt's K/V then come from the same (dense) arithmetic
     whether it is prefilled whole, in chunks or after a cache hit of any length, so an
-    identical request gives identical text (the int4 path rounds activations to bf16, enough
+    identical request gives identical text (the kernel rounds activations to 8 bits, enough
     to flip a near-tie). The LM head, which sees only sampled rows, always may."""
     # `.forward`, not `__call__`: no hooks are ever set here, and the module call's bookkeeping
     # was ~2 us x 120 projections a step.

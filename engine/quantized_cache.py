@@ -1,9 +1,9 @@
 """The quantized weights of a model, cached on disk so that only the first start quantizes.
 
 Quantizing reads the whole float model first (the embedded one: 540 MB of float32) and takes
-seconds; the cached planes and dense copies (in the compute dtype) load at the size they serve
-at. A file is keyed by the model's weight files, the format, the dtype,
-torch's version and the CPU capability; a damaged one is the caller's to ignore.
+seconds; the cached quantized weights and dense copies (in the compute dtype) load at the size
+they serve at. A file is keyed by the model's weight files, the format, the dtype and torch's
+version; a damaged one is the caller's to ignore.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from engine.quantization import WeightFormat, quantized_state
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when quantized_state's layout changes
+CACHE_VERSION = 2  # bump when quantized_state's layout changes
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:
@@ -31,11 +31,10 @@ def read(path: Path) -> dict[str, torch.Tensor]:
 
 
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
-    """Keyed by the weight files (name, size, mtime), the format, the dtype, torch's version
-    and the CPU capability (the kernel's packed layout is torch's to choose)."""
+    """Keyed by the weight files (name, size, mtime), the format, the dtype and torch's
+    version. The layout is ours (engine/kernels/quant_matmul.cpp), the same on every CPU."""
     digest = hashlib.sha256(
-        f"v{CACHE_VERSION}|{source.path}|{weights}|{dtype}|{torch.__version__}|"
-        f"{torch.backends.cpu.get_cpu_capability()}".encode()
+        f"v{CACHE_VERSION}|{source.path}|{weights}|{dtype}|{torch.__version__}".encode()
     )
     for file in weight_files(source.path):
         stat = file.stat()

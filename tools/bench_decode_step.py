@@ -3,7 +3,7 @@ bandwidth floor of its weight format; and the linear-layer sweep behind `DENSE_A
 
     .venv/bin/python tools/bench_decode_step.py [--context 1000] [--steps 60] [--out r.json]
         [--config auto:auto:on --config bfloat16:none:off ...]    # dtype:quantization:compile
-    .venv/bin/python tools/bench_decode_step.py --linears          # int4 vs dense by rows
+    .venv/bin/python tools/bench_decode_step.py --linears          # quantized vs dense by rows
 
 A step here is `LLMEngine.step()` with one running greedy request: scheduling, the forward,
 sampling and detokenization, the same work a server's engine thread does per token. The floor
@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cpu import cpu_features
-from engine.kernels import compile_flags
+from engine.kernels import compile_flags, load_cpu_kernels
+from engine.loader import default_cache_dir
 from engine.models.layers import PackedLinear
-from engine.quantization import QuantizedLinear, quantize_planes
+from engine.quantization import QuantizedLinear, quantize_weight
 from tools.provenance import git_revision
 
 DEFAULT_CONFIGS = ("auto:auto:on", "auto:none:on", "auto:none:off")
@@ -49,7 +50,7 @@ def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_step(engine: LLMEngine) -> int:
-    """Bytes of the linears a batch-1 step reads: the int4 planes where quantized (the small
+    """Bytes of the linears a batch-1 step reads: codes and scales where quantized (the small
     -batch path), the packed or plain weight elsewhere."""
     total = 0
     modules = list(engine.runner.model.modules())
@@ -106,22 +107,23 @@ def decode_step(config: str, context: int, steps: int) -> dict[str, Any]:
 
 
 def linear_sweep(rows: tuple[int, ...], repeats: int = 10) -> list[dict[str, Any]]:
-    """SmolLM2's four linear shapes x 30 distinct layers (weights not in cache): the int4
-    kernel against the prepacked dense GEMM in the compute dtype auto picks."""
+    """SmolLM2's four linear shapes x 30 distinct layers (weights not in cache): the quantized
+    kernel (4-bit) against the prepacked dense GEMM in the compute dtype auto picks."""
+    assert load_cpu_kernels(default_cache_dir()), "the C++ kernels did not build"
     dtype = torch.bfloat16 if cpu_features().has_native_bf16 else torch.float32
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
     layers = []
     for _ in range(30):
         for k, n in shapes:
             linear = torch.nn.Linear(k, n, bias=False)
-            planes, weight = quantize_planes(linear.weight.detach(), 4)
-            linear.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
-            layers.append(QuantizedLinear(planes, None, PackedLinear(linear), max_rows=1 << 30))
+            quantized, weight = quantize_weight(linear.weight.detach(), 4, dtype)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            layers.append(QuantizedLinear(quantized, None, PackedLinear(linear), max_rows=1 << 30))
     results = []
     for m in rows:
         inputs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         row: dict[str, Any] = {"rows": m, "dense_dtype": str(dtype).removeprefix("torch.")}
-        row["int4_ms"] = _time_pass(layers, inputs, dense=False, repeats=repeats)
+        row["quantized_ms"] = _time_pass(layers, inputs, dense=False, repeats=repeats)
         row["dense_ms"] = _time_pass(layers, inputs, dense=True, repeats=repeats)
         results.append(row)
         print(json.dumps(row))
@@ -148,7 +150,7 @@ def main() -> None:
     parser.add_argument("--config", action="append", help="dtype:quantization:compile(on|off)")
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--linears", action="store_true", help="the int4 vs dense row sweep")
+    parser.add_argument("--linears", action="store_true", help="the quantized vs dense row sweep")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -19,7 +19,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "layer_ops.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_matmul.cpp")
+)
 HEADERS = (Path(__file__).with_name("vec.h"),)  # part of the cache key, not compiled alone
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, model_setup
+from engine.kernels import load_cpu_kernels
+from engine.loader import default_cache_dir
 from engine.model_setup import load_model
-from engine.quantization import QuantizedLinear
+from engine.quantization import QuantizedLinear, dense_above_rows
 
 
 def _config(model: Path, **overrides: object) -> EngineConfig:
@@ -59,24 +61,29 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The first start quantizes and writes the cache; the second reads it (no float weights)
-    and computes the same thing; a damaged cache file is ignored and written again."""
+    and computes the same thing, on the quantized kernel; a damaged cache file is ignored and
+    written again."""
+    kernels_dir = default_cache_dir()  # built once for the whole run, not in tmp_path
+    monkeypatch.setattr(model_setup, "load_cpu_kernels", lambda _dir: load_cpu_kernels(kernels_dir))
     monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
-    config = _config(tiny_llama_path, quantization="int4", enable_compile=False)
+    config = _config(tiny_llama_path, quantization="int4")
     first = load_model(config)
     [cached] = (tmp_path / "quantized").glob("*.safetensors")
+    read_float_weights = model_setup.load_state_dict
     monkeypatch.setattr(model_setup, "load_state_dict", _never)
     second = load_model(config)
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(second.model)) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down), head
+    assert {m.max_rows for m in _quantized(second.model)} == {dense_above_rows()}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for a, b in zip(_quantized(first.model), _quantized(second.model), strict=True):
-            for rows in (1, 17):  # the int4 kernel, the dense copy
+            for rows in (1, 17):  # the quantized kernel, the dense copy
                 x = torch.randn(rows, a.dense.in_features, generator=gen)
                 assert torch.equal(a(x), b(x))
     cached.write_bytes(cached.read_bytes()[:100])  # truncated
-    monkeypatch.undo()
-    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(model_setup, "load_state_dict", read_float_weights)
+
     with caplog.at_level(logging.WARNING):
         third = load_model(config)
     assert "ignoring the quantized cache" in caplog.text
@@ -94,15 +101,24 @@ def _quantized(model: object) -> list[QuantizedLinear]:
 
 
 def _weights(model: object) -> list[tuple[str, bytes]]:
-    """Every plane's bytes and every parameter's, by name: equal means the same model."""
+    """Every quantized weight's bytes and every parameter's, by name: equal means the same
+    model."""
     assert isinstance(model, torch.nn.Module)
-    planes = [
-        (f"{i}.{j}", bytes(p.packed.numpy()) + bytes(p.scales_zeros.view(torch.uint8).numpy()))
-        for i, m in enumerate(_quantized(model))
-        for j, p in enumerate(m.planes)
+    quantized = [
+        (str(i), bytes(q.codes.numpy()) + bytes(q.scales.view(torch.uint8).numpy()))
+        for i, q in enumerate(m.quantized for m in _quantized(model))
     ]
     params = [
         (n, bytes(t.detach().contiguous().view(torch.uint8).numpy()))
         for n, t in model.state_dict().items()
     ]
-    return planes + params
+    return quantized + params
+
+
+def test_without_the_kernels_quantized_linears_run_on_their_dense_copies(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    loaded = load_model(_config(tiny_llama_path, quantization="int4", enable_compile=False))
+    assert not loaded.has_cpu_kernels
+    assert {m.max_rows for m in _quantized(loaded.model)} == {0}
