@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ from engine.loader import (
 )
 from engine.memory import return_freed_memory
 from engine.models import CausalLM, load_model_weights, pack_model, restore_quantized_model
-from engine.quantization import WeightFormat, use_quantized_kernel
+from engine.quantization import WeightFormat, dense_above_rows, use_quantized_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = load_hf_config(source.path)
     tokenizer = load_tokenizer(source.path)
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
-    weights = weight_format(config, source)
+    kernels_built = (
+        config.enable_compile
+        and config.torch_device.type == "cpu"
+        and load_cpu_kernels(default_cache_dir())
+    )
+    weights = weight_format(config, source, kernels_built)
     dtype = config.torch_dtype
     if weights.is_quantized:
         model = _quantized_model(hf_config, source, max_model_len, dtype, weights)
@@ -90,11 +96,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         time.perf_counter() - start,
     )
     pool = _make_pool(config, model, max_model_len)
-    kernels_built = (
-        config.enable_compile
-        and config.torch_device.type == "cpu"
-        and load_cpu_kernels(default_cache_dir())
-    )
     if kernels_built and weights.is_quantized:
         assert isinstance(model, torch.nn.Module)
         use_quantized_kernel(model)
@@ -138,20 +139,24 @@ def _quantized_model(
     return model
 
 
-def weight_format(config: EngineConfig, source: ModelSource) -> WeightFormat:
+def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool) -> WeightFormat:
     """`--quantization` resolved: auto keeps a GGUF file's own format on CPU (its 4-bit
     layers and 8-bit head) and a Hugging Face folder's float weights; int4 / int8 quantize
-    at load. The int4 kernel is CPU-only: a GPU serves the float weights."""
+    at load. The quantized kernel is CPU-only: a GPU serves the float weights. Dense copies
+    are kept unless the kernel is built and beats the dense GEMM at every row count."""
     choice = config.quantization
     if config.torch_device.type != "cpu":
         if choice in ("int4", "int8"):
             raise ModelLoadError(f"--quantization {choice} runs on CPU only")
         return WeightFormat()
     if choice == "auto":
-        return shipped_weight_format(source)
-    if choice == "none":
-        return WeightFormat()
-    return WeightFormat(layers=choice, head="int8")
+        weights = shipped_weight_format(source)
+    elif choice == "none":
+        weights = WeightFormat()
+    else:
+        weights = WeightFormat(layers=choice, head="int8")
+    dense_copies = not (kernels_built and dense_above_rows() is None)
+    return dataclasses.replace(weights, dense_copies=dense_copies)
 
 
 def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:

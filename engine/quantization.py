@@ -13,10 +13,11 @@ weights dequantized from a Q4_1 / Q8_0 GGUF they give back the file's codes exac
 each group's extremes sit on its grid; d and m are kept in float16, as the GGUF keeps them:
 the embedded model runs on the weights as shipped.
 
-The kernel is a GEMV at heart: beyond a few rows the prepacked dense GEMM is faster, so a
-`QuantizedLinear` also keeps a dense copy of the same (dequantized) weights and picks per
-call by row count (`max_rows`; 0, dense only, until `use_quantized_kernel` switches the
-kernel on where it was built).
+Where the prepacked dense GEMM beats the kernel beyond some row count (bf16 on AVX-512: above
+16 rows), a `QuantizedLinear` also keeps a dense copy of the same (dequantized) weights and
+picks per call by row count (`max_rows`; 0, dense only, until `use_quantized_kernel` switches
+the kernel on where it was built). On AVX2 the kernel beats float32 at every row count, and
+no dense copy is kept (`WeightFormat.dense_copies`).
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ from engine.memory import return_freed_memory
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
-TILE_ROWS = 4  # the kernel's tile: weight rows interleaved group by group
+TILE_ROWS = 8  # the kernel's tile: weight rows interleaved 4 columns at a time
 BITS = {"int4": 4, "int8": 8}
 
 # Rows up to which the quantized kernel beats the prepacked dense GEMM over SmolLM2's 120
 # layer linears (30 distinct layers, weights not in cache), 2 threads, Zen 4, whole pass in ms
 # (`tools/bench_decode_step.py --linears`, docs/benchmarks.md "Issue 12, third session"):
-#   AVX512 (bf16 dense):  M=1 4.4 vs 14.4, M=4 10.8 vs 12.9, M=8 17.2 vs 15.8 (18.5 vs 21.5
-#                         in another run), M=16 35.2 vs 19.8
-#   AVX2   (fp32 dense):  M=1 4.6 vs 30.7, M=8 15.2 vs 36.8, M=16 27.4 vs 48.4, M=32 70.3 vs
-#                         72.8 (72.4 vs 82.4 in another run)
-DENSE_ABOVE_ROWS = {"AVX512": 8, "AVX2": 32}
+#   AVX512 (bf16 dense):  M=1 4.6 vs 15.2, M=8 8.6 vs 15.1, M=16 14.7 vs 17.2, M=32 26.7
+#                         vs 25.9, M=128 99.8 vs 75.7
+#   AVX2   (fp32 dense):  M=1 4.1 vs 30.0, M=16 20.9 vs 50.9, M=128 126 vs 175, M=256 266
+#                         vs 347
+# None: the kernel wins at every row count measured, so no dense copy is kept (on AVX2 the
+# float32 copies were 540 MB of the server's 1.3 GB).
+DENSE_ABOVE_ROWS: dict[str, int | None] = {"AVX512": 16, "AVX2": None}
 DEFAULT_DENSE_ABOVE_ROWS = 16
 QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 
@@ -51,13 +54,17 @@ QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 class QuantizedWeight:
     """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
 
-    codes: torch.Tensor  # [N / 4, K / 32, 4 * bits * 4] uint8: tiles of 4 rows, group by group
-    scales: torch.Tensor  # [N / 4, 2, K / 32, 4] float16: per tile, d then m
+    codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
+    scales: torch.Tensor  # [N / 8, 2, K / 32, 8] float16: per tile, d then m
     bits: int
 
     @property
     def num_bytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * GROUP_SIZE
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +90,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_weight(
     w: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
 ) -> tuple[QuantizedWeight, torch.Tensor]:
-    """`w` [N, K] (K a multiple of 32, N of 4) in the kernel's layout, and the weight it
+    """`w` [N, K] (K a multiple of 32, N of 8) in the kernel's layout, and the weight it
     stands for (float16 scales included) in `dtype`, for the dense copy.
 
     Codes stay float32 until packing: torch's integer elementwise ops are several times
@@ -112,28 +119,33 @@ def pack_weight(
     codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int
 ) -> QuantizedWeight:
     """Codes [N, K / 32, 32] (0..15 for 4 bits, -127..127 for 8, any dtype) with d and m
-    [N, K / 32] into the kernel's tiled layout."""
+    [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns
+    with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp)."""
     rows, groups = scale.shape
-    if bits == 4:
-        nibbles = codes.to(torch.uint8)
-        row_bytes = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # GGML's order
-    else:
-        row_bytes = codes.to(torch.int8).view(torch.uint8)
     tiles = rows // TILE_ROWS
-    tiled = row_bytes.reshape(tiles, TILE_ROWS, groups, -1).transpose(1, 2)
+    steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
+    if bits == 4:
+        nibbles = steps.to(torch.uint8).reshape(tiles, groups, 4, 2, TILE_ROWS * 4)
+        packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # steps 2j, 2j + 1
+    else:
+        packed = steps.to(torch.int8).view(torch.uint8)
     scales = torch.stack([scale, low], 1).half().reshape(tiles, TILE_ROWS, 2, groups)
     return QuantizedWeight(
-        tiled.reshape(tiles, groups, -1).contiguous(), scales.permute(0, 2, 3, 1).contiguous(), bits
+        packed.reshape(tiles, groups, -1).contiguous(),
+        scales.permute(0, 2, 3, 1).contiguous(),
+        bits,
     )
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     """How the linear weights are stored: "int4", "int8" or "none" (the compute dtype), for
-    the decoder layers and for the LM head (which most formats keep at 8 bits)."""
+    the decoder layers and for the LM head (which most formats keep at 8 bits); and whether a
+    quantized linear also keeps a dense copy for the calls the kernel is slower at."""
 
     layers: str = "none"
     head: str = "none"
+    dense_copies: bool = True
 
     @property
     def is_quantized(self) -> bool:
@@ -142,7 +154,8 @@ class WeightFormat:
     def describe(self, dtype: torch.dtype) -> str:
         if not self.is_quantized:
             return f"{str(dtype).removeprefix('torch.')} weights"
-        return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE})"
+        copies = "" if self.dense_copies else ", no dense copies"
+        return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE}{copies})"
 
 
 def _quantizable(
@@ -155,7 +168,7 @@ def _quantizable(
             if not isinstance(child, nn.Linear):
                 continue
             if child.in_features % GROUP_SIZE or child.out_features % TILE_ROWS:
-                continue  # the kernel takes K in groups of 32 and N in tiles of 4
+                continue  # the kernel takes K in groups of 32 and N in tiles of 8
             kind = weights.head if name == "lm_head" else weights.layers
             if kind != "none":
                 full = f"{parent_name}.{name}" if parent_name else name
@@ -167,18 +180,20 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
     """Replace the model's `nn.Linear`s (float, on CPU) by `QuantizedLinear`s whose dense copy
     is in `dtype` (made per layer, so loading never holds a second float32 model), the head
     (`lm_head`) by `weights.head`'s format and the others by `weights.layers`'; a linear the
-    kernel cannot take (input size not a multiple of 32, output size of 4) stays as it is.
+    kernel cannot take (input size not a multiple of 32, output size of 8) stays as it is.
     Returns how many."""
     targets = _quantizable(model, weights)
     count = len(targets)
     while targets:  # popped: a replaced linear's float weight is freed as soon as it is done
         _full, parent, name, child, kind = targets.pop()
         quantized, weight = quantize_weight(child.weight.detach(), BITS[kind], dtype)
-        dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-        dense.weight = nn.Parameter(weight, requires_grad=False)
-        dense.bias = child.bias
+        dense = None
+        if weights.dense_copies:
+            dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+            dense.weight = nn.Parameter(weight, requires_grad=False)
+            dense.bias = child.bias
         setattr(parent, name, QuantizedLinear(quantized, child.bias, dense))
-        del child, weight
+        del child, weight, dense
         return_freed_memory()  # else the freed float weight stays in the heap
     return count
 
@@ -212,45 +227,50 @@ def restore_linears(
         quantized = QuantizedWeight(
             state.pop(f"{full}.quantized.codes"), state.pop(f"{full}.quantized.scales"), BITS[kind]
         )
-        dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+        dense = None
+        if weights.dense_copies:
+            dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
         setattr(parent, name, QuantizedLinear(quantized, child.bias, dense))
 
 
 def relink_dense_biases(model: nn.Module) -> None:
     """After an assigning load: a dense copy shares its layer's bias again."""
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedLinear) and module.dense is not None:
             bias = module.bias
             if bias is not None:
                 assert isinstance(bias, nn.Parameter)
                 module.dense.register_parameter("bias", bias)
 
 
-def dense_above_rows() -> int:
-    """Row count above which the dense GEMM is faster, for this CPU's kernels."""
+def dense_above_rows() -> int | None:
+    """Row count above which the dense GEMM is faster, for this CPU's kernels; None where the
+    kernel is faster at every row count (no dense copies needed)."""
     capability = torch.backends.cpu.get_cpu_capability()
     return DENSE_ABOVE_ROWS.get(capability, DEFAULT_DENSE_ABOVE_ROWS)
 
 
 def use_quantized_kernel(model: nn.Module) -> None:
     """Switch the quantized linears to `quant_matmul` for calls of up to `dense_above_rows()`
-    rows, once engine.kernels has built it: without it they run on their dense copies."""
+    rows (every call where that is None), once engine.kernels has built it: without it they
+    run on their dense copies."""
     rows = dense_above_rows()
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.max_rows = rows
+            module.max_rows = rows if rows is not None else 1 << 62
 
 
 class QuantizedLinear(nn.Module):
     """A linear layer with group-wise quantized weights: the quantized kernel for calls of up
     to `max_rows` rows (decode), `dense` (same weights, dequantized; prepacked where it can
-    be) for larger ones (prefill, big decode batches) and while `max_rows` is 0."""
+    be) for larger ones (prefill, big decode batches) and while `max_rows` is 0. Without a
+    dense copy every call takes the kernel."""
 
     def __init__(
         self,
         quantized: QuantizedWeight,
         bias: torch.Tensor | None,
-        dense: nn.Module,
+        dense: nn.Module | None,
         max_rows: int = 0,
     ) -> None:
         super().__init__()
@@ -260,7 +280,7 @@ class QuantizedLinear(nn.Module):
         self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor, allow_quantized: bool = True) -> torch.Tensor:
-        if not allow_quantized or x.shape[0] > self.max_rows:
+        if self.dense is not None and (not allow_quantized or x.shape[0] > self.max_rows):
             out: torch.Tensor = self.dense(x)
             return out
         q = self.quantized
@@ -275,11 +295,13 @@ class QuantizedLinear(nn.Module):
 
 
 def project(linear: nn.Module, x: torch.Tensor, decode_only: bool) -> torch.Tensor:
-    """`linear(x)` inside a decoder layer. A quantized linear takes its quantized kernel only
-    in a step with no prefill span: a prompt's K/V then come from the same (dense) arithmetic
-    whether it is prefilled whole, in chunks or after a cache hit of any length, so an
-    identical request gives identical text (the kernel rounds activations to 8 bits, enough
-    to flip a near-tie). The LM head, which sees only sampled rows, always may."""
+    """`linear(x)` inside a decoder layer. A quantized linear with a dense copy takes its
+    quantized kernel only in a step with no prefill span: a prompt's K/V then come from the
+    same (dense) arithmetic whether it is prefilled whole, in chunks or after a cache hit of
+    any length, so an identical request gives identical text (the kernel rounds activations
+    to 8 bits, enough to flip a near-tie). Without dense copies every step takes the kernel,
+    which computes each row alone, the same way whatever the batch: the same holds. The LM
+    head, which sees only sampled rows, always may."""
     # `.forward`, not `__call__`: no hooks are ever set here, and the module call's bookkeeping
     # was ~2 us x 120 projections a step.
     if isinstance(linear, QuantizedLinear):

@@ -93,7 +93,7 @@ def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
     """Against the scheme written out in torch: activations rounded to 8 bits per group, one
     integer dot product and one scale per group, the min term from the activations' sums."""
     gen = torch.Generator().manual_seed(bits * 10 + rows)
-    n, k = 4 * 37, 3 * 128 + 64  # an odd number of tiles; K not a multiple of 8 groups
+    n, k = 8 * 37, 3 * 128 + 64  # an odd number of tiles; K not a multiple of 8 groups
     low, high = (0, 16) if bits == 4 else (-127, 128)
     codes = torch.randint(low, high, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen)
     d = (torch.rand(n, k // GROUP_SIZE, generator=gen) * 0.02).half()
@@ -147,7 +147,10 @@ def test_a_tall_weight_quantized_in_row_chunks_equals_it_quantized_whole(
     assert torch.equal(chunked_weight.scales, whole_weight.scales)
 
 
-def test_rows_above_max_rows_take_the_dense_copy(kernels: None) -> None:
+def test_rows_above_max_rows_take_the_dense_copy(
+    kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("engine.quantization.dense_above_rows", lambda: 8)  # as on AVX-512
     gen = torch.Generator().manual_seed(3)
     linear = nn.Linear(K, N, bias=True)
     model = nn.Sequential(linear)
@@ -157,12 +160,31 @@ def test_rows_above_max_rows_take_the_dense_copy(kernels: None) -> None:
     small = torch.randn(1, K, generator=gen)
     assert layer.max_rows == 0 and torch.equal(layer(small), layer.dense(small))  # no kernel yet
     use_quantized_kernel(model)
-    assert layer.max_rows >= 1
+    assert layer.max_rows == 8
     big = torch.randn(layer.max_rows + 1, K, generator=gen)
     assert torch.equal(layer(big), layer.dense(big))
     torch.testing.assert_close(layer(small), layer.dense(small), rtol=0.02, atol=0.02)
     assert not torch.equal(layer(small), layer.dense(small))  # the kernel's 8-bit activations
     assert torch.equal(layer(small, allow_quantized=False), layer.dense(small))
+
+
+def test_without_a_dense_copy_every_call_takes_the_kernel_row_by_row(kernels: None) -> None:
+    """Where the kernel beats the dense GEMM at every size (AVX2) no copy is kept: prefill
+    rows take the kernel too, and each row's result does not depend on the rows beside it
+    (so a prompt's K/V do not depend on how it was split)."""
+    model = nn.Sequential(nn.Linear(K, N, bias=True))
+    quantize_linears(model, WeightFormat(layers="int4", dense_copies=False), torch.float32)
+    layer = model[0]
+    assert isinstance(layer, QuantizedLinear) and layer.dense is None
+    use_quantized_kernel(model)
+    x = torch.randn(37, K, generator=torch.Generator().manual_seed(4))
+    whole = layer(x, allow_quantized=False)  # a prefill step: no copy to fall back on
+    rows = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(whole, rows)
+    assert torch.equal(layer(x[5:16]), whole[5:16])
+    assert WeightFormat("int4", "int8", dense_copies=False).describe(torch.float32) == (
+        "int4 layers, int8 head (group 32, no dense copies)"
+    )
 
 
 def test_the_kernel_rejects_a_layout_it_does_not_know(kernels: None) -> None:
