@@ -50,16 +50,17 @@ def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_step(engine: LLMEngine) -> int:
-    """Bytes of the linears a batch-1 step reads: codes and scales where quantized (the small
-    -batch path), the packed or plain weight elsewhere."""
+    """Bytes of the linears a batch-1 step reads: codes and scales where the quantized kernel
+    runs, the packed or plain weight elsewhere (a dense copy included where it serves)."""
     total = 0
     modules = list(engine.runner.model.modules())
-    dense_copies = {id(m.dense) for m in modules if isinstance(m, QuantizedLinear)}
+    # a dense copy serves batch 1 only where the kernel is off (max_rows 0: `--no-compile`)
+    idle_copies = {id(m.dense) for m in modules if isinstance(m, QuantizedLinear) and m.max_rows}
     for module in modules:
-        if id(module) in dense_copies:
+        if id(module) in idle_copies:
             continue  # prefill-sized calls only
         if isinstance(module, QuantizedLinear):
-            total += module.num_weight_bytes
+            total += module.num_weight_bytes if module.max_rows else 0
         elif isinstance(module, PackedLinear):
             total += module.packed_weight.nbytes
         elif isinstance(module, torch.nn.Linear):
