@@ -44,7 +44,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -54,6 +53,7 @@ constexpr int64_t kTile = 8;      // weight rows per tile: one float lane each
 constexpr int64_t kSteps = 8;     // 4-column steps per group
 constexpr int kRowBlock = 2;      // activation rows per pass over a tile's group
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of a tile's stream
+constexpr int64_t kGroupsPerTask = 512;   // activation groups quantized per parallel task
 
 // Activation rows quantized per group of 32.
 struct QuantizedActivations {
@@ -67,27 +67,31 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
   QuantizedActivations out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
                            std::vector<float>(rows * groups)};
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    const T* src = x + i * kGroup;  // rows are contiguous: group i of the flat [M * G]
-    float values[kGroup];
-    float absmax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      values[j] = static_cast<float>(src[j]);
-      absmax = std::max(absmax, std::fabs(values[j]));
+  // In parallel: a 100-token prefill quantizes ~10^7 activations over a forward, ~30 ms on one
+  // thread (AVX2 build; 479 vs 214 us for 100 rows of 1536 on two).
+  at::parallel_for(0, rows * groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* src = x + i * kGroup;  // rows are contiguous: group i of the flat [M * G]
+      float values[kGroup];
+      float absmax = 0.f;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        values[j] = static_cast<float>(src[j]);
+        absmax = std::max(absmax, std::fabs(values[j]));
+      }
+      const float scale = absmax / 127.f;
+      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+      int32_t total = 0;
+      int8_t* codes = out.codes.data() + i * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const float scaled = values[j] * inverse;
+        const float rounded = std::trunc(scaled + (scaled < 0.f ? -0.5f : 0.5f));
+        codes[j] = static_cast<int8_t>(std::clamp(rounded, -127.f, 127.f));
+        total += codes[j];
+      }
+      out.scale[i] = scale;
+      out.sum[i] = scale * static_cast<float>(total);
     }
-    const float scale = absmax / 127.f;
-    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-    int32_t total = 0;
-    int8_t* codes = out.codes.data() + i * kGroup;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const float scaled = values[j] * inverse;
-      const float rounded = std::trunc(scaled + (scaled < 0.f ? -0.5f : 0.5f));
-      codes[j] = static_cast<int8_t>(std::clamp(rounded, -127.f, 127.f));
-      total += codes[j];
-    }
-    out.scale[i] = scale;
-    out.sum[i] = scale * static_cast<float>(total);
-  }
+  });
   return out;
 }
 
