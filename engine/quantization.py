@@ -47,6 +47,7 @@ BITS = {"int4": 4, "int8": 8}
 # float32 copies were 540 MB of the server's 1.3 GB).
 DENSE_ABOVE_ROWS: dict[str, int | None] = {"AVX512": 16, "AVX2": None}
 DEFAULT_DENSE_ABOVE_ROWS = 16
+EVERY_ROW_COUNT = 1 << 62  # max_rows where no dense copy is kept
 QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 
 
@@ -257,7 +258,7 @@ def use_quantized_kernel(model: nn.Module) -> None:
     rows = dense_above_rows()
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.max_rows = rows if rows is not None else 1 << 62
+            module.max_rows = rows if rows is not None else EVERY_ROW_COUNT
 
 
 class QuantizedLinear(nn.Module):

@@ -12,7 +12,7 @@ from engine import EngineConfig, model_setup
 from engine.kernels import load_cpu_kernels
 from engine.loader import default_cache_dir
 from engine.model_setup import load_model
-from engine.quantization import QuantizedLinear, dense_above_rows
+from engine.quantization import EVERY_ROW_COUNT, QuantizedLinear, dense_above_rows
 
 
 def _config(model: Path, **overrides: object) -> EngineConfig:
@@ -75,7 +75,7 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(second.model)) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down), head
     rows = dense_above_rows()  # None: the kernel beats the dense GEMM at every size
-    assert {m.max_rows for m in _quantized(second.model)} == {rows or 1 << 62}
+    assert {m.max_rows for m in _quantized(second.model)} == {rows or EVERY_ROW_COUNT}
     assert all((m.dense is None) == (rows is None) for m in _quantized(second.model))
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
