@@ -35,6 +35,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define PREFIXGATE_QMM_AVX2 1
@@ -95,10 +97,11 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
   return out;
 }
 
-// Tile t's rows times MB activation rows from `first_row`; writes out[mb * n + r].
-template <int BITS, int MB>
+// Tile t's rows times MB activation rows from `first_row`; writes out[mb * n + r], rounded
+// once to T (the activations' dtype).
+template <int BITS, int MB, typename T>
 void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActivations& act,
-              int64_t first_row, int64_t k, float* out, int64_t n) {
+              int64_t first_row, int64_t k, T* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const int8_t* qa = act.codes.data() + first_row * k;
   const float* da = act.scale.data() + first_row * groups;
@@ -172,7 +175,11 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
       acc[mb] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[mb * groups + g]), acc[mb]);
     }
   }
-  for (int mb = 0; mb < MB; ++mb) _mm256_storeu_ps(out + mb * n, acc[mb]);
+  for (int mb = 0; mb < MB; ++mb) {
+    prefixgate::f8 lanes;
+    std::memcpy(&lanes, &acc[mb], sizeof lanes);
+    prefixgate::store8(out + mb * n, lanes);
+  }
 #else
   for (int mb = 0; mb < MB; ++mb) {
     float total[kTile] = {};
@@ -198,14 +205,14 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
         total[r] += d * da[mb * groups + g] * static_cast<float>(sum) + m * sa[mb * groups + g];
       }
     }
-    for (int64_t r = 0; r < kTile; ++r) out[mb * n + r] = total[r];
+    for (int64_t r = 0; r < kTile; ++r) out[mb * n + r] = static_cast<T>(total[r]);
   }
 #endif
 }
 
-template <int BITS>
+template <int BITS, typename T>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
-                       const at::Half* scales, int64_t rows, int64_t n, int64_t k, float* out) {
+                       const at::Half* scales, int64_t rows, int64_t n, int64_t k, T* out) {
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
   const int64_t tile_scales = 2 * groups * kTile;
@@ -217,7 +224,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
       }
       const uint8_t* tile_codes = codes + t * tile_code_bytes;
       const at::Half* scale_ptr = scales + t * tile_scales;
-      float* tile_out = out + t * kTile;
+      T* tile_out = out + t * kTile;
       int64_t i = 0;
       for (; i + kRowBlock <= rows; i += kRowBlock)
         tile_dot<BITS, kRowBlock>(tile_codes, scale_ptr, act, i, k, tile_out + i * n, n);
@@ -241,19 +248,25 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({n / kTile, 2, groups, kTile}),
               "quant_matmul: scales must be a contiguous float16 [N / 8, 2, K / 32, 8]");
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  if (rows == 0 || n == 0) return out.to(x.scalar_type());
-  const QuantizedActivations act =
-      x.scalar_type() == at::kFloat ? quantize_activations(x.data_ptr<float>(), rows, k)
-                                    : quantize_activations(x.data_ptr<c10::BFloat16>(), rows, k);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
   const at::Half* scale_ptr = scales.data_ptr<at::Half>();
-  if (bits == 4) {
-    quant_matmul_impl<4>(act, code_ptr, scale_ptr, rows, n, k, out.data_ptr<float>());
+  const auto run = [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const QuantizedActivations act = quantize_activations(x.data_ptr<T>(), rows, k);
+    if (bits == 4) {
+      quant_matmul_impl<4>(act, code_ptr, scale_ptr, rows, n, k, out.data_ptr<T>());
+    } else {
+      quant_matmul_impl<8>(act, code_ptr, scale_ptr, rows, n, k, out.data_ptr<T>());
+    }
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(float{});
   } else {
-    quant_matmul_impl<8>(act, code_ptr, scale_ptr, rows, n, k, out.data_ptr<float>());
+    run(c10::BFloat16{});
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
 
 }  // namespace
