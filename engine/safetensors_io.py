@@ -9,6 +9,8 @@ peak for the embedded model); its `save_file` first copies every tensor into a b
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +57,37 @@ def read(path: Path) -> dict[str, torch.Tensor]:
 
 def write(state: dict[str, torch.Tensor], path: Path) -> None:
     """The tensors (CPU, any layout) as one safetensors file, written from their own memory."""
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+    write_stream(specs, iter(state.values()), path)
+
+
+def write_stream(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[torch.Tensor],
+    path: Path,
+) -> None:
+    """A safetensors file whose tensors are made one at a time, in `specs`' order, so that
+    only one is ever in memory: the header, written first, needs only their dtypes and
+    shapes. A tensor that does not match its spec is an error."""
     header: dict[str, Any] = {}
     offset = 0
-    for name, tensor in state.items():
-        size = tensor.numel() * tensor.element_size()
+    expected = []
+    for name, (dtype, shape) in specs.items():
+        size = math.prod(shape) * dtype.itemsize
         header[name] = {
-            "dtype": _NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
         offset += size
+        expected.append((name, dtype, tuple(shape)))
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
     with path.open("wb") as f:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
-        for tensor in state.values():
+        for (name, dtype, shape), tensor in zip(expected, tensors, strict=True):
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: got {tensor.dtype} {list(tensor.shape)}")
             flat = tensor.contiguous().reshape(-1).view(torch.uint8)
             f.write(flat.numpy().data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,38 @@ def test_an_unsupported_dtype_is_named(tmp_path: Path) -> None:
     save_file({"x": torch.zeros(2, dtype=torch.complex64)}, path)
     with pytest.raises(ValueError, match="unsupported dtype C64"):
         safetensors_io.read(path)
+
+
+def test_a_stream_is_written_one_tensor_at_a_time(tmp_path: Path) -> None:
+    tensors = _tensors()
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    made: list[str] = []
+
+    def one_at_a_time() -> Iterator[torch.Tensor]:
+        for name, tensor in tensors.items():
+            made.append(name)
+            yield tensor
+
+    safetensors_io.write_stream(specs, one_at_a_time(), tmp_path / "s.safetensors")
+    assert made == list(tensors)
+    _assert_same(safetensors_io.read(tmp_path / "s.safetensors"), tensors)
+    _assert_same(
+        dict(sorted(load_file(tmp_path / "s.safetensors").items())), dict(sorted(tensors.items()))
+    )
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        [torch.zeros(2, 3)],  # one short
+        [torch.zeros(2, 3), torch.zeros(4), torch.zeros(1)],  # one over
+        [torch.zeros(3, 2), torch.zeros(4)],  # a shape that is not its spec's
+        [torch.zeros(2, 3, dtype=torch.float16), torch.zeros(4)],  # nor a dtype
+    ],
+)
+def test_a_stream_that_does_not_match_its_specs_is_refused(
+    tmp_path: Path, stream: list[torch.Tensor]
+) -> None:
+    specs = {"a": (torch.float32, (2, 3)), "b": (torch.float32, (4,))}
+    with pytest.raises(ValueError):
+        safetensors_io.write_stream(specs, iter(stream), tmp_path / "bad.safetensors")
