@@ -16,6 +16,7 @@ from engine import quantized_cache
 from engine.config import EngineConfig, GiB
 from engine.cpu import cpu_features
 from engine.errors import ModelLoadError
+from engine.gguf_weights import ARCH_MODEL_TYPES, GGUFWeights
 from engine.kernels import load_cpu_kernels
 from engine.kv_cache import BlockPool, KVCacheSpec, num_blocks_for
 from engine.loader import (
@@ -28,7 +29,13 @@ from engine.loader import (
     shipped_weight_format,
 )
 from engine.memory import return_freed_memory
-from engine.models import CausalLM, load_model_weights, pack_model, restore_quantized_model
+from engine.models import (
+    CausalLM,
+    load_gguf_quantized,
+    load_model_weights,
+    pack_model,
+    restore_quantized_model,
+)
 from engine.quantization import WeightFormat, dense_above_rows, use_quantized_kernel
 
 logger = logging.getLogger(__name__)
@@ -122,9 +129,11 @@ def _quantized_model(
 ) -> CausalLM:
     """A quantized model from its cache file, or quantized from the float weights and cached.
 
-    Why the cache: quantizing reads the whole float32 model first (the embedded one: 540 MB)
-    and takes seconds; the cached quantized weights and dense copies load at the size they
-    serve at."""
+    A Llama-family GGUF's blocks are read straight into the kernel's layout, tensor by tensor
+    (engine/gguf_weights.py); other sources are quantized from their float weights, read whole
+    (the float32 model in memory at once). Cached either way: reading the GGUF's header takes
+    ~3 s and quantizing floats much longer, while the cached quantized weights and dense
+    copies load at the size they serve at."""
     path = quantized_cache.cache_file(source, weights, dtype)
     if path.is_file():
         try:
@@ -132,9 +141,14 @@ def _quantized_model(
             return restore_quantized_model(hf_config, state, max_model_len, dtype, weights)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             logger.warning("ignoring the quantized cache %s: %s", path, exc)
-    model = load_model_weights(
-        hf_config, load_state_dict(source.path), max_model_len, dtype, torch.device("cpu"), weights
-    )
+    if source.gguf_path is not None and hf_config.model_type in ARCH_MODEL_TYPES.values():
+        gguf = GGUFWeights(source.gguf_path, hf_config)
+        model = load_gguf_quantized(hf_config, gguf, max_model_len, dtype, weights)
+    else:
+        state = load_state_dict(source.path)
+        model = load_model_weights(
+            hf_config, state, max_model_len, dtype, torch.device("cpu"), weights
+        )
     quantized_cache.write(model, path)
     return model
 

@@ -159,7 +159,7 @@ class WeightFormat:
         return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE}{copies})"
 
 
-def _quantizable(
+def quantizable_linears(
     model: nn.Module, weights: WeightFormat
 ) -> list[tuple[str, nn.Module, str, nn.Linear, str]]:
     """(qualified name, parent, attribute, linear, format) of every linear `weights` quantizes."""
@@ -183,7 +183,7 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
     (`lm_head`) by `weights.head`'s format and the others by `weights.layers`'; a linear the
     kernel cannot take (input size not a multiple of 32, output size of 8) stays as it is.
     Returns how many."""
-    targets = _quantizable(model, weights)
+    targets = quantizable_linears(model, weights)
     count = len(targets)
     while targets:  # popped: a replaced linear's float weight is freed as soon as it is done
         _full, parent, name, child, kind = targets.pop()
@@ -222,7 +222,7 @@ def restore_linears(
     """Put `QuantizedLinear`s where `quantize_linears` put them, their quantized weights taken
     (popped) from `state`, their dense copies on the meta device for `load_state_dict` to
     assign."""
-    for full, parent, name, child, kind in _quantizable(model, weights):
+    for full, parent, name, child, kind in quantizable_linears(model, weights):
         if f"{full}.quantized.codes" not in state:
             raise ValueError(f"no quantized weight for {full} in the quantized state")
         quantized = QuantizedWeight(

@@ -7,6 +7,8 @@ from typing import Any, Protocol
 import torch
 
 from engine.attention import ForwardBatch
+from engine.gguf_weights import GGUFWeights, quantized_state
+from engine.memory import return_freed_memory
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.layers import can_pack_linears, pack_linears
 from engine.models.llama import LlamaForCausalLM
@@ -88,6 +90,21 @@ def restore_quantized_model(
     relink_dense_biases(model)
     model.init_buffers()
     return _ready(model, torch.device("cpu"), dtype)
+
+
+def load_gguf_quantized(
+    hf_config: Any,
+    gguf: GGUFWeights,
+    max_positions: int,
+    dtype: torch.dtype,
+    weights: WeightFormat,
+) -> CausalLM:
+    """The model `load_model_weights` would build from the file's dequantized floats, from
+    its quantized blocks directly (see engine/gguf_weights.py)."""
+    state = quantized_state(_on_meta(hf_config, max_positions, dtype), gguf, weights, dtype)
+    model = restore_quantized_model(hf_config, state, max_positions, dtype, weights)
+    return_freed_memory()  # the build's temporaries, before packing allocates again
+    return model
 
 
 def pack_model(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:

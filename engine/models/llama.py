@@ -7,6 +7,7 @@ a 2-core CPU is bound by.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,6 +137,17 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face Llama state dict (consumed: each unfused q/k/v or gate/up
         tensor is freed once fused, not held to the end), fusing q/k/v and gate/up."""
+        sd = self.fuse_hf_state(state_dict, stack_weights)
+        sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
+        tied = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        load_exact(self, sd, tied)
+
+    def fuse_hf_state(
+        self, state_dict: dict[str, Any], stack: Callable[[list[Any]], Any]
+    ) -> dict[str, Any]:
+        """Hugging Face names -> this model's (q/k/v and gate/up fused by `stack`, the tied
+        head dropped), `state_dict` consumed. Values can be anything `stack` combines: float
+        tensors here, a GGUF file's group codes in `engine.gguf_weights`."""
         sd = {k.removeprefix("model."): state_dict.pop(k) for k in list(state_dict)}
         if self.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
@@ -144,9 +156,7 @@ class LlamaForCausalLM(nn.Module):
             for kind in ("weight", "bias"):
                 names = [f"{p}self_attn.{x}_proj.{kind}" for x in ("q", "k", "v")]
                 if names[0] in sd:
-                    sd[f"{p}self_attn.qkv_proj.{kind}"] = stack_weights([sd.pop(n) for n in names])
+                    sd[f"{p}self_attn.qkv_proj.{kind}"] = stack([sd.pop(n) for n in names])
             gate_up = [sd.pop(f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")]
-            sd[f"{p}mlp.gate_up_proj.weight"] = stack_weights(gate_up)
-        sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
-        tied = {"lm_head.weight"} if self.tie_word_embeddings else set()
-        load_exact(self, sd, tied)
+            sd[f"{p}mlp.gate_up_proj.weight"] = stack(gate_up)
+        return sd

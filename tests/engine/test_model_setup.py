@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, model_setup
+from engine import EngineConfig, model_setup, quantized_cache
 from engine.kernels import load_cpu_kernels
-from engine.loader import default_cache_dir
+from engine.loader import ModelSource, default_cache_dir
 from engine.model_setup import load_model
 from engine.quantization import EVERY_ROW_COUNT, QuantizedLinear, dense_above_rows
 
@@ -93,8 +93,8 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     assert cached.stat().st_size > 100  # written again
 
 
-def _never(path: Path) -> dict[str, torch.Tensor]:
-    raise AssertionError(f"the float weights of {path} were read")
+def _never(path: Path, *args: object) -> dict[str, torch.Tensor]:
+    raise AssertionError(f"{path} was read")
 
 
 def _quantized(model: object) -> list[QuantizedLinear]:
@@ -125,3 +125,23 @@ def test_without_the_kernels_quantized_linears_run_on_their_dense_copies(
     assert not loaded.has_cpu_kernels
     assert {m.max_rows for m in _quantized(loaded.model)} == {0}
     assert all(m.dense is not None for m in _quantized(loaded.model))
+
+
+@pytest.mark.e2e
+def test_a_gguf_models_first_start_reads_its_blocks_not_float_weights(
+    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no quantized cache, the embedded model is built from the GGUF's own Q4_1 / Q8_0
+    blocks (engine/gguf_weights.py), never from the converted float32 weights, and cached;
+    the second start reads that cache and builds the same model."""
+    monkeypatch.setattr(quantized_cache, "default_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(model_setup, "load_state_dict", _never)
+    config = EngineConfig(max_model_len=256, kv_cache_memory=64 << 20)
+    first = load_model(config)
+    assert [p.parent for p in (tmp_path / "quantized").glob("*.safetensors")] == [
+        tmp_path / "quantized"
+    ]
+    monkeypatch.setattr(model_setup, "GGUFWeights", _never)
+    second = load_model(config)
+    assert _weights(second.model) == _weights(first.model)
+    assert len(_quantized(first.model)) == 4 * 30 + 1  # qkv, o, gate_up, down per layer; head
