@@ -14,6 +14,9 @@ permuted back here (transformers' `LlamaTensorProcessor` does the same).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,7 @@ from engine.quantization import (
 # GGUF architectures read here, by the Hugging Face model_type they convert to.
 ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 HF_LAYOUT_ARCHS = frozenset({"llama"})  # q/k rows permuted by llama.cpp's converter
+TABLE_RECORD = "prefixgate-gguf-tensors.json"  # in a GGUF's conversion folder
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -95,41 +99,93 @@ class GroupCodes:
 
 
 @dataclass(frozen=True)
-class _Entry:
-    gguf_name: str
+class TensorEntry:
     kind: str  # GGML type name
     shape: tuple[int, ...]  # torch order: [N, K] for a matrix
+    offset: int  # of its data, from the start of the file
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """A GGUF file's architecture and tensor table, by GGUF tensor name."""
+
+    arch: str
+    tensors: dict[str, TensorEntry]
+
+    @classmethod
+    def parse(cls, path: Path) -> GGUFTable:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        tensors = {
+            t.name: TensorEntry(
+                t.tensor_type.name,
+                tuple(int(n) for n in reversed(t.shape.tolist())),
+                int(t.data_offset),
+                int(t.n_bytes),
+            )
+            for t in reader.tensors
+        }
+        table = cls(str(reader.fields["general.architecture"].contents()), tensors)
+        del reader
+        return_freed_memory()
+        return table
+
+    def to_json(self) -> str:
+        return json.dumps({"arch": self.arch, "tensors": {
+            name: dataclasses.asdict(entry) for name, entry in self.tensors.items()
+        }})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> GGUFTable:
+        """ValueError, KeyError or TypeError where `text` is not a table."""
+        data = json.loads(text)
+        tensors = {
+            name: TensorEntry(e["kind"], tuple(e["shape"]), int(e["offset"]), int(e["num_bytes"]))
+            for name, e in data["tensors"].items()
+        }
+        return cls(str(data["arch"]), tensors)
+
+
+def gguf_table(gguf_path: Path, folder: Path) -> GGUFTable:
+    """The table recorded in `folder` (the file's conversion, keyed by its content), else
+    parsed from the file and recorded there. Why: `GGUFReader` parses every metadata field,
+    the 49k-token vocabulary included: ~3 s and ~160 MB of small arrays, ~20 MB of which
+    stayed in the heap of the process that parsed it."""
+    record = folder / TABLE_RECORD
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return GGUFTable.from_json(record.read_text(encoding="utf-8"))
+    table = GGUFTable.parse(gguf_path)
+    with contextlib.suppress(OSError):
+        record.write_text(table.to_json(), encoding="utf-8")
+    return table
+
+
+@dataclass(frozen=True)
+class _Entry:
+    gguf_name: str
+    kind: str
+    shape: tuple[int, ...]
     offset: int
     num_bytes: int
 
 
 class GGUFWeights:
-    """The tensor table of a GGUF file and its tensors under Hugging Face names.
+    """A Llama-family GGUF's tensors under Hugging Face names, read one at a time with plain
+    file reads, not a memory map: a mapped page stays in the RSS while the map lives."""
 
-    Reading the table parses the whole header (~2 s for a 49k-token vocabulary), so callers
-    cache what they build from it. Tensor data is read with plain file reads, not the
-    reader's memory map: a mapped page stays in the RSS while the map lives."""
-
-    def __init__(self, path: Path, hf_config: Any) -> None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
+    def __init__(self, path: Path, table: GGUFTable, hf_config: Any) -> None:
         self.path = path
-        self.arch = str(reader.fields["general.architecture"].contents())
+        self.arch = table.arch
         if self.arch not in ARCH_MODEL_TYPES:
             raise ValueError(f"{path}: GGUF architecture {self.arch!r} is not read directly")
         self._heads = (int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads))
         self.entries: dict[str, _Entry] = {}
-        for t in reader.tensors:
-            hf_name = hf_tensor_name(t.name)
-            if hf_name is None:
-                continue  # e.g. rope_freqs: rebuilt from the config
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            self.entries[hf_name] = _Entry(
-                t.name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes)
-            )
-        del reader
-        return_freed_memory()  # the parsed header (~160 MB of small arrays for a 49k vocabulary)
+        for gguf_name, t in table.tensors.items():
+            hf_name = hf_tensor_name(gguf_name)
+            if hf_name is not None:  # None: e.g. rope_freqs, rebuilt from the config
+                self.entries[hf_name] = _Entry(gguf_name, t.kind, t.shape, t.offset, t.num_bytes)
 
     def names(self) -> list[str]:
         return list(self.entries)

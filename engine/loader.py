@@ -13,8 +13,6 @@ Weights are never downloaded: every transformers call is `local_files_only`.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -39,7 +37,7 @@ from tqdm import tqdm
 
 from engine import safetensors_io
 from engine.errors import ModelLoadError
-from engine.gguf_weights import ARCH_MODEL_TYPES, GGUFWeights
+from engine.gguf_weights import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
 from engine.models import SUPPORTED_MODEL_TYPES
 from engine.quantization import WeightFormat
 
@@ -60,7 +58,6 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERSION_VERSION = 2  # 2: Llama-family tensors read by engine.gguf_weights
 _HASH_WINDOW_BYTES = 1 << 20
 _STALE_TEMP_SECONDS = 3600.0
-_WEIGHT_FORMAT_RECORD = "prefixgate-weight-format.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # (index file, shard glob) in order of preference.
 _WEIGHT_LAYOUTS = (
@@ -248,36 +245,13 @@ _GGML_BITS = {
 
 
 def shipped_weight_format(source: ModelSource) -> WeightFormat:
-    """The weight format closest to what a GGUF source ships (floats for an HF folder).
-
-    Read from the GGUF by the conversion and recorded in its folder (which is keyed by the
-    file's content): `GGUFReader` parses every metadata field, the 49k-token vocabulary
-    included, and took 2.9 s and ~160 MB at every start. Read again (and recorded) where a
-    folder lacks the record."""
+    """The weight format closest to what a GGUF source ships (floats for an HF folder): its
+    decoder linears' and its head's (`output.weight`, else the tied `token_embd.weight`)
+    quantization. Q4_0, Q4_1 and Q8_0 are reproduced exactly; other 4-8 bit types are
+    requantized to the nearest of int4 / int8. From the tensor table the conversion recorded."""
     if source.gguf_path is None:
         return WeightFormat()
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        record = (source.path / _WEIGHT_FORMAT_RECORD).read_text(encoding="utf-8")
-        return WeightFormat(**json.loads(record))
-    return _record_weight_format(source.gguf_path, source.path)
-
-
-def _record_weight_format(gguf_path: Path, folder: Path) -> WeightFormat:
-    shipped = _gguf_weight_format(gguf_path)
-    with contextlib.suppress(OSError):
-        (folder / _WEIGHT_FORMAT_RECORD).write_text(
-            json.dumps(dataclasses.asdict(shipped)), encoding="utf-8"
-        )
-    return shipped
-
-
-def _gguf_weight_format(gguf_path: Path) -> WeightFormat:
-    """Its decoder linears' and its head's (`output.weight`, else the tied
-    `token_embd.weight`) quantization. Q4_1 and Q8_0 are reproduced exactly; other 4-8 bit
-    types are requantized to the nearest of the two."""
-    from gguf import GGUFReader
-
-    types = {t.name: t.tensor_type.name for t in GGUFReader(gguf_path).tensors}
+    types = {name: t.kind for name, t in gguf_table(source.gguf_path, source.path).tensors.items()}
     layers = {_GGML_BITS.get(kind, "none") for name, kind in types.items() if _is_linear(name)}
     head = types.get("output.weight", types.get("token_embd.weight", ""))
     return WeightFormat(
@@ -383,10 +357,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     config, tokenizer = _load_gguf_header(gguf_path)
     _check_model_type(config.model_type, gguf_path)
+    table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
     if config.model_type in ARCH_MODEL_TYPES.values():
         _plain_config(config).save_pretrained(out_dir)
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-        gguf = GGUFWeights(gguf_path, config)
+        gguf = GGUFWeights(gguf_path, table, config)
         safetensors_io.write_stream(
             gguf.float_specs(), gguf.float_tensors(), out_dir / "model.safetensors"
         )
@@ -397,7 +372,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         save_file(_untied(model.state_dict()), out_dir / "model.safetensors", {"format": "pt"})
     tokenizer.save_pretrained(out_dir)
     _check_saved_tokenizer(tokenizer, out_dir, gguf_path)
-    _record_weight_format(gguf_path, out_dir)
 
 
 def _load_gguf_header(gguf_path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:

@@ -12,7 +12,15 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, Qwen2Config
 
-from engine.gguf_weights import GGUFWeights, GroupCodes, hf_tensor_name, quantized_state
+from engine.gguf_weights import (
+    TABLE_RECORD,
+    GGUFTable,
+    GGUFWeights,
+    GroupCodes,
+    gguf_table,
+    hf_tensor_name,
+    quantized_state,
+)
 from engine.models import _on_meta, load_model_weights
 from engine.quantization import WeightFormat
 from engine.quantization import quantized_state as float_route_state
@@ -95,6 +103,10 @@ def _write_gguf(
     return expected
 
 
+def _open(path: Path, cfg: LlamaConfig | Qwen2Config) -> GGUFWeights:
+    return GGUFWeights(path, GGUFTable.parse(path), cfg)
+
+
 @pytest.mark.parametrize(
     ("gguf_name", "hf_name"),
     [
@@ -120,7 +132,7 @@ def test_dequantized_tensors_are_the_files_values_in_hf_row_order(
 ) -> None:
     path = tmp_path / "tiny.gguf"
     expected = _write_gguf(path, model_type, layer_type, Q.Q8_0)
-    gguf = GGUFWeights(path, _config(model_type))
+    gguf = _open(path, _config(model_type))
     assert sorted(gguf.names()) == sorted(expected)
     for name, values in expected.items():
         assert torch.equal(gguf.dequantize(name), values), name
@@ -135,7 +147,7 @@ def test_group_codes_are_the_files_blocks(
 ) -> None:
     path = tmp_path / "tiny.gguf"
     expected = _write_gguf(path, "llama", qtype, Q.Q8_0)
-    gguf = GGUFWeights(path, _config("llama"))
+    gguf = _open(path, _config("llama"))
     name = "model.layers.1.self_attn.q_proj.weight"  # permuted rows
     codes = gguf.group_codes(name)
     if bits is None:  # not one of the kernel's schemes
@@ -181,7 +193,7 @@ def test_quantized_state_from_blocks_equals_quantizing_the_dequantized_floats(
     path = tmp_path / "tiny.gguf"
     floats = _write_gguf(path, model_type, layer_type, head_type)
     cfg = _config(model_type)
-    direct = quantized_state(_on_meta(cfg, 64, dtype), GGUFWeights(path, cfg), weights, dtype)
+    direct = quantized_state(_on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
     model = load_model_weights(cfg, dict(floats), 64, dtype, torch.device("cpu"), weights)
     reference = float_route_state(model)
     assert sorted(direct) == sorted(reference)
@@ -200,8 +212,8 @@ def test_quantized_weights_are_exactly_the_files(
     floats = _write_gguf(path, "llama", layer_type, Q.Q8_0)
     cfg = _config("llama")
     weights = WeightFormat("int4", "int8", dense_copies=True)
-    state = quantized_state(_on_meta(cfg, 64, torch.float32), GGUFWeights(path, cfg), weights,
-                            torch.float32)  # fmt: skip
+    model = _on_meta(cfg, 64, torch.float32)
+    state = quantized_state(model, _open(path, cfg), weights, torch.float32)
     layer = "model.layers.1"
     qkv = torch.cat([floats[f"{layer}.self_attn.{x}_proj.weight"] for x in "qkv"])
     assert torch.equal(state["layers.1.self_attn.qkv_proj.dense.weight"], qkv)
@@ -215,8 +227,8 @@ def test_a_model_without_gguf_fusion_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
     with pytest.raises(ValueError, match="cannot load GGUF tensors directly"):
-        quantized_state(torch.nn.Linear(32, 8), GGUFWeights(path, _config("llama")),
-                        WeightFormat("int4", "int8"), torch.float32)  # fmt: skip
+        gguf = _open(path, _config("llama"))
+        quantized_state(torch.nn.Linear(32, 8), gguf, WeightFormat("int4", "int8"), torch.float32)
 
 
 def test_other_architectures_are_not_read_directly(tmp_path: Path) -> None:
@@ -228,4 +240,30 @@ def test_other_architectures_are_not_read_directly(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match="'gpt2' is not read directly"):
-        GGUFWeights(path, _config("llama"))
+        _open(path, _config("llama"))
+
+
+def test_the_tensor_table_is_parsed_once_and_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "qwen2", Q.Q4_1, Q.Q8_0)
+    parsed = GGUFTable.parse(path)
+    assert parsed.arch == "qwen2"
+    assert parsed.tensors["blk.0.attn_q.weight"].kind == "Q4_1"
+    assert parsed.tensors["blk.0.attn_q.weight"].shape == (64, 64)
+    assert parsed.tensors["blk.0.attn_q.bias"].kind == "F32"
+    assert GGUFTable.from_json(parsed.to_json()) == parsed
+    folder = tmp_path / "conversion"
+    folder.mkdir()
+    assert gguf_table(path, folder) == parsed
+    assert (folder / TABLE_RECORD).is_file()
+    monkeypatch.setattr(GGUFTable, "parse", _never_parse)
+    assert gguf_table(path, folder) == parsed  # from the record
+    (folder / TABLE_RECORD).write_text('{"arch": "llama"}')  # damaged: parsed again
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_table(path, folder)
+
+
+def _never_parse(path: Path) -> GGUFTable:
+    raise AssertionError(f"{path} was parsed again")

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from engine import loader
 from engine.errors import ModelLoadError
+from engine.gguf_weights import GGUFTable, TensorEntry
 from engine.loader import (
     DEFAULT_GGUF_FILE,
     DEFAULT_MODEL_NAME,
@@ -197,7 +198,8 @@ def fake_gguf(
     model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_path)
     monkeypatch.setattr(loader, "_load_gguf_header", lambda path: (model.config, tiny_tokenizer))
     monkeypatch.setattr(loader, "_load_gguf_model", lambda path: model)
-    monkeypatch.setattr(loader, "_gguf_weight_format", lambda path: WeightFormat("int8", "int8"))
+    table = GGUFTable("gpt2", {"token_embd.weight": TensorEntry("Q8_0", (96, 64), 0, 6528)})
+    monkeypatch.setattr(loader, "gguf_table", lambda path, folder: table)
     monkeypatch.setattr(
         loader, "_convert_in_child", lambda path, out: loader._convert_gguf(path, out)
     )
