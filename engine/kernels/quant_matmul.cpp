@@ -62,13 +62,14 @@ struct QuantizedActivations {
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> scale;   // [M, G]
   std::vector<float> sum;     // [M, G]: scale * sum(codes)
+  std::vector<int32_t> code_sum;  // [M, G]: sum(codes), for 8-bit weights taken unsigned
 };
 
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
   QuantizedActivations out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
-                           std::vector<float>(rows * groups)};
+                           std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
   // In parallel: a 100-token prefill quantizes ~10^7 activations over a forward, ~30 ms on one
   // thread (AVX2 build; 479 vs 214 us for 100 rows of 1536 on two).
   at::parallel_for(0, rows * groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
@@ -92,6 +93,7 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
       }
       out.scale[i] = scale;
       out.sum[i] = scale * static_cast<float>(total);
+      out.code_sum[i] = total;
     }
   });
   return out;
@@ -106,6 +108,7 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
   const int8_t* qa = act.codes.data() + first_row * k;
   const float* da = act.scale.data() + first_row * groups;
   const float* sa = act.sum.data() + first_row * groups;
+  [[maybe_unused]] const int32_t* ca = act.code_sum.data() + first_row * groups;
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
 #if PREFIXGATE_QMM_AVX2
   __m256 acc[MB];
@@ -120,6 +123,7 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
       __builtin_prefetch(group_codes + kPrefetchBytes + 192);
     }
     __m256i w[kSteps];
+    [[maybe_unused]] __m256i u8[kSteps];  // 8 bits: the unsigned operand (see below)
     for (int j = 0; j < kSteps; ++j) {
       if constexpr (BITS == 4) {
         if (j % 2 == 0) {
@@ -129,7 +133,19 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
           w[j + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
         }
       } else {
-        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes + j * 32));
+        // 8-bit codes are signed and the multiply-add takes its first operand unsigned. Once
+        // per group, not per activation row: with VNNI, w + 128 (its top bit flipped), the
+        // 128 * sum(activation codes) it adds taken off the integer sum after; without, |w|,
+        // w's sign moved onto the activation in the row loop (llama.cpp's trick: maddubs'
+        // pair sums of 127 * 127 stay within int16).
+        const __m256i codes8 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes + j * 32));
+        w[j] = codes8;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        u8[j] = _mm256_xor_si256(codes8, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+        u8[j] = _mm256_sign_epi8(codes8, codes8);
+#endif
       }
     }
     const __m256 d = _mm256_cvtph_ps(
@@ -149,9 +165,11 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
         int32_t four;
         std::memcpy(&four, a + 4 * j, sizeof four);
         __m256i u = w[j], s = _mm256_set1_epi32(four);
-        if constexpr (BITS == 8) {  // signed codes lend their sign to the activation
-          s = _mm256_sign_epi8(s, w[j]);
-          u = _mm256_sign_epi8(w[j], w[j]);
+        if constexpr (BITS == 8) {
+          u = u8[j];
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+          s = _mm256_sign_epi8(s, w[j]);  // the code's sign, its magnitude in u
+#endif
         }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         chains[j % 4] = _mm256_dpbusd_epi32(chains[j % 4], u, s);
@@ -167,6 +185,8 @@ void tile_dot(const uint8_t* codes, const at::Half* scales, const QuantizedActiv
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
       sums = _mm256_add_epi32(_mm256_add_epi32(chains[0], chains[1]),
                               _mm256_add_epi32(chains[2], chains[3]));
+      if constexpr (BITS == 8)  // the codes were taken as w + 128
+        sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(128 * ca[mb * groups + g]));
 #else
       if constexpr (BITS == 4) sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
