@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from engine.loader import ModelSource, default_cache_dir, resolve_model
+from tests.helpers import TINY_LLAMA_SHAPE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -97,11 +98,7 @@ def tiny_llama_path(
     """A seeded 2-layer Llama with GQA (4 query heads, 2 KV heads), saved as an HF folder."""
     config = LlamaConfig(
         vocab_size=len(tiny_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_LLAMA_SHAPE,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

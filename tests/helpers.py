@@ -11,6 +11,16 @@ from engine import AsyncEngine, EngineConfig, LLMEngine, RequestOutput, Sampling
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
+# The tiny Llama's shape, shared by the test models built from it: 2 layers, GQA (4 query
+# heads, 2 KV heads), widths the quantized kernel takes (multiples of 32).
+TINY_LLAMA_SHAPE: dict[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
 
 def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:
     """An engine on a tiny test model: 4-token blocks, a 256-block pool, 64-token steps, and

@@ -24,6 +24,7 @@ from engine.gguf_weights import (
 from engine.models import _on_meta, load_model_weights
 from engine.quantization import WeightFormat
 from engine.quantization import quantized_state as float_route_state
+from tests.helpers import TINY_LLAMA_SHAPE
 
 Q = GGMLQuantizationType
 
@@ -37,15 +38,7 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _config(model_type: str) -> LlamaConfig | Qwen2Config:
     cls = LlamaConfig if model_type == "llama" else Qwen2Config
-    return cls(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    return cls(vocab_size=96, tie_word_embeddings=True, **TINY_LLAMA_SHAPE)
 
 
 def _write_gguf(
