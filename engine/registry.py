@@ -16,8 +16,10 @@ Engine-thread only, like the pool.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +118,7 @@ class PrefixRegistry:
         self.index: PrefixIndex[RegisteredPrefix] = PrefixIndex((), _ids, pool.block_size)
         self.stats = RegistryStats()
         self.last_reload = ReloadStatus()
+        self.digest = registry_digest(())
 
     def match(
         self,
@@ -184,10 +187,21 @@ class PrefixRegistry:
                     self.pool.cache_block(block_id, block_hash, replace=True)
         self.index = PrefixIndex(prefixes.values(), _ids, self.pool.block_size)
         self.prefixes = prefixes
+        self.digest = registry_digest(p.spec for p in prefixes.values())
 
     @property
     def num_pinned_blocks(self) -> int:
         return len({b for p in self.prefixes.values() for b in p.block_ids})
+
+
+def registry_digest(specs: Iterable[PrefixSpec]) -> str:
+    """What a registry serves, as one short hash: each entry's name, token ids and tenants,
+    in name order. Two engines with the same digest answer every prompt with the same
+    registry hits; replicas compare it to tell that a reload reached them all."""
+    entries = sorted(
+        (s.name, list(s.token_ids), None if s.tenants is None else sorted(s.tenants)) for s in specs
+    )
+    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def _ids(prefix: RegisteredPrefix) -> tuple[int, ...]:

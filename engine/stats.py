@@ -47,6 +47,7 @@ class EngineStats:
     prefix_hits: int
     prefix_cached_tokens: int
     prefixes: tuple[PrefixInfo, ...]
+    registry_digest: str  # engine.registry.registry_digest of the prefixes served
     last_reload_time: float | None
     last_reload_ok: bool | None
     last_reload_error: str | None
@@ -93,6 +94,7 @@ def snapshot(
             )
             for p in registry.prefixes.values()
         ),
+        registry_digest=registry.digest,
         last_reload_time=reload.time,
         last_reload_ok=reload.ok,
         last_reload_error=reload.error,

@@ -287,6 +287,11 @@ class _EngineCollector:
         yield cached
 
     def _reload(self, snap: EngineStats) -> Iterator[Metric]:
+        yield InfoMetricFamily(
+            "prefixgate_prefix_registry",
+            "The prefix registry being served: its digest (names, token ids, tenants).",
+            value={_MODEL: self.model_name, "digest": snap.registry_digest},
+        )
         # Absent, not 0, before the first load: "never reloaded" is not "reload failed".
         if snap.last_reload_ok is not None:
             yield self._gauge(

@@ -45,6 +45,7 @@ class PrefixList(BaseModel):
     lookups: int
     hits: int
     cached_tokens: int
+    digest: str  # of every entry's name, token ids and tenants: equal digests, equal registries
     last_reload: ReloadState
 
 

@@ -59,6 +59,7 @@ async def list_prefixes(request: Request) -> Response:
         lookups=stats.prefix_lookups,
         hits=stats.prefix_hits,
         cached_tokens=stats.prefix_cached_tokens,
+        digest=stats.registry_digest,
         last_reload=ReloadState(
             time=stats.last_reload_time,
             ok=stats.last_reload_ok,

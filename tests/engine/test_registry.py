@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.chat import chat_prompt_ids, text_prompt_ids
 from engine.prefix_loader import PrefixBudgetError
-from engine.registry_file import RegistryFileError
+from engine.registry import registry_digest
+from engine.registry_file import PrefixSpec, RegistryFileError
 from tests.helpers import run_staggered, tokens_of
 
 BLOCK = 4
@@ -381,6 +382,44 @@ def test_invalid_reload_keeps_the_old_registry_and_reports(
     assert status.ok is False and status.error is not None and needle in status.error
     assert statuses == [status] and status.time is not None
     _assert_idle(engine)
+
+
+def test_the_digest_names_what_the_registry_serves(
+    tiny_llama_path: Path, prefix_file: Path
+) -> None:
+    """Equal for two engines on the same file and after a reload that changed nothing; new
+    when an entry's text, name or tenants change; back when the file is."""
+    engine = _engine(tiny_llama_path, prefix_file)
+    other = _engine(tiny_llama_path, prefix_file)
+    first = engine.stats().registry_digest
+    assert len(first) == 16 and first == other.stats().registry_digest
+    assert first != registry_digest(())
+    original = prefix_file.read_text()
+    seen = {first}
+    for edited in (
+        original.replace("name: doc", "name: doc2"),
+        original.replace(DOC, DOC + " more"),
+        original.replace("name: doc", "name: doc\n    tenants: [team-a]"),
+    ):
+        seen.add(_reloaded_digest(engine, prefix_file, edited))
+    assert len(seen) == 4
+    assert _reloaded_digest(engine, prefix_file, original) == first
+
+
+def _reloaded_digest(engine: LLMEngine, prefix_file: Path, content: str) -> str:
+    prefix_file.write_text(content)
+    engine.reload_prefix_file()
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert engine.registry.last_reload.ok, engine.registry.last_reload.error
+    return engine.stats().registry_digest
+
+
+def test_the_digest_ignores_entry_order() -> None:
+    a = PrefixSpec("a", "", "text", [], "abc", (1, 2, 3))
+    b = PrefixSpec("b", "", "text", [], "de", (4, 5), tenants=("t1", "t2"))
+    assert registry_digest([a, b]) == registry_digest([b, a])
+    assert registry_digest([a, b]) != registry_digest([a])
 
 
 def test_prefixes_that_crowd_out_requests_are_refused(
