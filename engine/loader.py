@@ -247,7 +247,8 @@ _GGML_BITS = {
 def shipped_weight_format(source: ModelSource) -> WeightFormat:
     """The weight format closest to what a GGUF source ships (floats for an HF folder): its
     decoder linears' and its head's (`output.weight`, else the tied `token_embd.weight`)
-    quantization. Q4_0, Q4_1 and Q8_0 are reproduced exactly; other 4-8 bit types are
+    quantization. Q4_1 and Q8_0 are reproduced exactly, and Q4_0 too where the blocks are read
+    directly (Llama-family files, engine/gguf_weights.py); other 4-8 bit types are
     requantized to the nearest of int4 / int8. From the tensor table the conversion recorded."""
     if source.gguf_path is None:
         return WeightFormat()
