@@ -162,15 +162,6 @@ def gguf_table(gguf_path: Path, folder: Path) -> GGUFTable:
     return table
 
 
-@dataclass(frozen=True)
-class _Entry:
-    gguf_name: str
-    kind: str
-    shape: tuple[int, ...]
-    offset: int
-    num_bytes: int
-
-
 class GGUFWeights:
     """A Llama-family GGUF's tensors under Hugging Face names, read one at a time with plain
     file reads, not a memory map: a mapped page stays in the RSS while the map lives."""
@@ -181,17 +172,14 @@ class GGUFWeights:
         if self.arch not in ARCH_MODEL_TYPES:
             raise ValueError(f"{path}: GGUF architecture {self.arch!r} is not read directly")
         self._heads = (int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads))
-        self.entries: dict[str, _Entry] = {}
-        for gguf_name, t in table.tensors.items():
+        self.entries: dict[str, TensorEntry] = {}
+        for gguf_name, entry in table.tensors.items():
             hf_name = hf_tensor_name(gguf_name)
             if hf_name is not None:  # None: e.g. rope_freqs, rebuilt from the config
-                self.entries[hf_name] = _Entry(gguf_name, t.kind, t.shape, t.offset, t.num_bytes)
+                self.entries[hf_name] = entry
 
     def names(self) -> list[str]:
         return list(self.entries)
-
-    def kind(self, hf_name: str) -> str:
-        return self.entries[hf_name].kind
 
     def group_codes(self, hf_name: str) -> GroupCodes | None:
         """The tensor's own blocks as codes, d and m, or None where its type is not one of
@@ -249,12 +237,12 @@ class GGUFWeights:
         for name in self.entries:
             yield self.dequantize(name)
 
-    def _read(self, entry: _Entry) -> torch.Tensor:
+    def _read(self, entry: TensorEntry) -> torch.Tensor:
         raw = torch.empty(entry.num_bytes, dtype=torch.uint8)
         with self.path.open("rb") as f:
             f.seek(entry.offset)
             if f.readinto(raw.numpy()) != entry.num_bytes:  # type: ignore[arg-type]
-                raise ValueError(f"{self.path} is truncated at {entry.gguf_name}")
+                raise ValueError(f"{self.path} is truncated at offset {entry.offset}")
         return raw
 
     def _hf_row_order(self, hf_name: str) -> torch.Tensor | None:

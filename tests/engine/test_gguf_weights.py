@@ -260,3 +260,13 @@ def test_the_tensor_table_is_parsed_once_and_recorded(
 
 def _never_parse(path: Path) -> GGUFTable:
     raise AssertionError(f"{path} was parsed again")
+
+
+def test_a_truncated_file_is_a_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
+    gguf = _open(path, _config("llama"))
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor's tail
+    last = max(gguf.entries, key=lambda name: gguf.entries[name].offset)
+    with pytest.raises(ValueError, match="truncated"):
+        gguf.dequantize(last)
