@@ -354,25 +354,31 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     A Llama-family file's tensors are dequantized one at a time and streamed to disk
     (engine/gguf_weights.py); others go through transformers' GGUF loader, which holds the
     whole float32 model (the embedded model that way: a 1.2 GB peak at a fresh start)."""
-    from transformers import GenerationConfig
-
     config, tokenizer = _load_gguf_header(gguf_path)
     _check_model_type(config.model_type, gguf_path)
-    table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
-    if config.model_type in ARCH_MODEL_TYPES.values():
-        _plain_config(config).save_pretrained(out_dir)
-        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-        gguf = GGUFWeights(gguf_path, table, config)
-        safetensors_io.write_stream(
-            gguf.float_specs(), gguf.float_tensors(), out_dir / "model.safetensors"
-        )
-    else:
+    try:
+        table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
+        if table.arch in ARCH_MODEL_TYPES:
+            _stream_float_weights(GGUFWeights(gguf_path, table, config), config, out_dir)
+    except (ValueError, KeyError) as exc:  # a damaged tensor table or tensor
+        raise ModelLoadError(f"cannot read the tensors of GGUF {gguf_path}: {exc}") from exc
+    if table.arch not in ARCH_MODEL_TYPES:
         model = _load_gguf_model(gguf_path)
         _plain_config(model.config, type(model).__name__).save_pretrained(out_dir)
         model.generation_config.save_pretrained(out_dir)
         save_file(_untied(model.state_dict()), out_dir / "model.safetensors", {"format": "pt"})
     tokenizer.save_pretrained(out_dir)
     _check_saved_tokenizer(tokenizer, out_dir, gguf_path)
+
+
+def _stream_float_weights(gguf: GGUFWeights, config: PretrainedConfig, out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    _plain_config(config).save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    safetensors_io.write_stream(
+        gguf.float_specs(), gguf.float_tensors(), out_dir / "model.safetensors"
+    )
 
 
 def _load_gguf_header(gguf_path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:

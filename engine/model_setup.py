@@ -141,10 +141,13 @@ def _quantized_model(
             return restore_quantized_model(hf_config, state, max_model_len, dtype, weights)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             logger.warning("ignoring the quantized cache %s: %s", path, exc)
-    if source.gguf_path is not None and hf_config.model_type in ARCH_MODEL_TYPES.values():
-        table = gguf_table(source.gguf_path, source.path)
-        gguf = GGUFWeights(source.gguf_path, table, hf_config)
-        model = load_gguf_quantized(hf_config, gguf, max_model_len, dtype, weights)
+    table = gguf_table(source.gguf_path, source.path) if source.gguf_path is not None else None
+    if source.gguf_path is not None and table is not None and table.arch in ARCH_MODEL_TYPES:
+        try:
+            gguf = GGUFWeights(source.gguf_path, table, hf_config)
+            model = load_gguf_quantized(hf_config, gguf, max_model_len, dtype, weights)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the weights of {source.gguf_path}: {exc}") from exc
     else:
         state = load_state_dict(source.path)
         model = load_model_weights(

@@ -12,6 +12,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, Qwen2Config
 
+from engine import model_setup
+from engine.errors import ModelLoadError
 from engine.gguf_weights import (
     TABLE_RECORD,
     GGUFTable,
@@ -21,6 +23,7 @@ from engine.gguf_weights import (
     hf_tensor_name,
     quantized_state,
 )
+from engine.loader import ModelSource
 from engine.models import _on_meta, load_model_weights
 from engine.quantization import WeightFormat
 from engine.quantization import quantized_state as float_route_state
@@ -270,3 +273,23 @@ def test_a_truncated_file_is_a_value_error(tmp_path: Path) -> None:
     last = max(gguf.entries, key=lambda name: gguf.entries[name].offset)
     with pytest.raises(ValueError, match="truncated"):
         gguf.dequantize(last)
+
+
+def test_a_damaged_gguf_fails_the_load_with_a_model_load_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's load reads the file's blocks; a truncated file is a clear ModelLoadError,
+    not a traceback from deep inside the reader."""
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
+    folder = tmp_path / "conversion"
+    folder.mkdir()
+    gguf_table(path, folder)  # what the conversion recorded
+    (folder / "model.safetensors").write_bytes(b"")  # the cache key reads its size and mtime
+    path.write_bytes(path.read_bytes()[:-100])
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path / "cache"))
+    source = ModelSource(name="tiny", path=folder, gguf_path=path)
+    with pytest.raises(ModelLoadError, match=r"cannot read the weights of .*tiny\.gguf"):
+        model_setup._quantized_model(
+            _config("llama"), source, 64, torch.float32, WeightFormat("int4", "int8")
+        )
