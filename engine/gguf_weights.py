@@ -271,7 +271,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def quantized_state(
+def blocks_quantized_state(
     model: nn.Module, gguf: GGUFWeights, weights: WeightFormat, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """What `restore_quantized_model` takes (`engine.quantization.quantized_state`'s layout)

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.attention import ForwardBatch
-from engine.gguf_weights import GGUFWeights, quantized_state
+from engine.gguf_weights import GGUFWeights, blocks_quantized_state
 from engine.memory import return_freed_memory
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.layers import can_pack_linears, pack_linears
@@ -101,7 +101,7 @@ def load_gguf_quantized(
 ) -> CausalLM:
     """The model `load_model_weights` would build from the file's dequantized floats, from
     its quantized blocks directly (see engine/gguf_weights.py)."""
-    state = quantized_state(_on_meta(hf_config, max_positions, dtype), gguf, weights, dtype)
+    state = blocks_quantized_state(_on_meta(hf_config, max_positions, dtype), gguf, weights, dtype)
     model = restore_quantized_model(hf_config, state, max_positions, dtype, weights)
     return_freed_memory()  # the build's temporaries, before packing allocates again
     return model

@@ -19,9 +19,9 @@ from engine.gguf_weights import (
     GGUFTable,
     GGUFWeights,
     GroupCodes,
+    blocks_quantized_state,
     gguf_table,
     hf_tensor_name,
-    quantized_state,
 )
 from engine.loader import ModelSource
 from engine.models import _on_meta, load_model_weights
@@ -189,7 +189,7 @@ def test_quantized_state_from_blocks_equals_quantizing_the_dequantized_floats(
     path = tmp_path / "tiny.gguf"
     floats = _write_gguf(path, model_type, layer_type, head_type)
     cfg = _config(model_type)
-    direct = quantized_state(_on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
+    direct = blocks_quantized_state(_on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
     model = load_model_weights(cfg, dict(floats), 64, dtype, torch.device("cpu"), weights)
     reference = float_route_state(model)
     assert sorted(direct) == sorted(reference)
@@ -209,7 +209,7 @@ def test_quantized_weights_are_exactly_the_files(
     cfg = _config("llama")
     weights = WeightFormat("int4", "int8", dense_copies=True)
     model = _on_meta(cfg, 64, torch.float32)
-    state = quantized_state(model, _open(path, cfg), weights, torch.float32)
+    state = blocks_quantized_state(model, _open(path, cfg), weights, torch.float32)
     layer = "model.layers.1"
     qkv = torch.cat([floats[f"{layer}.self_attn.{x}_proj.weight"] for x in "qkv"])
     assert torch.equal(state["layers.1.self_attn.qkv_proj.dense.weight"], qkv)
@@ -224,7 +224,9 @@ def test_a_model_without_gguf_fusion_is_refused(tmp_path: Path) -> None:
     _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
     with pytest.raises(ValueError, match="cannot load GGUF tensors directly"):
         gguf = _open(path, _config("llama"))
-        quantized_state(torch.nn.Linear(32, 8), gguf, WeightFormat("int4", "int8"), torch.float32)
+        blocks_quantized_state(
+            torch.nn.Linear(32, 8), gguf, WeightFormat("int4", "int8"), torch.float32
+        )
 
 
 def test_other_architectures_are_not_read_directly(tmp_path: Path) -> None:
