@@ -29,8 +29,8 @@ serve: $(STAMP)  ## serve the embedded model with prefixes.yaml on 127.0.0.1:800
 test: $(STAMP)  ## run the whole test suite (unit + end-to-end on the real default model)
 	$(BIN)/pytest $(ARGS)
 
-test-fast: $(STAMP)  ## run the tests that do not need the real model
-	$(BIN)/pytest -m "not e2e" $(ARGS)
+test-fast: $(STAMP)  ## run the tests that need neither the real model nor a local Ray
+	$(BIN)/pytest -m "not e2e and not ray" $(ARGS)
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff check .

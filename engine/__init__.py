@@ -9,6 +9,7 @@ from engine.config import EngineConfig, option
 from engine.errors import (
     EngineDeadError,
     EngineError,
+    EngineUnavailableError,
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
@@ -20,6 +21,7 @@ from engine.prefix_loader import PrefixBudgetError
 from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
 from engine.registry_file import PrefixContract, PrefixSpec, RegistryFileError, load_prefix_file
 from engine.request import EngineRequest
+from engine.request_checker import RequestChecker, RequestLimits
 from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
 from engine.stats import EngineStats, PrefixInfo
 from engine.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
@@ -33,6 +35,7 @@ __all__ = [
     "EngineError",
     "EngineRequest",
     "EngineStats",
+    "EngineUnavailableError",
     "GrammarSpec",
     "InvalidRequestError",
     "LLMEngine",
@@ -48,7 +51,9 @@ __all__ = [
     "RegisteredPrefix",
     "RegistryFileError",
     "ReloadStatus",
+    "RequestChecker",
     "RequestFailedError",
+    "RequestLimits",
     "RequestOutput",
     "SampleLogprobs",
     "SamplingParams",

@@ -42,3 +42,8 @@ class EngineDeadError(EngineError):
 
 class RequestFailedError(EngineError):
     """A request failed inside the engine loop (for example its forward raised)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine that took this request went away, or none took it in time (a replica of
+    several failed or is restarting); the request may succeed if sent again."""

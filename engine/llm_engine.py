@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,8 +18,8 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
-from engine.kv_cache import BlockPool, num_blocks_for
+from engine.errors import EngineError, InvalidRequestError
+from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_setup import LoadedModel, load_model
 from engine.outputs import RequestOutput, SampleLogprobs
@@ -33,6 +32,7 @@ from engine.registry_file import (
     parse_prefix_bytes,
 )
 from engine.request import EngineRequest
+from engine.request_checker import RequestChecker, RequestLimits
 from engine.runner import ModelRunner, SampledToken
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -62,9 +62,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
         self.pool: BlockPool = loaded.pool
+        self.checker = RequestChecker(self.tokenizer, self.eos_token_ids, lambda: self.limits)
         self.registry = PrefixRegistry(self.pool)
         self.cache = KVCacheManager(self.pool, config.enable_auto_prefix_cache)
         self.scheduler = Scheduler(
@@ -192,57 +191,24 @@ class LLMEngine:
         cache_salt: str | None = None,
         tenant: str | None = None,
     ) -> EngineRequest:
-        """The one validation of a request: raise a typed error for anything this engine
-        cannot serve, else return the EngineRequest the engine trusts from here on. Pure:
-        safe from any thread (the gateway calls it before a response starts)."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"token ids must be in [0, {self.vocab_size})",
-                param="prompt",
-                code="invalid_token_id",
-            )
-        num_prompt = len(prompt_token_ids)
-        num_total = num_prompt + (params.max_tokens or 1)
-        if num_total > self.max_model_len:
-            requested = (
-                f"{num_total} tokens ({num_prompt} in the prompt, {params.max_tokens} in the "
-                "completion)"
-                if params.max_tokens
-                else f"{num_prompt} tokens in the prompt"
-            )
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {requested}. Please reduce the length of the prompt or "
-                "max_tokens.",
-                num_prompt_tokens=num_prompt,
-                max_model_len=self.max_model_len,
-                param="prompt" if num_prompt >= self.max_model_len else "max_tokens",
-            )
-        num_output = self.max_model_len if params.max_tokens is None else params.max_tokens
-        num_needed = min(num_prompt + num_output, self.max_model_len)
-        num_usable = self.pool.num_blocks - self.pool.num_pinned_blocks
-        if num_blocks_for(num_needed, self.pool.block_size) > num_usable:
-            raise PromptTooLongError(
-                f"This request needs {num_needed} tokens of KV cache but only "
-                f"{num_usable * self.pool.block_size} fit beside the pinned prefixes.",
-                num_prompt_tokens=num_prompt,
-                max_model_len=self.max_model_len,
-            )
-        grammar = self.grammars.compile(params.grammar) if params.grammar is not None else None
-        return EngineRequest(list(prompt_token_ids), params, cache_salt, grammar, tenant)
+        """The one validation of a request (`RequestChecker`): raise a typed error for
+        anything this engine cannot serve, else return the EngineRequest the engine trusts
+        from here on. Safe from any thread (the gateway calls it before a response starts)."""
+        return self.checker.prepare(prompt_token_ids, params, cache_salt, tenant)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What requests are checked against now (a reload changes the pinned blocks)."""
+        return RequestLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.pool.block_size,
+            num_usable_blocks=self.pool.num_blocks - self.pool.num_pinned_blocks,
+        )
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Built on first use: wrapping the tokenizer for llguidance takes ~0.4 s (SmolLM2),
-        which a server that never sees a constrained request need not pay. Thread-safe."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-            return self._grammars
+        return self.checker.grammars
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -14,9 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine import AsyncEngine
 from gateway import errors
 from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
 from gateway.request_id import RequestIdMiddleware
 from gateway.routes.chat import create_chat_completion
 from gateway.routes.completions import create_completion
@@ -32,13 +32,15 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def create_app(
     config: GatewayConfig,
-    engine: AsyncEngine | None = None,
+    engine: EngineClient | None = None,
     on_fatal: Callable[[], None] | None = None,
+    connect: Callable[[], EngineClient] | None = None,
 ) -> Starlette:
     """`engine=None` loads the configured model in the background once the server listens,
     so /health answers 503 meanwhile; if loading fails, `on_fatal` is called (the CLI stops
-    the server and exits non-zero). Tests may pass a ready AsyncEngine instead."""
-    gateway = Gateway(config, engine)
+    the server and exits non-zero). Tests may pass a ready AsyncEngine instead; Ray Serve's
+    ingress passes `connect`, which makes its engine (the replica set) at start."""
+    gateway = Gateway(config, engine, connect)
 
     async def load() -> None:
         try:

@@ -28,6 +28,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, args)
 
 
+def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return config_from_args(
+        GatewayConfig, args, skip=("engine",), engine=engine_config_from_args(args)
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -84,13 +90,14 @@ def generate(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Run uvicorn; SIGTERM stops accepting, gives in-flight requests `--shutdown-grace`
-    seconds, then the engine aborts the rest, and the process exits 0."""
+    seconds, then the engine aborts the rest, and the process exits 0. With `--replicas N`
+    (N > 1) or `--ray-address`, run the Ray Serve application instead."""
     from gateway.app import create_app
     from gateway.server import DrainingServer, uvicorn_config
 
-    config = config_from_args(
-        GatewayConfig, args, skip=("engine",), engine=engine_config_from_args(args)
-    )
+    config = gateway_config_from_args(args)
+    if config.uses_ray:
+        return serve_on_ray(config)
     logger.info(
         "starting prefixgate on http://%s:%d (model %s, device %s, dtype %s)",
         args.host,
@@ -123,6 +130,16 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 1 if failed or not server.started else 0
+
+
+def serve_on_ray(config: GatewayConfig) -> int:
+    try:
+        from replicas.app import serve_on_ray as run
+    except ImportError as exc:
+        raise ValueError(
+            f"--replicas/--ray-address need Ray Serve ({exc}): pip install 'prefixgate[ray]'"
+        ) from exc
+    return run(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

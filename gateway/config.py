@@ -53,6 +53,29 @@ class GatewayConfig:
     tokenizer_workers: int = option(
         2, "threads that parse, render and tokenize requests off the event loop"
     )
+    replicas: int = option(
+        1,
+        "engine replicas; above 1 the server runs on Ray Serve, an ingress in front of N "
+        "engines (needs the extra: pip install 'prefixgate[ray]')",
+    )
+    ray_address: str | None = option(
+        None, "Ray Serve: join this Ray cluster ('auto': the local one) instead of starting Ray"
+    )
+    replica_cpus: float = option(
+        0.0, "Ray Serve: CPUs each engine replica reserves, so Ray spreads them over nodes"
+    )
+    replica_timeout: float = option(
+        60.0, "Ray Serve: seconds for a replica to take a request, else 503 (all restarting)"
+    )
+    affinity_slack: int = option(
+        4,
+        "Ray Serve: requests a conversation's replica may hold beyond the least loaded one "
+        "before the conversation moves",
+    )
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.replicas > 1 or self.ray_address is not None
 
     @property
     def has_api_keys(self) -> bool:
@@ -63,5 +86,7 @@ class GatewayConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown_grace must be >= 0")
+        if self.replicas < 1 or self.replica_timeout <= 0 or self.affinity_slack < 0:
+            raise ValueError("replicas must be >= 1, replica_timeout > 0, affinity_slack >= 0")
         if self.response_store_entries < 0 or self.response_store_ttl <= 0:
             raise ValueError("response_store_entries must be >= 0 and response_store_ttl > 0")

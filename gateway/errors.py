@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from engine import (
     EngineDeadError,
     EngineError,
+    EngineUnavailableError,
     InvalidRequestError,
     ModelLoadError,
     PrefixBudgetError,
@@ -95,6 +96,11 @@ def _map_engine_error(exc: EngineError) -> OpenAIError:
         return OpenAIError(400, str(exc), code="invalid_prefix_file")
     if isinstance(exc, PrefixBudgetError):
         return OpenAIError(400, str(exc), code="prefix_budget_exceeded")
+    if isinstance(exc, EngineUnavailableError):  # its message is ours, not an exception's
+        headers = {"Retry-After": "1"}
+        return OpenAIError(
+            503, str(exc), "server_error", code="engine_unavailable", headers=headers
+        )
     if isinstance(exc, EngineDeadError):
         message = "The inference engine has stopped; this server cannot serve requests."
         return _server_error(message, status_code=503, code="engine_unavailable")

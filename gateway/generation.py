@@ -12,8 +12,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from engine import AsyncEngine, EngineRequest, RequestOutput, SampleLogprobs
+from engine import EngineRequest, RequestOutput, SampleLogprobs
 from gateway.admission import Ticket
+from gateway.engine_client import EngineClient
 from gateway.state import Gateway
 
 
@@ -51,7 +52,7 @@ class Job:
     first output releases its place in the ticket's waiting count."""
 
     gateway: Gateway
-    engine: AsyncEngine
+    engine: EngineClient
     ticket: Ticket
     request_id: str
     requests: list[EngineRequest]  # per choice (several prompts fan out too)

@@ -7,8 +7,10 @@ Two kinds of series:
 - request metrics (`prefixgate_requests_total`, latency histograms, token counters) are pushed
   by the gateway as requests finish;
 - engine metrics (queue sizes, KV blocks, prefix hits, reload status) are pulled from one
-  `EngineStats` snapshot at scrape time by `_EngineCollector`, so they can never drift from the
-  engine. Before the engine is ready (`stats()` returns None) none of them are emitted.
+  `EngineStats` snapshot per engine at scrape time by `_EngineCollector`, so they can never
+  drift from the engine. Before the engine is ready (no snapshot) none of them are emitted.
+  On Ray Serve the ingress scrapes every replica's snapshot and each series carries a
+  `replica` label (one process: no such label).
 
 Every series carries `model_name`, as vLLM's `vllm:` metrics do, so dashboards and the Gateway API
 Inference Extension can select by model. Names follow Prometheus conventions (base units,
@@ -17,7 +19,8 @@ Inference Extension can select by model. Names follow Prometheus conventions (ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -41,6 +44,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
 # fmt: on
 
 _MODEL = "model_name"
+_REPLICA = "replica"
 
 
 def time_per_output_token(
@@ -59,11 +63,13 @@ def time_per_output_token(
 class GatewayMetrics:
     """The gateway's metrics: recorded per request, plus engine gauges read at scrape time.
 
-    `stats` is called once per scrape, on the scraping thread (the event loop); it returns None
-    until the engine is ready.
+    `stats` is called once per scrape, on the scraping thread (the event loop): snapshots by
+    replica name (None for the one engine of a single process), empty until it is ready.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+    def __init__(
+        self, stats: Callable[[], Mapping[str | None, EngineStats]], model_name: str
+    ) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
         self._requests = Counter(
@@ -169,102 +175,97 @@ class _EngineCollector:
     which Prometheus' `rate()` treats as a counter reset.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+    def __init__(
+        self, stats: Callable[[], Mapping[str | None, EngineStats]], model_name: str
+    ) -> None:
         self._stats = stats
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._stats()
-        if snap is None:
-            return
-        yield from self._load(snap)
-        yield from self._kv_cache(snap)
-        yield from self._prefixes(snap)
-        yield from self._reload(snap)
+        """Each family once, with a series per replica: Prometheus wants a family's samples
+        together."""
+        snaps = self._stats()
+        families: dict[str, Metric] = {}
+        for replica, snap in snaps.items():
+            for family in self._families(snap, _Series(self.model_name, replica)):
+                merged = families.setdefault(family.name, family)
+                if merged is not family:
+                    merged.samples.extend(family.samples)
+        yield from families.values()
 
-    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, documentation, labels=[_MODEL])
-        family.add_metric([self.model_name], value)
-        return family
+    def _families(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        yield from self._load(snap, s)
+        yield from self._kv_cache(snap, s)
+        yield from self._prefixes(snap, s)
+        yield from self._reload(snap, s)
 
-    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        # The library appends `_total`: `name` must not end with it.
-        family = CounterMetricFamily(name, documentation, labels=[_MODEL])
-        family.add_metric([self.model_name], value)
-        return family
-
-    def _load(self, snap: EngineStats) -> Iterator[Metric]:
-        yield self._gauge(
+    def _load(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        yield s.gauge(
             "prefixgate_num_requests_running",
             "Requests in the running batch (prefill or decode).",
             snap.num_requests_running,
         )
-        yield self._gauge(
+        yield s.gauge(
             "prefixgate_num_requests_waiting",
             "Requests queued, waiting to be scheduled.",
             snap.num_requests_waiting,
         )
-        yield self._counter(
+        yield s.counter(
             "prefixgate_num_preemptions",
             "Requests preempted (blocks freed, recomputed later) for lack of KV blocks.",
             snap.num_preemptions,
         )
 
-    def _kv_cache(self, snap: EngineStats) -> Iterator[Metric]:
-        yield self._gauge(
+    def _kv_cache(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        yield s.gauge(
             "prefixgate_kv_blocks_total", "KV cache blocks in the pool.", snap.num_kv_blocks
         )
-        yield self._gauge(
-            "prefixgate_kv_blocks_free", "KV cache blocks free.", snap.num_free_kv_blocks
-        )
-        yield self._gauge(
+        yield s.gauge("prefixgate_kv_blocks_free", "KV cache blocks free.", snap.num_free_kv_blocks)
+        yield s.gauge(
             "prefixgate_kv_blocks_pinned",
             "KV cache blocks pinned by registered prefixes.",
             snap.num_pinned_kv_blocks,
         )
-        yield self._gauge(
+        yield s.gauge(
             "prefixgate_kv_blocks_cached",
             "KV cache blocks findable by content for automatic prefix caching (held or free).",
             snap.num_cached_kv_blocks,
         )
-        yield self._counter(
+        yield s.counter(
             "prefixgate_kv_block_evictions",
             "Cached KV blocks evicted (reused for new content) by the automatic prefix cache.",
             snap.num_evicted_kv_blocks,
         )
-        yield self._gauge(
+        yield s.gauge(
             "prefixgate_kv_cache_usage_ratio",
             "Share of KV cache blocks in use, pinned prefix blocks included (0 to 1).",
             snap.kv_cache_usage_ratio,
         )
-        yield InfoMetricFamily(
+        yield s.info(
             "prefixgate_cache_config",
             "KV cache configuration.",
-            value={
-                _MODEL: self.model_name,
-                "block_size": str(snap.block_size),
-                "num_blocks": str(snap.num_kv_blocks),
-            },
+            block_size=str(snap.block_size),
+            num_blocks=str(snap.num_kv_blocks),
         )
 
-    def _prefixes(self, snap: EngineStats) -> Iterator[Metric]:
-        yield self._counter(
+    def _prefixes(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        yield s.counter(
             "prefixgate_prefix_lookups",
             "Prompts checked against the prefix registry.",
             snap.prefix_lookups,
         )
-        yield self._counter(
+        yield s.counter(
             "prefixgate_prefix_cache_hits",
             "Prompts that started with a registered prefix.",
             snap.prefix_hits,
         )
-        yield self._counter(
+        yield s.counter(
             "prefixgate_auto_prefix_cache_hits",
             "Prompts that started from blocks the automatic prefix cache kept (earlier turns, "
             "repeats, shared starts), when those were longer than any registry match.",
             snap.auto_prefix_hits,
         )
-        yield self._counter(
+        yield s.counter(
             "prefixgate_auto_prefix_cached_tokens",
             "Prompt tokens served from the automatic prefix cache.",
             snap.auto_prefix_cached_tokens,
@@ -272,36 +273,67 @@ class _EngineCollector:
         hits = CounterMetricFamily(
             "prefixgate_prefix_hits",
             "Prompts that matched this registered prefix.",
-            labels=[_MODEL, "prefix"],
+            labels=[*s.labels, "prefix"],
         )
         cached = CounterMetricFamily(
             "prefixgate_prefix_cached_tokens",
             "Prompt tokens served from this prefix's pinned KV blocks.",
-            labels=[_MODEL, "prefix"],
+            labels=[*s.labels, "prefix"],
         )
         # Only prefixes in this snapshot: a prefix removed by a reload drops out of the scrape.
         for prefix in snap.prefixes:
-            hits.add_metric([self.model_name, prefix.name], prefix.num_hits)
-            cached.add_metric([self.model_name, prefix.name], prefix.num_cached_tokens)
+            hits.add_metric(s.values(prefix.name), prefix.num_hits)
+            cached.add_metric(s.values(prefix.name), prefix.num_cached_tokens)
         yield hits
         yield cached
 
-    def _reload(self, snap: EngineStats) -> Iterator[Metric]:
-        yield InfoMetricFamily(
+    def _reload(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        yield s.info(
             "prefixgate_prefix_registry",
             "The prefix registry being served: its digest (names, token ids, tenants).",
-            value={_MODEL: self.model_name, "digest": snap.registry_digest},
+            digest=snap.registry_digest,
         )
         # Absent, not 0, before the first load: "never reloaded" is not "reload failed".
         if snap.last_reload_ok is not None:
-            yield self._gauge(
+            yield s.gauge(
                 "prefixgate_prefix_registry_last_reload_success",
                 "1 if the last prefix registry load or reload succeeded, else 0.",
                 1.0 if snap.last_reload_ok else 0.0,
             )
         if snap.last_reload_time is not None:
-            yield self._gauge(
+            yield s.gauge(
                 "prefixgate_prefix_registry_last_reload_timestamp_seconds",
                 "Unix time of the last prefix registry load or reload.",
                 snap.last_reload_time,
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Series:
+    """The labels of one engine's series: the model, and the replica on Ray Serve."""
+
+    model_name: str
+    replica: str | None
+
+    @property
+    def labels(self) -> list[str]:
+        return [_MODEL] if self.replica is None else [_MODEL, _REPLICA]
+
+    def values(self, *extra: str) -> list[str]:
+        base = [self.model_name] if self.replica is None else [self.model_name, self.replica]
+        return [*base, *extra]
+
+    def info(self, name: str, documentation: str, **labels: str) -> InfoMetricFamily:
+        value = dict(zip(self.labels, self.values(), strict=True))
+        return InfoMetricFamily(name, documentation, value={**value, **labels})
+
+    def gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=self.labels)
+        family.add_metric(self.values(), value)
+        return family
+
+    def counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        # The library appends `_total`: `name` must not end with it.
+        family = CounterMetricFamily(name, documentation, labels=self.labels)
+        family.add_metric(self.values(), value)
+        return family

@@ -21,6 +21,7 @@ from engine import AsyncEngine, EngineStats
 from gateway import errors
 from gateway.admission import Ticket
 from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient, ReplicaSetView
 from gateway.metrics import GatewayMetrics
 from gateway.response_store import ResponseStore
 from gateway.tenants import Caller, KeyRing
@@ -31,15 +32,24 @@ Access = Literal["inference", "read", "admin"]
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, engine: AsyncEngine | None = None) -> None:
+    """`engine`: a ready engine (tests); else `connect()` makes one when the app starts (the
+    configured model in this process by default; Ray Serve's ingress passes its replicas)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        engine: EngineClient | None = None,
+        connect: Callable[[], EngineClient] | None = None,
+    ) -> None:
         self.config = config
-        self.engine: AsyncEngine | None = engine
+        self.engine: EngineClient | None = engine
+        self._connect = connect or (lambda: AsyncEngine(config.engine))
         self.load_error: str | None = None
         self.created = int(time.time())
         self.num_waiting = 0  # sequences admitted by the gateway, no output yet
         self.tickets: set[Ticket] = set()  # requests in flight, admission to response end
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
-        self.metrics = GatewayMetrics(self._stats, self.model_name)
+        self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
         self.responses = ResponseStore(
             config.response_store_entries, config.response_store_bytes, config.response_store_ttl
@@ -57,9 +67,9 @@ class Gateway:
         """Load the engine (model + registry prefill) off the event loop."""
         if self.engine is not None:
             return
-        engine = AsyncEngine(self.config.engine)
+        engine = self._connect()
         try:
-            await asyncio.to_thread(engine.start)  # loads on the engine's own thread
+            await asyncio.to_thread(engine.start)  # the model loads on the engine's own thread
         except Exception as exc:  # keep serving /health with the reason
             logger.exception("engine failed to start")
             self.load_error = str(exc)
@@ -102,7 +112,18 @@ class Gateway:
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_running
 
-    def ready_engine(self) -> AsyncEngine:
+    def replica_problem(self) -> str | None:
+        """Why a ready engine's replicas are not healthy yet (one missing or loading, some
+        holding another registry), or None; always None for a single engine."""
+        replicas = self.replicas
+        return replicas.health_problem() if replicas is not None else None
+
+    @property
+    def replicas(self) -> ReplicaSetView | None:
+        """The engine's replicas when it has several (Ray Serve), else None."""
+        return self.engine if isinstance(self.engine, ReplicaSetView) else None
+
+    def ready_engine(self) -> EngineClient:
         if self.engine is None or not self.engine.is_running:
             raise errors.not_ready(self.load_error)
         return self.engine
@@ -177,8 +198,15 @@ class Gateway:
         self.tickets.add(ticket)
         return ticket
 
-    def _stats(self) -> EngineStats | None:
-        return self.engine.stats() if self.engine is not None else None
+    def stats_by_replica(self) -> dict[str | None, EngineStats]:
+        """Engine stats for /metrics: by replica name, or {None: stats} for one engine;
+        empty before the engine is ready."""
+        if self.engine is None or not self.engine.is_running:
+            return {}
+        replicas = self.replicas
+        if replicas is None:
+            return {None: self.engine.stats()}
+        return {r.name: r.stats for r in replicas.replica_states() if r.stats is not None}
 
 
 _DRAIN_FLUSH_SECONDS = 5.0  # for ended responses to reach their clients

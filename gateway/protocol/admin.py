@@ -38,7 +38,22 @@ class ReloadState(BaseModel):
     pending: bool
 
 
+class ReplicaCard(BaseModel):
+    """One engine replica (Ray Serve): the registry it holds, its last reload, its hits;
+    `error` when it did not answer the ingress's last poll."""
+
+    name: str
+    digest: str | None
+    prefixes: int | None
+    hits: int | None
+    last_reload: ReloadState | None
+    error: str | None = None
+
+
 class PrefixList(BaseModel):
+    """The registry; on Ray Serve, `hits` and the entries' counts add up over `replicas`,
+    and `digest` is "mixed" while they do not all hold the same registry."""
+
     object: Literal["list"] = "list"
     data: list[PrefixCard]
     enabled: bool
@@ -47,6 +62,7 @@ class PrefixList(BaseModel):
     cached_tokens: int
     digest: str  # of every entry's name, token ids and tenants: equal digests, equal registries
     last_reload: ReloadState
+    replicas: list[ReplicaCard] | None = None  # Ray Serve only
 
 
 class ReloadResponse(BaseModel):

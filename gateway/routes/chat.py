@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
-    AsyncEngine,
     EngineRequest,
     GrammarSpec,
     InvalidRequestError,
@@ -19,6 +18,7 @@ from engine import (
     parse_tool_calls,
 )
 from gateway.admission import Admitted, admit, gateway_of
+from gateway.engine_client import EngineClient
 from gateway.generation import Choice, Job, fan_out
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import (
@@ -68,7 +68,7 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
 
 
 def prepare_chat(
-    engine: AsyncEngine, body: ChatCompletionRequest, default_max_tokens: int, caller: Caller
+    engine: EngineClient, body: ChatCompletionRequest, default_max_tokens: int, caller: Caller
 ) -> EngineRequest:
     """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
     may write `default_max_tokens` (--default-max-tokens) or what is left of the context,
@@ -89,7 +89,7 @@ def prepare_chat(
     return prepared
 
 
-def _blame_a_schema(engine: AsyncEngine, body: ChatCompletionRequest) -> None:
+def _blame_a_schema(engine: EngineClient, body: ChatCompletionRequest) -> None:
     """The tools grammar holds every tool's parameters and the response format: when it does
     not compile, name the schema that does not on its own (else the grammar stays blamed)."""
     schemas = [

@@ -16,9 +16,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from engine import AsyncEngine, EngineError, EngineRequest, InvalidRequestError, SamplingParams
+from engine import EngineError, EngineRequest, InvalidRequestError, SamplingParams
 from gateway import errors
 from gateway.admission import Ticket
+from gateway.engine_client import EngineClient
 from gateway.generation import Job
 from gateway.protocol import (
     ChatCompletionStreamResponse,
@@ -34,7 +35,7 @@ T = TypeVar("T")
 
 
 def prepare_requests(
-    engine: AsyncEngine,
+    engine: EngineClient,
     prompts: list[list[int]],
     params_for: Callable[[list[int]], SamplingParams],
     fields: Mapping[str, str],

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
-    AsyncEngine,
     EngineRequest,
     SampleLogprobs,
     SamplingParams,
@@ -22,6 +21,7 @@ from engine import (
     text_prompt_ids,
 )
 from gateway.admission import Admitted, admit, gateway_of
+from gateway.engine_client import EngineClient
 from gateway.generation import Choice, Job, fan_out
 from gateway.logprobs import completion_logprobs, echo_logprobs
 from gateway.protocol import (
@@ -94,7 +94,7 @@ async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> R
     return await unless_disconnected(request, _complete(job, output))
 
 
-def _prepare(engine: AsyncEngine, body: CompletionRequest, caller: Caller) -> list[EngineRequest]:
+def _prepare(engine: EngineClient, body: CompletionRequest, caller: Caller) -> list[EngineRequest]:
     """Tokenize the text prompts (worker pool); token id prompts go as they are."""
     tokenizer = engine.tokenizer
     prompts = [

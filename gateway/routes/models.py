@@ -34,12 +34,16 @@ def _served_model(request: Request) -> ModelCard:
 
 
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and every registry prefix is filled; 503 before."""
+    """200 once the model is loaded and every registry prefix is filled (on every replica,
+    all holding the same registry digest); 503 before."""
     gateway = gateway_of(request)
     if gateway.is_draining:
         raise errors.shutting_down()
     if not gateway.is_ready:
         raise errors.not_ready(gateway.load_error)
+    problem = gateway.replica_problem()
+    if problem is not None:  # Ray Serve: every replica must serve the same registry
+        raise errors.not_ready(problem)
     return JSONResponse(HealthResponse(model=gateway.model_name).model_dump(mode="json"))
 
 

@@ -9,9 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import AsyncEngine, MatchReport, SamplingParams, chat_prompt_ids, text_prompt_ids
+from engine import EngineStats, MatchReport, SamplingParams, chat_prompt_ids, text_prompt_ids
 from gateway import errors
 from gateway.admission import gateway_of, parse_json, read_body
+from gateway.engine_client import EngineClient, ReplicaSetView
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.admin import (
     Divergence,
@@ -21,6 +22,7 @@ from gateway.protocol.admin import (
     PrefixList,
     ReloadResponse,
     ReloadState,
+    ReplicaCard,
 )
 from gateway.routes.common import prepare_requests
 
@@ -60,14 +62,36 @@ async def list_prefixes(request: Request) -> Response:
         hits=stats.prefix_hits,
         cached_tokens=stats.prefix_cached_tokens,
         digest=stats.registry_digest,
-        last_reload=ReloadState(
-            time=stats.last_reload_time,
-            ok=stats.last_reload_ok,
-            error=stats.last_reload_error,
-            pending=stats.is_reload_pending,
-        ),
+        last_reload=_reload_state(stats),
+        replicas=_replica_cards(gateway.replicas) if caller.is_admin else None,
     )
     return JSONResponse(listing.model_dump(mode="json"))
+
+
+def _reload_state(stats: EngineStats) -> ReloadState:
+    return ReloadState(
+        time=stats.last_reload_time,
+        ok=stats.last_reload_ok,
+        error=stats.last_reload_error,
+        pending=stats.is_reload_pending,
+    )
+
+
+def _replica_cards(replicas: ReplicaSetView | None) -> list[ReplicaCard] | None:
+    """Each replica's registry (admin only: replica names are the operator's business)."""
+    if replicas is None:
+        return None
+    return [
+        ReplicaCard(
+            name=r.name,
+            digest=r.stats.registry_digest if r.stats else None,
+            prefixes=len(r.stats.prefixes) if r.stats else None,
+            hits=r.stats.prefix_hits if r.stats else None,
+            last_reload=_reload_state(r.stats) if r.stats else None,
+            error=r.error,
+        )
+        for r in replicas.replica_states()
+    ]
 
 
 async def reload_prefixes(request: Request) -> Response:
@@ -102,7 +126,7 @@ async def match_prefix(request: Request) -> Response:
     return JSONResponse(_describe(report, engine.tokenizer))
 
 
-def _prompt_ids(engine: AsyncEngine, raw: bytes) -> tuple[list[int], str | None]:
+def _prompt_ids(engine: EngineClient, raw: bytes) -> tuple[list[int], str | None]:
     """The first prompt's token ids, tokenized as the generation routes do (worker pool),
     and checked by the engine like any prompt (ids in the vocabulary, length); and the
     request's cache scope."""

@@ -18,9 +18,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import AsyncEngine, EngineError, EngineRequest, InvalidRequestError
+from engine import EngineError, EngineRequest, InvalidRequestError
 from gateway import errors
 from gateway.admission import Admitted, admit, gateway_of
+from gateway.engine_client import EngineClient
 from gateway.generation import Job
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import ChatCompletionRequest
@@ -124,7 +125,7 @@ def _check_outputs_answer_calls(body: ResponsesRequest, history: list[dict[str, 
 
 
 def _prepare(
-    engine: AsyncEngine,
+    engine: EngineClient,
     body: ResponsesRequest,
     history: list[dict[str, Any]],
     default_max_tokens: int,

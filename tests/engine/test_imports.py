@@ -17,7 +17,9 @@ import engine
 import engine.errors
 
 ENGINE_DIR = Path(engine.__file__).resolve().parent
-FORBIDDEN = frozenset({"gateway", "starlette", "sse_starlette", "uvicorn", "fastapi", "httpx"})
+FORBIDDEN = frozenset(
+    {"gateway", "replicas", "ray", "starlette", "sse_starlette", "uvicorn", "fastapi", "httpx"}
+)
 ENGINE_SOURCES = sorted(ENGINE_DIR.rglob("*.py"))
 
 

@@ -46,6 +46,8 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
             *("--prefixes", "p.yaml", "--prefix-watch-interval", "0.5", "--num-threads", "2"),
             *("--seed", "11", "--debug-check-integrity", "--response-store-entries", "9"),
             *("--response-store-bytes", "2MiB", "--response-store-ttl", "60"),
+            *("--replicas", "3", "--ray-address", "auto", "--replica-cpus", "1.5"),
+            *("--replica-timeout", "9", "--affinity-slack", "2"),
         ]
     )
     engine = EngineConfig(
@@ -88,6 +90,11 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
         response_store_bytes=2 << 20,
         response_store_ttl=60.0,
         tokenizer_workers=3,
+        replicas=3,
+        ray_address="auto",
+        replica_cpus=1.5,
+        replica_timeout=9.0,
+        affinity_slack=2,
     )
     # The command line above names each field once: nothing was left at its default.
     for config_type, value in ((GatewayConfig, config), (EngineConfig, engine)):

@@ -119,8 +119,13 @@ def _samples(metrics: GatewayMetrics, name: str) -> dict[tuple[tuple[str, str], 
     }
 
 
+def _one(snap: EngineStats | None) -> dict[str | None, EngineStats]:
+    """A single engine's snapshots, as the gateway hands them over (none before it is ready)."""
+    return {} if snap is None else {None: snap}
+
+
 def _metrics(snap: EngineStats | None = SNAP) -> GatewayMetrics:
-    return GatewayMetrics(stats=lambda: snap, model_name=MODEL)
+    return GatewayMetrics(stats=lambda: _one(snap), model_name=MODEL)
 
 
 def test_render_content_type_is_prometheus_text_0_0_4() -> None:
@@ -212,7 +217,7 @@ def test_none_stats_emits_request_metrics_only() -> None:
 
 def test_stats_read_at_every_scrape() -> None:
     snap: list[EngineStats | None] = [None]
-    metrics = GatewayMetrics(stats=lambda: snap[0], model_name=MODEL)
+    metrics = GatewayMetrics(stats=lambda: _one(snap[0]), model_name=MODEL)
     assert _samples(metrics, "prefixgate_num_requests_waiting") == {}
     snap[0] = SNAP
     assert _samples(metrics, "prefixgate_num_requests_waiting") == {(("model_name", MODEL),): 2.0}
@@ -223,7 +228,7 @@ def test_stats_read_at_every_scrape() -> None:
 
 def test_prefix_labels_follow_the_snapshot() -> None:
     snap = [SNAP]
-    metrics = GatewayMetrics(stats=lambda: snap[0], model_name=MODEL)
+    metrics = GatewayMetrics(stats=lambda: _one(snap[0]), model_name=MODEL)
     assert _samples(metrics, "prefixgate_prefix_hits_total") == {
         (("model_name", MODEL), ("prefix", "doc")): 2.0,
         (("model_name", MODEL), ("prefix", "sys")): 5.0,
@@ -330,8 +335,8 @@ def test_histogram_buckets(
 
 
 def test_instances_do_not_share_state() -> None:
-    first = GatewayMetrics(stats=lambda: SNAP, model_name="a")
-    second = GatewayMetrics(stats=lambda: None, model_name="b")
+    first = GatewayMetrics(stats=lambda: _one(SNAP), model_name="a")
+    second = GatewayMetrics(stats=lambda: {}, model_name="b")
     first.observe_request("/v1/completions", 200)
     first.observe_ttft(1.0)
     assert _samples(second, "prefixgate_requests_total") == {}
@@ -364,7 +369,7 @@ def test_time_per_output_token(
 
 
 def test_rename_model_moves_series_and_engine_gauges() -> None:
-    metrics = GatewayMetrics(stats=lambda: SNAP, model_name="loading")
+    metrics = GatewayMetrics(stats=lambda: _one(SNAP), model_name="loading")
     metrics.observe_request("/v1/chat/completions", 503)
     metrics.model_name = MODEL
     metrics.observe_ttft(0.5)
@@ -384,3 +389,23 @@ def test_rename_to_same_name_keeps_values() -> None:
     metrics.observe_tokens(prompt_tokens=3, completion_tokens=2, cached_tokens=0)
     metrics.model_name = MODEL
     assert _samples(metrics, "prefixgate_prompt_tokens_total") == {(("model_name", MODEL),): 3.0}
+
+
+def test_replicas_get_a_replica_label_and_each_family_appears_once() -> None:
+    """Ray Serve: one snapshot per replica, each series labelled with its replica."""
+    other = dataclasses.replace(SNAP, num_requests_waiting=5, registry_digest="other")
+    metrics = GatewayMetrics(stats=lambda: {"r1": SNAP, "r2": other}, model_name=MODEL)
+    text = _text(metrics)
+    assert text.count("# TYPE prefixgate_num_requests_waiting gauge") == 1
+    assert _samples(metrics, "prefixgate_num_requests_waiting") == {
+        (("model_name", MODEL), ("replica", "r1")): 2.0,
+        (("model_name", MODEL), ("replica", "r2")): 5.0,
+    }
+    assert _samples(metrics, "prefixgate_prefix_hits_total") == {
+        (("model_name", MODEL), ("prefix", "doc"), ("replica", r)): 2.0 for r in ("r1", "r2")
+    } | {(("model_name", MODEL), ("prefix", "sys"), ("replica", r)): 5.0 for r in ("r1", "r2")}
+    digests = _samples(metrics, "prefixgate_prefix_registry_info")
+    assert {dict(labels)["replica"]: dict(labels)["digest"] for labels in digests} == {
+        "r1": SNAP.registry_digest,
+        "r2": "other",
+    }

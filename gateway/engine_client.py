@@ -1,0 +1,89 @@
+"""What the gateway needs of an engine, and of a set of engine replicas.
+
+One process: `engine.AsyncEngine`. Ray Serve (`prefixgate serve --replicas N`): the ingress
+holds `replicas.client.ReplicaSet`, which validates like the engine, sends each request to
+one replica and reports every replica's state. The routes see only `EngineClient`; /health,
+/metrics and the registry listing also read `ReplicaSetView` when the engine has replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from engine import (
+    EngineRequest,
+    EngineStats,
+    GrammarSpec,
+    MatchReport,
+    PrefixContract,
+    ReloadStatus,
+    RequestOutput,
+    SamplingParams,
+)
+
+
+class EngineClient(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def start(self) -> None:
+        """Block until the engine serves (seconds to minutes: call it off the event loop)."""
+
+    def shutdown(self) -> None: ...
+
+    def prepare_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+    ) -> EngineRequest: ...
+
+    def check_grammar(self, spec: GrammarSpec) -> None: ...
+
+    def prefix_contract(
+        self, prompt_token_ids: list[int], tenant: str | None = None
+    ) -> PrefixContract | None: ...
+
+    def generate(
+        self, request: EngineRequest, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def reload_prefixes(self) -> ReloadStatus: ...
+
+    async def explain_prefix_match(
+        self, token_ids: list[int], cache_salt: str | None = None, tenant: str | None = None
+    ) -> MatchReport: ...
+
+    def stats(self) -> EngineStats:
+        """A snapshot (replicas: their sum; prefix hits add up by prefix name)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One engine replica as the ingress last heard from it; `stats` is None when it did not
+    answer (`error` says why)."""
+
+    name: str
+    stats: EngineStats | None
+    error: str | None = None
+
+
+@runtime_checkable
+class ReplicaSetView(Protocol):
+    def replica_states(self) -> list[ReplicaState]: ...
+
+    def health_problem(self) -> str | None:
+        """Why the set cannot be called healthy (a replica missing or loading, replicas
+        holding different registries), or None."""

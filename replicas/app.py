@@ -1,0 +1,141 @@
+"""The Ray Serve application: an ingress deployment serving the OpenAI routes in front of an
+engine deployment of N replicas.
+
+The ingress runs the same Starlette app as the single-process server (auth, validation,
+errors, SSE, /health, /metrics, the registry admin routes), with a `ReplicaSet` as its
+engine. The engine deployment routes with `PreferredReplicaRouter`.
+
+Three ways in:
+- `prefixgate serve --replicas N [--ray-address ADDR]`: `serve_on_ray` below;
+- `serve run deploy/serve.yaml`: Serve imports `app_builder` with the file's `args`, which
+  are `prefixgate serve` flags without their dashes (`replicas: 2`, `prefixes: ...`);
+- a KubeRay RayService: the same config inside its manifest (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
+
+from engine import EngineConfig
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from replicas.client import ReplicaSet
+from replicas.replica import EngineReplica
+from replicas.router import PreferredReplicaRouter
+
+logger = logging.getLogger(__name__)
+APP_NAME = "prefixgate"
+
+
+# Serve's default of 5 requests at a time per replica would queue the sixth HTTP request in
+# the proxy: the ingress admits what the gateway admits (--max-waiting, then 429).
+INGRESS_MAX_ONGOING_REQUESTS = 100_000
+
+
+@serve.deployment(
+    name="ingress",
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+)
+@serve.ingress()
+class Ingress:
+    def __init__(self, config: GatewayConfig, engine: DeploymentHandle[Any]) -> None:
+        self._app = create_app(
+            config,
+            connect=lambda: ReplicaSet(
+                engine,
+                config.replicas,
+                request_timeout=config.replica_timeout,
+                affinity_slack=config.affinity_slack,
+            ),
+        )
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return self._app
+
+
+def build_app(config: GatewayConfig) -> Application:
+    """The application for `config`: paths made absolute (replicas may start elsewhere)."""
+    config = dataclasses.replace(config, engine=_absolute_paths(config.engine))
+    engine = serve.deployment(
+        name="engine",
+        num_replicas=config.replicas,
+        # Serve's own queue bound: the engine queues past its batch, the gateway 429s first.
+        max_ongoing_requests=config.max_waiting + config.engine.max_num_seqs,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=config.shutdown_grace,
+        ray_actor_options={"num_cpus": config.replica_cpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class=PreferredReplicaRouter  # type: ignore[arg-type]
+        ),
+    )(EngineReplica).bind(config.engine)
+    return Ingress.bind(config, engine)  # type: ignore[attr-defined,no-any-return]
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """`serve run`'s entry: `args` are `prefixgate serve` flags, `replicas: 2` for
+    `--replicas 2`, `true` for a switch."""
+    from gateway.cli import build_parser, gateway_config_from_args
+
+    argv = ["serve"]
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if item is True:
+                argv.append(flag)
+            elif item is not False and item is not None:
+                argv += [flag, str(item)]
+    return build_app(gateway_config_from_args(build_parser().parse_args(argv)))
+
+
+def serve_on_ray(config: GatewayConfig) -> int:
+    """Start (or join, with `ray_address`) Ray, run the application with Serve's HTTP proxy
+    on `host:port`, and keep it up until SIGTERM or SIGINT; then shut Serve down."""
+    import ray
+
+    ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        logger.info(
+            "Ray Serve: %d engine replicas behind http://%s:%d/v1 (loading...)",
+            config.replicas,
+            config.host,
+            config.port,
+        )
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        logger.info(
+            "ready: http://%s:%d/v1 on %d replicas", config.host, config.port, config.replicas
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        logger.info("stopping the Ray Serve application")
+        serve.shutdown()  # type: ignore[no-untyped-call]
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _absolute_paths(engine: EngineConfig) -> EngineConfig:
+    def absolute(path: str | None) -> str | None:
+        if path is None or not Path(path).exists():
+            return path
+        return str(Path(path).resolve())
+
+    return dataclasses.replace(
+        engine, model=absolute(engine.model), prefix_file=absolute(engine.prefix_file)
+    )

@@ -1,0 +1,279 @@
+"""ReplicaSet: the gateway's engine when the engines are Ray Serve replicas.
+
+It does at the ingress what the single-process gateway asks of its AsyncEngine: validate with
+the engine's own `RequestChecker` (the model's facts come from a replica at start), answer
+prefix contracts from the entries the replicas accepted, and stream each request from one
+replica. A background thread polls every replica's report (`poll_interval`): stats for
+/metrics and the registry listing, the registry digests /health compares, the prefix entries
+for contracts and affinity.
+
+Faults: a replica that dies fails the requests streaming from it with EngineUnavailableError
+(503, retry); a request no replica takes within `request_timeout` (all of them down or
+restarting) gets the same instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from engine import (
+    EngineRequest,
+    EngineStats,
+    GrammarSpec,
+    MatchReport,
+    PrefixContract,
+    PrefixSpec,
+    ReloadStatus,
+    RequestOutput,
+    SamplingParams,
+)
+from engine.errors import EngineUnavailableError
+from engine.prefix_index import PrefixIndex
+from engine.request_checker import RequestChecker, RequestLimits
+from gateway.engine_client import ReplicaState
+from replicas.affinity import AffinityTable
+from replicas.replica import ModelFacts, ReplicaReport
+from replicas.stats import sum_stats
+
+logger = logging.getLogger(__name__)
+_REPLICA_FAULTS = (RayActorError, ActorUnavailableError)
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        handle: DeploymentHandle[Any],
+        num_replicas: int,
+        request_timeout: float = 60.0,
+        poll_interval: float = 0.5,
+        affinity_slack: int = 4,
+    ) -> None:
+        self._handle = handle
+        self.num_replicas = num_replicas
+        self.request_timeout = request_timeout
+        self.poll_interval = poll_interval
+        self.affinity = AffinityTable(slack=affinity_slack)
+        self._facts: ModelFacts | None = None
+        self._checker: RequestChecker | None = None
+        self._reports: dict[str, ReplicaReport] = {}
+        self._poll_errors: list[str] = []
+        self._last_poll = 0.0
+        self._specs_digest: str | None = None
+        self._spec_index: PrefixIndex[PrefixSpec] | None = None
+        self._stop = threading.Event()
+        self._poller = threading.Thread(
+            target=self._poll_loop, name="prefixgate-replicas", daemon=True
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Learn the model from a replica and hear from all of them once. Blocks: Serve
+        starts the ingress only once the replicas' constructors returned."""
+        facts: ModelFacts = self._handle.facts.remote().result(timeout_s=self.request_timeout)
+        self._facts = facts
+        self._checker = RequestChecker(facts.tokenizer, facts.eos_token_ids, self._limits)
+        self._poll()
+        self._poller.start()
+        logger.info(
+            "ingress: %s on %d replicas (%s)",
+            facts.model_name,
+            self.num_replicas,
+            ", ".join(sorted(self._reports)) or "none reported yet",
+        )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    @property
+    def is_running(self) -> bool:
+        return self._facts is not None and not self._stop.is_set()
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._ready_facts().model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._ready_facts().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._ready_facts().limits.max_model_len
+
+    def _ready_facts(self) -> ModelFacts:
+        if self._facts is None:
+            raise EngineUnavailableError("the engine replicas are not connected yet")
+        return self._facts
+
+    def _limits(self) -> RequestLimits:
+        """The facts' limits with the fewest usable KV blocks any replica reports."""
+        limits = self._ready_facts().limits
+        usable = [r.limits.num_usable_blocks for r in list(self._reports.values())]
+        return replace(limits, num_usable_blocks=min(usable)) if usable else limits
+
+    # -- validation, as the engine does it ----------------------------------------------------
+    def prepare_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+    ) -> EngineRequest:
+        return self._ready_checker().prepare(prompt_token_ids, params, cache_salt, tenant)
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        self._ready_checker().compile(spec)
+
+    def _ready_checker(self) -> RequestChecker:
+        if self._checker is None:
+            raise EngineUnavailableError("the engine replicas are not connected yet")
+        return self._checker
+
+    def prefix_contract(
+        self, prompt_token_ids: list[int], tenant: str | None = None
+    ) -> PrefixContract | None:
+        spec = self._registry_entry(prompt_token_ids, tenant)
+        return spec.contract if spec is not None else None
+
+    def _registry_entry(self, token_ids: list[int], tenant: str | None) -> PrefixSpec | None:
+        index = self._spec_index
+        if index is None:
+            return None
+        return index.longest(token_ids, visible=lambda s: s.visible_to(tenant))
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(
+        self, request: EngineRequest, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream `request` from one replica: the one holding its conversation if it is not
+        overloaded (`AffinityTable`), else the less loaded of two (Serve's router)."""
+        ids = request.prompt_token_ids
+        entry = self._registry_entry(ids, request.tenant)
+        keys = self.affinity.keys(
+            ids, len(entry.token_ids) if entry else 0, request.cache_salt, request.tenant
+        )
+        preferred = self.affinity.preferred(keys, set(self._reports))
+        stream: DeploymentResponseGenerator[Any] = self._handle.options(  # type: ignore[assignment]
+            stream=True, session_id=preferred
+        ).generate.remote(
+            ids, request.params, request.cache_salt, request.tenant, request_id or uuid.uuid4().hex
+        )
+        replica: str | None = None
+        finished = False
+        try:
+            try:
+                name: str = await asyncio.wait_for(stream.__anext__(), self.request_timeout)
+            except TimeoutError:
+                raise EngineUnavailableError(
+                    f"no engine replica took the request within {self.request_timeout:g} s"
+                ) from None
+            replica = name
+            self.affinity.started(keys, name)
+            async for output in stream:
+                finished = output.finished
+                yield output
+        except _REPLICA_FAULTS as exc:
+            where = f"replica {replica}" if replica else "the engine replica"
+            raise EngineUnavailableError(
+                f"{where} failed while serving this request ({type(exc).__name__}); "
+                "the other replicas keep serving: retry"
+            ) from None
+        finally:
+            if replica is not None:
+                self.affinity.finished(replica)
+            if not finished:
+                stream.cancel()  # type: ignore[no-untyped-call]
+
+    async def reload_prefixes(self) -> ReloadStatus:
+        """Reload on every replica; failed if any replica failed or did not answer."""
+        results = await self._handle.broadcast("reload").results_async(return_exceptions=True)
+        errors, statuses = [], []
+        for result in results:
+            if isinstance(result, BaseException):
+                errors.append(f"a replica did not answer: {result!r}")
+                continue
+            name, status = result
+            statuses.append(status)
+            if not status.ok:
+                errors.append(f"replica {name}: {status.error}")
+        if len(statuses) < self.num_replicas and not errors:
+            errors.append(f"only {len(statuses)} of {self.num_replicas} replicas reloaded")
+        self._poll_soon()
+        return ReloadStatus(
+            time=max((s.time or 0.0 for s in statuses), default=time.time()),
+            ok=not errors,
+            error="; ".join(errors) or None,
+            num_prefixes=max((s.num_prefixes for s in statuses), default=0),
+        )
+
+    async def explain_prefix_match(
+        self, token_ids: list[int], cache_salt: str | None = None, tenant: str | None = None
+    ) -> MatchReport:
+        report: MatchReport = await self._handle.explain.remote(token_ids, cache_salt, tenant)
+        return report
+
+    # -- state of the replicas ----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        reports = list(self._reports.values())
+        if not reports:
+            raise EngineUnavailableError("no engine replica has reported yet")
+        return sum_stats([r.stats for r in reports])
+
+    def replica_states(self) -> list[ReplicaState]:
+        states = [ReplicaState(name, r.stats) for name, r in sorted(self._reports.items())]
+        states += [ReplicaState("?", None, error) for error in self._poll_errors]
+        return states
+
+    def health_problem(self) -> str | None:
+        reports = dict(self._reports)
+        if self._facts is None:
+            return "connecting to the engine replicas"
+        if time.monotonic() - self._last_poll > max(10 * self.poll_interval, 5.0):
+            return "the engine replicas have not reported for a while"
+        if len(reports) < self.num_replicas:
+            return f"{len(reports)} of {self.num_replicas} engine replicas serve"
+        loading = sorted(name for name, r in reports.items() if r.stats.is_reload_pending)
+        if loading:
+            return f"replicas loading prefixes: {', '.join(loading)}"
+        digests = {r.stats.registry_digest for r in reports.values()}
+        if len(digests) > 1:
+            held = ", ".join(f"{n}={r.stats.registry_digest}" for n, r in sorted(reports.items()))
+            return f"the replicas hold different registries ({held})"
+        return None
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self._poll()
+            except Exception:  # keep polling: /health reports the silence
+                logger.exception("polling the engine replicas failed")
+
+    def _poll_soon(self) -> None:
+        threading.Thread(target=self._poll, name="prefixgate-replicas-now", daemon=True).start()
+
+    def _poll(self) -> None:
+        results = self._handle.broadcast("report").results(
+            timeout_s=max(self.poll_interval * 4, 2.0), return_exceptions=True
+        )
+        reports = {r.name: r for r in results if isinstance(r, ReplicaReport)}
+        self._poll_errors = [repr(r) for r in results if isinstance(r, BaseException)]
+        for report in reports.values():  # every replica's entries agree once /health is 200
+            if report.specs_digest != self._specs_digest:
+                self._spec_index = PrefixIndex(
+                    report.specs, lambda s: s.token_ids, report.limits.block_size
+                )
+                self._specs_digest = report.specs_digest
+            break
+        self._reports = reports
+        self._last_poll = time.monotonic()

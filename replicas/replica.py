@@ -1,0 +1,120 @@
+"""EngineReplica: the engine deployment's class, one AsyncEngine per Ray Serve replica.
+
+The constructor loads the model and pre-fills and pins every prefix of the prefixes file
+before it returns, and Serve sends a replica no traffic before its constructor returned: a
+replica that Serve restarts after a fault holds the registry before it takes a request. It
+reads the prefixes file as it is now, so it comes back with the registry the others reloaded.
+
+Each replica watches the prefixes file itself (the engine's poll), as the single-process
+server does; `POST /v1/prefixes/reload` reaches all of them through `reload`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine import (
+    AsyncEngine,
+    EngineConfig,
+    EngineStats,
+    MatchReport,
+    PrefixSpec,
+    ReloadStatus,
+    RequestOutput,
+    SamplingParams,
+)
+from engine.registry import registry_digest
+from engine.request_checker import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the ingress needs to tokenize and validate as the replicas would."""
+
+    model_name: str
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    limits: RequestLimits
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """One replica's state for the ingress: its engine stats and the prefix entries it
+    accepted (`specs_digest` names them; the ingress rebuilds its index when it changes)."""
+
+    name: str
+    stats: EngineStats
+    limits: RequestLimits
+    specs_digest: str
+    specs: tuple[PrefixSpec, ...]
+
+
+class EngineReplica:
+    def __init__(self, config: EngineConfig) -> None:
+        from ray import serve
+
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncEngine(config)
+        self.engine.start()  # model load and registry prefill, before Serve routes here
+        self._specs_source: object = None
+        self._specs: tuple[PrefixSpec, ...] = ()
+        self._specs_digest = registry_digest(())
+        logger.info("replica %s serves %s", self.name, self.engine.model_name)
+
+    def facts(self) -> ModelFacts:
+        engine = self.engine.engine
+        return ModelFacts(engine.model_name, engine.tokenizer, engine.eos_token_ids, engine.limits)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        tenant: str | None,
+        request_id: str,
+    ) -> AsyncIterator[str | RequestOutput]:
+        """This replica's name first (the ingress counts and remembers where requests run),
+        then the request's outputs. The request is checked again here, against this pool."""
+        yield self.name
+        if params.grammar is None:
+            request = self.engine.prepare_request(prompt_token_ids, params, cache_salt, tenant)
+        else:  # compiling may take a while: not on this replica's event loop
+            request = await asyncio.to_thread(
+                self.engine.prepare_request, prompt_token_ids, params, cache_salt, tenant
+            )
+        async for output in self.engine.generate(request, request_id):
+            yield output
+
+    def report(self) -> ReplicaReport:
+        engine = self.engine.engine
+        specs = engine.prefixes.specs  # replaced, never mutated, on each accepted load
+        if specs is not self._specs_source:
+            self._specs_source, self._specs = specs, tuple(specs)
+            self._specs_digest = registry_digest(self._specs)
+        return ReplicaReport(
+            self.name, self.engine.stats(), engine.limits, self._specs_digest, self._specs
+        )
+
+    async def reload(self) -> tuple[str, ReloadStatus]:
+        return self.name, await self.engine.reload_prefixes()
+
+    async def explain(
+        self, token_ids: list[int], cache_salt: str | None, tenant: str | None
+    ) -> MatchReport:
+        return await self.engine.explain_prefix_match(token_ids, cache_salt, tenant)
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose engine loop died is restarted."""
+        if not self.engine.is_running:
+            raise RuntimeError(f"replica {self.name}: the engine loop has stopped")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

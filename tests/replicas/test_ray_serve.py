@@ -1,0 +1,316 @@
+"""`prefixgate serve --replicas 2` end to end: a local Ray instance started by the server this
+test starts, two engine replicas of the tiny Llama behind the ingress, the OpenAI SDK in
+front. Faults are real: a replica's worker process is killed with SIGKILL.
+
+Marked `ray` (and `slow`): `make test-fast` skips it. One server for the module (~15 s to
+start: Ray, then two replicas that load the model and fill the registry).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.server_harness import (
+    HTTP_TIMEOUT,
+    Reference,
+    Server,
+    ServerFactory,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "tiny-llama"
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 512
+MAX_MODEL_LEN = 512
+SYSTEM = "You are a helpful assistant. Answer the question briefly and politely."
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi there"}]
+FILE = f"""version: 1
+prefixes:
+  - name: sys
+    messages:
+      - role: system
+        content: {SYSTEM}
+"""
+NEW_ENTRY = """  - name: doc
+    text: "The quick brown fox jumps over the lazy dog. The scheduler admits new requests"
+"""
+READY_TIMEOUT = 120.0
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def prefix_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prefixes") / "prefixes.yaml"
+    path.write_text(FILE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_llama_path: Path, prefix_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    factory = ServerFactory(tmp_path_factory.mktemp("ray-logs"))
+    server = factory(
+        *("--replicas", "2", "--model", str(tiny_llama_path), "--dtype", "float32"),
+        *("--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS)),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1"),
+        *("--prefixes", str(prefix_file), "--prefix-watch-interval", "0.2"),
+        *("--replica-timeout", "20", "--shutdown-grace", "2"),
+        ready_timeout=READY_TIMEOUT,
+        name="ray",
+    )
+    yield server
+    codes = factory.close()
+    assert codes == {server.pid: 0}, server.log()
+    assert not _replica_pids(), "the engine replicas outlived the server"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path: Path) -> Reference:
+    return Reference(tiny_llama_path, BLOCK_SIZE, NUM_KV_BLOCKS, MAX_MODEL_LEN)
+
+
+@pytest.fixture
+def sdk(cluster: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT
+    ) as client:
+        yield client
+
+
+def _listing(server: Server) -> dict[str, Any]:
+    listing: dict[str, Any] = server.get_json("/v1/prefixes")
+    return listing
+
+
+def _replica_pids() -> list[int]:
+    """Engine replicas' worker processes: Ray names them `ray::ServeReplica:<app>:<name>`."""
+    found = subprocess.run(
+        ["pgrep", "-f", "ServeReplica:prefixgate:engine"], capture_output=True, text=True
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _by_replica(server: Server, name: str) -> dict[str, float]:
+    with server.client() as client:
+        text = client.get("/metrics").text
+    return {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def _wait_healthy_pair(server: Server, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+    def two_alike() -> dict[str, Any] | None:
+        if httpx.get(f"{server.url}/health", timeout=5.0).status_code != 200:
+            return None
+        listing = _listing(server)
+        replicas = listing["replicas"]
+        digests = {r["digest"] for r in replicas}
+        return listing if len(replicas) == 2 and len(digests) == 1 else None
+
+    return wait_until(two_alike, timeout, "two replicas with one registry")
+
+
+# -- the OpenAI API through the ingress ----------------------------------------------------------
+
+
+def test_sdk_chat_through_the_ingress_equals_the_engine(
+    sdk: openai.OpenAI, reference: Reference
+) -> None:
+    expected = reference.chat(MESSAGES, 12)
+    completion = sdk.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, extra_body=IGNORE_EOS
+    )
+    assert completion.choices[0].message.content == expected
+    stream = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IGNORE_EOS,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_validation_errors_come_from_the_ingress_as_openai_errors(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=MODEL, prompt=[1, 2, 10**6], max_tokens=2)
+    assert info.value.code == "invalid_token_id"
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN + 1)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="another-model", prompt="hi", max_tokens=2)
+
+
+def test_structured_output_runs_on_a_replica(sdk: openai.OpenAI) -> None:
+    completion = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    text = completion.choices[0].message.content or ""
+    assert text.startswith("{"), text
+
+
+def test_registry_hits_on_both_replicas(sdk: openai.OpenAI, cluster: Server) -> None:
+    """Concurrent requests spread over both replicas; each one hits the registered prefix."""
+    registered = _listing(cluster)["data"][0]["tokens"]
+
+    def ask(i: int) -> int:
+        messages = [MESSAGES[0], {"role": "user", "content": f"Question number {i}?"}]
+        completion = sdk.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=8
+        )
+        assert completion.usage is not None and completion.usage.prompt_tokens_details
+        return completion.usage.prompt_tokens_details.cached_tokens or 0
+
+    hits: dict[str, float] = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for round_ in range(10):  # until both replicas served some (power of two choices)
+            cached = list(pool.map(ask, range(round_ * 8, round_ * 8 + 8)))
+            assert all(c >= registered for c in cached), (cached, registered)
+            hits = _by_replica(cluster, "prefixgate_prefix_cache_hits_total")
+            if len(hits) == 2 and all(v > 0 for v in hits.values()):
+                break
+    assert len(hits) == 2 and all(v > 0 for v in hits.values()), hits
+    replicas = _listing(cluster)["replicas"]
+    assert all(r["hits"] > 0 for r in replicas), replicas
+
+
+def test_a_conversation_stays_on_its_replica(sdk: openai.OpenAI) -> None:
+    """Each second turn finds its first turn in the automatic prefix cache, past the
+    registered prefix: it ran where the first turn ran."""
+    for i in range(4):
+        messages = [MESSAGES[0], {"role": "user", "content": f"Tell me about topic {i} " * 6}]
+        first = sdk.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=16
+        )
+        assert first.usage is not None
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And then?"},
+        ]
+        second = sdk.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=4
+        )
+        assert second.usage is not None and second.usage.prompt_tokens_details
+        cached = second.usage.prompt_tokens_details.cached_tokens or 0
+        assert cached >= first.usage.prompt_tokens - BLOCK_SIZE, (cached, first.usage)
+
+
+def test_metrics_carry_a_replica_label(cluster: Server) -> None:
+    blocks = _by_replica(cluster, "prefixgate_kv_blocks_total")
+    assert list(blocks.values()) == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]
+    assert len(set(blocks)) == 2
+    digests = _by_replica(cluster, "prefixgate_prefix_registry_info")
+    assert len(digests) == 2
+
+
+# -- one registry for all ----------------------------------------------------------------------
+
+
+def test_a_reload_reaches_both_replicas_and_a_bad_one_keeps_the_old(
+    cluster: Server, prefix_file: Path
+) -> None:
+    before = _wait_healthy_pair(cluster)
+    try:
+        prefix_file.write_text(FILE + NEW_ENTRY)
+        with cluster.client() as client:
+            response = client.post("/v1/prefixes/reload")
+        assert response.status_code == 200, response.text
+        assert response.json()["prefixes"] == 2
+        after = _wait_healthy_pair(cluster)
+        assert after["digest"] != before["digest"]
+        assert sorted(p["name"] for p in after["data"]) == ["doc", "sys"]
+        assert {r["prefixes"] for r in after["replicas"]} == {2}
+
+        prefix_file.write_text("version: 1\nprefixes: [oops")
+        with cluster.client() as client:
+            response = client.post("/v1/prefixes/reload")
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "prefix_reload_failed"
+        names = [r["name"] for r in after["replicas"]]
+        assert all(f"replica {name}" in error["message"] for name in names), error
+        kept = _listing(cluster)
+        assert kept["digest"] == after["digest"]
+        assert all(r["last_reload"]["ok"] is False for r in kept["replicas"])
+    finally:
+        prefix_file.write_text(FILE)
+        with cluster.client() as client:
+            assert client.post("/v1/prefixes/reload").status_code == 200
+    assert _wait_healthy_pair(cluster)["digest"] == before["digest"]
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(
+    cluster: Server, sdk: openai.OpenAI
+) -> None:
+    _wait_healthy_pair(cluster)
+    [victim, survivor] = _replica_pids()
+    params: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 440}
+    num_streams = 6
+    streaming = threading.Barrier(num_streams + 1)
+    started = time.monotonic()
+
+    def stream(i: int) -> str:
+        """ "ok", or the error code the stream ended with."""
+        messages = [MESSAGES[0], {"role": "user", "content": f"A story {i}."}]
+        first = True
+        try:
+            for _ in sdk.chat.completions.create(
+                messages=messages, stream=True, extra_body=IGNORE_EOS, **params
+            ):
+                if first:
+                    first = False
+                    streaming.wait(timeout=30.0)
+        except openai.APIError as exc:
+            return str(getattr(exc, "code", None) or exc.body)
+        return "ok"
+
+    with concurrent.futures.ThreadPoolExecutor(num_streams) as pool:
+        futures = [pool.submit(stream, i) for i in range(num_streams)]
+        streaming.wait(timeout=30.0)  # every stream has its first chunk: all are running
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [f.result(timeout=60.0) for f in futures]
+    assert time.monotonic() - started < 60.0
+    failed = [o for o in outcomes if o != "ok"]
+    assert failed and len(failed) < len(outcomes), outcomes  # its requests only
+    assert set(failed) == {"engine_unavailable"}, outcomes
+    # Serve restarts the replica; it refills the registry before it serves, then /health is
+    # 200 again with two replicas holding the same registry.
+    listing = _wait_healthy_pair(cluster)
+    assert survivor in _replica_pids() and victim not in _replica_pids()
+    assert all(r["prefixes"] == 1 for r in listing["replicas"])
+    completion = sdk.chat.completions.create(
+        messages=MESSAGES, extra_body=IGNORE_EOS, **{**params, "max_tokens": 4}
+    )
+    assert completion.choices[0].finish_reason == "length"
