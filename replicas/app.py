@@ -77,6 +77,8 @@ def build_app(config: GatewayConfig) -> Application:
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=config.shutdown_grace,
         ray_actor_options={"num_cpus": config.replica_cpus},
+        # The ingress polls every replica twice a second: an access log line per poll is noise.
+        logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
             request_router_class=PreferredReplicaRouter  # type: ignore[arg-type]
         ),
@@ -86,19 +88,22 @@ def build_app(config: GatewayConfig) -> Application:
 
 def app_builder(args: dict[str, Any]) -> Application:
     """`serve run`'s entry: `args` are `prefixgate serve` flags, `replicas: 2` for
-    `--replicas 2`, `true` for a switch."""
+    `--replicas 2`, `true` for a switch, a list for a repeatable flag."""
+    return build_app(config_from_serve_args(args))
+
+
+def config_from_serve_args(args: dict[str, Any]) -> GatewayConfig:
     from gateway.cli import build_parser, gateway_config_from_args
 
     argv = ["serve"]
     for name, value in args.items():
         flag = "--" + name.replace("_", "-")
-        values = value if isinstance(value, list) else [value]
-        for item in values:
+        for item in value if isinstance(value, list) else [value]:
             if item is True:
                 argv.append(flag)
             elif item is not False and item is not None:
                 argv += [flag, str(item)]
-    return build_app(gateway_config_from_args(build_parser().parse_args(argv)))
+    return gateway_config_from_args(build_parser().parse_args(argv))
 
 
 def serve_on_ray(config: GatewayConfig) -> int:
@@ -106,7 +111,7 @@ def serve_on_ray(config: GatewayConfig) -> int:
     on `host:port`, and keep it up until SIGTERM or SIGINT; then shut Serve down."""
     import ray
 
-    ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)
+    ray.init(address=config.ray_address, include_dashboard=False)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         logger.info(

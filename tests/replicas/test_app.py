@@ -1,0 +1,42 @@
+"""The Serve config's `args` are `prefixgate serve` flags (deploy/serve.yaml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from replicas.app import app_builder, config_from_serve_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_args_become_the_same_config_as_the_flags() -> None:
+    config = config_from_serve_args(
+        {
+            "replicas": 3,
+            "prefixes": "prefixes.yaml",
+            "num_threads": 1,
+            "api-key": ["a=k1", "b=k2"],
+            "no_auto_prefix_cache": True,
+            "debug_check_integrity": False,
+            "served_model_name": None,
+        }
+    )
+    assert config.replicas == 3
+    assert config.engine.prefix_file == "prefixes.yaml"
+    assert config.engine.num_threads == 1
+    assert config.api_keys == ("a=k1", "b=k2")
+    assert not config.engine.enable_auto_prefix_cache
+    assert not config.engine.debug_check_integrity
+    assert config.served_model_name is None
+
+
+def test_the_shipped_serve_config_builds() -> None:
+    """deploy/serve.yaml's application builds (nothing starts: Serve is not running)."""
+    document = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    [application] = document["applications"]
+    assert application["import_path"] == "replicas.app:app_builder"
+    config = config_from_serve_args(application["args"])
+    assert config.replicas >= 2
+    assert app_builder(application["args"]) is not None

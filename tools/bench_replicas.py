@@ -1,0 +1,183 @@
+"""What Ray Serve costs: the `intent` workload at a fixed rate through the single-process
+server, then Ray Serve with one engine replica, then with two, one after another in one run.
+
+    .venv/bin/python tools/bench_replicas.py --qps 1 --num-requests 64 \\
+        --out-dir docs/results/2026-11-24-replicas
+
+Each configuration is a fresh `prefixgate serve` on 127.0.0.1 (stopped by PID), loaded by
+tools/bench_serving.py (streaming chat, Poisson arrivals at `--qps`, the same seed for all,
+bounded by `--max-duration`). Reported per configuration: TTFT / TPOT / e2e p50 and p95, the
+registry hit rate (requests whose `cached_tokens` cover the registered prefix they start
+with) and, on Ray, each replica's registry hits. The ingress's added TTFT is the p50 of one
+replica on Ray minus the single-process p50: the same engine and threads, with the ingress,
+Serve's proxy and its router in front. Two replicas on this machine's 2 cores share them
+(one torch thread each), so expect little gain: the point is the overhead.
+
+Writes `<out-dir>/<config>.json` (bench_serving's report), `<config>.log` (the server's) and
+`summary.json`; prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.provenance import git_revision
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = "intent-classifier"
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    flags: tuple[str, ...]
+
+
+SETUPS = (
+    Setup("single-process", ()),
+    Setup("ray-1-replica", ("--replicas", "1", "--ray-address", "local")),
+    Setup("ray-2-replicas", ("--replicas", "2", "--num-threads", "1")),
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--qps", type=float, default=1.0)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-duration", type=float, default=300.0)
+    parser.add_argument("--port", type=int, default=8095)
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--only", nargs="*", help="run these configurations only")
+    parser.add_argument("--server-flags", default="", help="more `prefixgate serve` flags")
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for setup in SETUPS:
+        if args.only and setup.name not in args.only:
+            continue
+        results[setup.name] = run_setup(setup, args)
+    summary = summarize(results)
+    summary.update(
+        git_revision=git_revision(),
+        command=" ".join(sys.argv),
+        cpu_capability=_cpu_capability(),
+    )
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(markdown(summary))
+    return 0
+
+
+def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """Start the server, load it, read its registry listing, stop it (SIGTERM, by PID)."""
+    base = f"http://127.0.0.1:{args.port}"
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(args.port)]
+    command += ["--prefixes", "prefixes.yaml", *setup.flags, *args.server_flags.split()]
+    log = (args.out_dir / f"{setup.name}.log").open("wb")
+    server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(base, server, timeout=300.0)
+        report = args.out_dir / f"{setup.name}.json"
+        subprocess.run(
+            [
+                sys.executable,
+                "tools/bench_serving.py",
+                *("--base-url", f"{base}/v1", "--label", setup.name, "--workload", "intent"),
+                *("--qps", str(args.qps), "--num-requests", str(args.num_requests)),
+                *("--arrival", "poisson", "--warmup", "2"),
+                *("--max-duration", str(args.max_duration), "--out", str(report)),
+            ],
+            cwd=REPO,
+            check=True,
+        )
+        listing = httpx.get(f"{base}/v1/prefixes", timeout=30.0).json()
+        return {"report": json.loads(report.read_text()), "listing": listing}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=90.0)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def _wait_healthy(base: str, server: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before /health")
+        try:
+            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"no healthy server after {timeout} s")
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rows = {}
+    for name, result in results.items():
+        step = result["report"]["steps"][0]
+        summary, requests = step["summary"], step["requests"]
+        [entry] = [p for p in result["listing"]["data"] if p["name"] == PREFIX]
+        done = [r for r in requests if r["status"] == "ok"]
+        hits = [r for r in done if (r.get("cached_tokens") or 0) >= entry["tokens"]]
+        rows[name] = {
+            "ttft_p50_ms": summary["ttft_ms"]["p50"],
+            "ttft_p95_ms": summary["ttft_ms"]["p95"],
+            "tpot_p50_ms": summary["tpot_ms"]["p50"],
+            "e2e_p50_ms": summary["e2e_ms"]["p50"],
+            "e2e_p95_ms": summary["e2e_ms"]["p95"],
+            "output_throughput": summary["output_throughput"],
+            "completed": len(done),
+            "errors": summary["num_errors"],
+            "registry_hit_rate": len(hits) / len(done) if done else None,
+            "replica_hits": {r["name"]: r["hits"] for r in result["listing"].get("replicas") or []},
+        }
+    single, ray_one = rows.get("single-process"), rows.get("ray-1-replica")
+    added = ray_one["ttft_p50_ms"] - single["ttft_p50_ms"] if single and ray_one else None
+    return {"rows": rows, "ingress_added_ttft_p50_ms": added}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = [
+        "| configuration | TTFT p50 / p95 ms | TPOT p50 ms | e2e p50 / p95 ms | tok/s | "
+        "completed (errors) | registry hit rate | hits per replica |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["rows"].items():
+        per_replica = ", ".join(f"{n}: {h}" for n, h in row["replica_hits"].items()) or "-"
+        lines.append(
+            f"| {name} | {row['ttft_p50_ms']:.1f} / {row['ttft_p95_ms']:.1f} | "
+            f"{row['tpot_p50_ms']:.1f} | {row['e2e_p50_ms']:.0f} / {row['e2e_p95_ms']:.0f} | "
+            f"{row['output_throughput']:.1f} | {row['completed']} ({row['errors']}) | "
+            f"{100 * row['registry_hit_rate']:.0f}% | {per_replica} |"
+        )
+    added = summary["ingress_added_ttft_p50_ms"]
+    if added is not None:
+        lines.append(f"\nIngress-added TTFT p50 (Ray, 1 replica - single process): {added:.1f} ms")
+    return "\n".join(lines)
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
