@@ -129,9 +129,14 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(
-        self, request: EngineRequest, request_id: str | None = None
+        self,
+        request: EngineRequest,
+        request_id: str | None = None,
+        affinity_key: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a prepared request's outputs. Failures come out as typed engine errors."""
+        """Stream a prepared request's outputs. Failures come out as typed engine errors.
+        `affinity_key` routes among replicas (`gateway.engine_client`); one engine has no
+        use for it."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -57,8 +57,13 @@ class EngineClient(Protocol):
     ) -> PrefixContract | None: ...
 
     def generate(
-        self, request: EngineRequest, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]: ...
+        self,
+        request: EngineRequest,
+        request_id: str | None = None,
+        affinity_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`affinity_key`: requests with the same key prefer the replica that served the
+        last of them (a single engine has nowhere else to run them)."""
 
     async def reload_prefixes(self) -> ReloadStatus: ...
 

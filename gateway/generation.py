@@ -56,6 +56,7 @@ class Job:
     ticket: Ticket
     request_id: str
     requests: list[EngineRequest]  # per choice (several prompts fan out too)
+    affinity_key: str | None = None  # the client's prompt_cache_key or user (replica routing)
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     choices: list[Choice] = field(default_factory=list)
@@ -83,7 +84,7 @@ class Job:
 
     def _streams(self) -> list[AsyncIterator[RequestOutput]]:
         return [
-            self.engine.generate(request, f"{self.request_id}-{i}")
+            self.engine.generate(request, f"{self.request_id}-{i}", self.affinity_key)
             for i, request in enumerate(self.requests)
         ]
 

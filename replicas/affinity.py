@@ -9,7 +9,9 @@ named by a chain hash (a chunk's key stands for every token before its end, in t
 request's cache scope, as the engine's block hashes do), and each key maps to the replica
 that served it last. A new request prefers the replica of its longest known key, unless that
 replica holds `slack` more requests than the least loaded one (the load escape); then it
-goes least-loaded, and its keys move to wherever it ran.
+goes least-loaded, and its keys move to wherever it ran. A client's own key
+(`prompt_cache_key`, else `user`) is one more key, the strongest: requests that share it go
+where the last of them went, whatever their text.
 
 Loads are the ingress's own count of requests in flight per replica: every request passes
 through it, so the count is exact without asking the replicas.
@@ -39,14 +41,19 @@ class AffinityTable:
         skip_tokens: int,
         cache_salt: str | None,
         tenant: str | None,
+        client_key: str | None = None,
     ) -> list[BlockHash]:
         """The chunk keys of `token_ids` that end past the first `skip_tokens` (the registry
-        prefix the prompt starts with), shortest first."""
+        prefix the prompt starts with), shortest first, then `client_key`'s (all in the
+        request's cache scope: nobody steers requests next to another tenant's)."""
         hashes: list[BlockHash] = []
         seed = scope_seed("affinity", tenant, cache_salt)
         extend_block_hashes(hashes, token_ids, len(token_ids), CHUNK_TOKENS, seed)
         first = skip_tokens // CHUNK_TOKENS  # chunk i ends at (i + 1) * CHUNK_TOKENS
-        return hashes[first:]
+        keys = hashes[first:]
+        if client_key:
+            keys.append(scope_seed("affinity-key", tenant, cache_salt, client_key))
+        return keys
 
     def preferred(self, keys: list[BlockHash], live: set[str]) -> str:
         """The replica holding the longest of `keys`, if it is live and not overloaded;

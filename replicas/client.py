@@ -154,14 +154,22 @@ class ReplicaSet:
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(
-        self, request: EngineRequest, request_id: str | None = None
+        self,
+        request: EngineRequest,
+        request_id: str | None = None,
+        affinity_key: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream `request` from one replica: the one holding its conversation if it is not
-        overloaded (`AffinityTable`), else the less loaded of two (Serve's router)."""
+        """Stream `request` from one replica: the one holding its conversation (or the last
+        request with its `affinity_key`) if it is not overloaded (`AffinityTable`), else the
+        less loaded of two (Serve's router)."""
         ids = request.prompt_token_ids
         entry = self._registry_entry(ids, request.tenant)
         keys = self.affinity.keys(
-            ids, len(entry.token_ids) if entry else 0, request.cache_salt, request.tenant
+            ids,
+            len(entry.token_ids) if entry else 0,
+            request.cache_salt,
+            request.tenant,
+            affinity_key,
         )
         preferred = self.affinity.preferred(keys, set(self._reports))
         stream: DeploymentResponseGenerator[Any] = self._handle.options(  # type: ignore[assignment]

@@ -59,6 +59,10 @@ class EngineReplica:
     def __init__(self, config: EngineConfig) -> None:
         from ray import serve
 
+        if not logging.getLogger().handlers:  # a Ray worker: the engine's lines to its stderr
+            logging.basicConfig(
+                level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+            )
         self.name = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncEngine(config)
         self.engine.start()  # model load and registry prefill, before Serve routes here

@@ -56,6 +56,7 @@ SETUPS = (
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--qps", type=float, default=1.0)
+    parser.add_argument("--concurrency", type=int, help="a fixed concurrency instead of --qps")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-duration", type=float, default=300.0)
     parser.add_argument("--port", type=int, default=8095)
@@ -89,14 +90,19 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_healthy(base, server, timeout=300.0)
+        load = (
+            ["--concurrency", str(args.concurrency)]
+            if args.concurrency
+            else ["--qps", str(args.qps), "--arrival", "poisson"]
+        )
         report = args.out_dir / f"{setup.name}.json"
         subprocess.run(
             [
                 sys.executable,
                 "tools/bench_serving.py",
                 *("--base-url", f"{base}/v1", "--label", setup.name, "--workload", "intent"),
-                *("--qps", str(args.qps), "--num-requests", str(args.num_requests)),
-                *("--arrival", "poisson", "--warmup", "2"),
+                *load,
+                *("--num-requests", str(args.num_requests), "--warmup", "2"),
                 *("--max-duration", str(args.max_duration), "--out", str(report)),
             ],
             cwd=REPO,
@@ -156,11 +162,11 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def markdown(summary: dict[str, Any]) -> str:
     lines = [
         "| configuration | TTFT p50 / p95 ms | TPOT p50 ms | e2e p50 / p95 ms | tok/s | "
-        "completed (errors) | registry hit rate | hits per replica |",
+        "completed (errors) | registry hit rate | requests per replica |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["rows"].items():
-        per_replica = ", ".join(f"{n}: {h}" for n, h in row["replica_hits"].items()) or "-"
+        per_replica = ", ".join(f"{n}: {h}" for n, h in row["replica_requests"].items()) or "-"
         lines.append(
             f"| {name} | {row['ttft_p50_ms']:.1f} / {row['ttft_p95_ms']:.1f} | "
             f"{row['tpot_p50_ms']:.1f} | {row['e2e_p50_ms']:.0f} / {row['e2e_p95_ms']:.0f} | "

@@ -1,8 +1,8 @@
 """The OpenAI wire protocol as pydantic v2 models: requests validated, responses serialised.
 
 Requests are strict (JSON types only: "0.5" is not a number, `true` is not an integer), accept
-unknown fields (logged at DEBUG and ignored: clients send `prompt_cache_key`, `store`,
-`metadata`, ...) and reject features this server lacks with a clear error instead of ignoring
+unknown fields (logged at DEBUG and ignored: clients send `store`, `metadata`,
+`service_tier`, ...) and reject features this server lacks with a clear error instead of ignoring
 them. Validators raise `PydanticCustomError` whose type is the OpenAI error code
 ("invalid_value", "unsupported_parameter", "unsupported_value"); `gateway.errors` turns the
 first error into the OpenAI error body, with `param` taken from the error's location.

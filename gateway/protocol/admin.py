@@ -45,6 +45,7 @@ class ReplicaCard(BaseModel):
     name: str
     digest: str | None
     prefixes: int | None
+    lookups: int | None  # prompts it checked against the registry: the requests it served
     hits: int | None
     last_reload: ReloadState | None
     error: str | None = None

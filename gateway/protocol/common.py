@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,17 @@ class GenerationBase(RequestModel):
     engine sequences it will queue."""
 
     model: str
+    user: str | None = None
+    prompt_cache_key: str | None = Field(
+        default=None,
+        description="requests that share it run on the replica that served the last of them "
+        "(Ray Serve), where their cached blocks are; one engine: no effect",
+    )
+
+    @property
+    def affinity_key(self) -> str | None:
+        """What keeps a client's requests on one replica: `prompt_cache_key`, else `user`."""
+        return self.prompt_cache_key or self.user
 
     @property
     def num_prompts(self) -> int:

@@ -276,7 +276,6 @@ class GenerationRequest(GenerationBase):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     cache_salt: str | None = Field(
         default=None,
         description="extension (vLLM's): cached work is shared only between requests with "

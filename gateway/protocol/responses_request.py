@@ -289,7 +289,6 @@ class ResponsesRequest(GenerationBase):
     stream: bool = False
     store: bool = True
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=MAX_METADATA_KEYS)
-    user: str | None = None
     truncation: Literal["disabled"] | None = Field(
         default=None, description="'auto' (dropping early turns) is not supported"
     )

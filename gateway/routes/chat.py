@@ -57,7 +57,14 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     prepared = await gateway.run_blocking(
         prepare_chat, engine, body, gateway.config.default_max_tokens, admitted.caller
     )
-    job = Job(gateway, engine, admitted.ticket, random_id("chatcmpl"), fan_out(prepared, body.n))
+    job = Job(
+        gateway,
+        engine,
+        admitted.ticket,
+        random_id("chatcmpl"),
+        fan_out(prepared, body.n),
+        body.affinity_key,
+    )
     if body.stream:
         events = _stream(
             job, gateway.model_name, body.logprobs, body.include_usage, body.uses_tools

@@ -86,6 +86,7 @@ def _replica_cards(replicas: ReplicaSetView | None) -> list[ReplicaCard] | None:
             name=r.name,
             digest=r.stats.registry_digest if r.stats else None,
             prefixes=len(r.stats.prefixes) if r.stats else None,
+            lookups=r.stats.prefix_lookups if r.stats else None,
             hits=r.stats.prefix_hits if r.stats else None,
             last_reload=_reload_state(r.stats) if r.stats else None,
             error=r.error,

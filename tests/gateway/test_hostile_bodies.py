@@ -217,6 +217,7 @@ GENERATION_KINDS: dict[str, Kind] = {
     "stream": BOOLEAN,
     "stream_options": OBJECT,
     "user": STRING,
+    "prompt_cache_key": STRING,
     "cache_salt": STRING,
     "ignore_eos": BOOLEAN,
     "skip_special_tokens": BOOLEAN,
@@ -280,6 +281,7 @@ KINDS: dict[type[BaseModel], dict[str, Kind]] = {
         "store": BOOLEAN,
         "metadata": OBJECT,
         "user": STRING,
+        "prompt_cache_key": STRING,
         "truncation": ROLE,  # Literal["disabled"]; "auto" is a row of RESPONSES_ROWS
         "background": BOOLEAN,  # true is refused: a row of RESPONSES_ROWS
         "conversation": NO_FEATURE,

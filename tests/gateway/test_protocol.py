@@ -529,8 +529,7 @@ def test_unknown_fields_are_accepted_and_logged(
     assert [r.getMessage() for r in caplog.records if r.name == "gateway.protocol.common"] == [
         "ignoring unknown fields of TextContentPart: ['cache_control']",
         "ignoring unknown fields of ChatMessage: ['refusal']",
-        "ignoring unknown fields of ChatCompletionRequest: ['metadata', 'prompt_cache_key', "
-        "'store']",
+        "ignoring unknown fields of ChatCompletionRequest: ['metadata', 'store']",
     ]
     assert all(r.levelno == logging.DEBUG for r in caplog.records)
 

@@ -93,3 +93,20 @@ def test_capacity_drops_the_least_recently_used_keys() -> None:
     assert table.preferred(new, LIVE) == "b"
     assert table.preferred(old[:2], LIVE) == ""  # dropped
     assert table.preferred(old, LIVE) == "a"  # the last two remain
+
+
+def test_a_client_key_wins_over_the_text_and_stays_in_its_scope() -> None:
+    table = AffinityTable()
+    one, other = list(range(100)), list(range(500, 600))
+    table.started(table.keys(one, 0, None, None, "user-1"), "a")
+    table.finished("a")
+    # Other text, same key: a.
+    assert table.preferred(table.keys(other, 0, None, None, "user-1"), LIVE) == "a"
+    # The same key from another tenant or salt is another key.
+    assert table.preferred(table.keys(other, 0, None, "t2", "user-1"), LIVE) == ""
+    assert table.preferred(table.keys(other, 0, "s", None, "user-1"), LIVE) == ""
+    # Text known on b, key known on a: the key decides.
+    table.started(table.keys(other, 0, None, None), "b")
+    table.finished("b")
+    assert table.preferred(table.keys(other, 0, None, None, "user-1"), LIVE) == "a"
+    assert table.preferred(table.keys(other, 0, None, None), LIVE) == "b"
