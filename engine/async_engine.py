@@ -83,6 +83,10 @@ class AsyncEngine:
         if self._load_error is not None:
             raise self._load_error
 
+    async def open(self) -> None:
+        """`start()` without blocking the event loop (the gateway's way in)."""
+        await asyncio.to_thread(self.start)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still running are aborted."""
         self._stop = True

@@ -37,8 +37,9 @@ class EngineClient(Protocol):
     @property
     def is_running(self) -> bool: ...
 
-    def start(self) -> None:
-        """Block until the engine serves (seconds to minutes: call it off the event loop)."""
+    async def open(self) -> None:
+        """Return once the engine serves (seconds to minutes: the model loads, the registry
+        fills); raises what failed."""
 
     def shutdown(self) -> None: ...
 

@@ -59,7 +59,7 @@ class Gateway:
         self._workers = ThreadPoolExecutor(
             config.tokenizer_workers, thread_name_prefix="prefixgate-tokenize"
         )
-        if engine is not None:
+        if isinstance(engine, AsyncEngine):  # tests hand over a built, unstarted one
             engine.start()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ class Gateway:
             return
         engine = self._connect()
         try:
-            await asyncio.to_thread(engine.start)  # the model loads on the engine's own thread
+            await engine.open()
         except Exception as exc:  # keep serving /health with the reason
             logger.exception("engine failed to start")
             self.load_error = str(exc)

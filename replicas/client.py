@@ -3,9 +3,10 @@
 It does at the ingress what the single-process gateway asks of its AsyncEngine: validate with
 the engine's own `RequestChecker` (the model's facts come from a replica at start), answer
 prefix contracts from the entries the replicas accepted, and stream each request from one
-replica. A background thread polls every replica's report (`poll_interval`): stats for
-/metrics and the registry listing, the registry digests /health compares, the prefix entries
-for contracts and affinity.
+replica. A task on the ingress's event loop polls every replica's report (`poll_interval`):
+stats for /metrics and the registry listing, the registry digests /health compares, the
+prefix entries for contracts and affinity. Everything here awaits Serve's handle on the
+ingress's own loop (no blocking `.result()`), so Serve may run its router on that loop.
 
 Faults: a replica that dies fails the requests streaming from it with EngineUnavailableError
 (503, retry); a request no replica takes within `request_timeout` (all of them down or
@@ -16,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -70,20 +70,19 @@ class ReplicaSet:
         self._last_poll = 0.0
         self._specs_digest: str | None = None
         self._spec_index: PrefixIndex[PrefixSpec] | None = None
-        self._stop = threading.Event()
-        self._poller = threading.Thread(
-            target=self._poll_loop, name="prefixgate-replicas", daemon=True
-        )
+        self._is_stopped = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Learn the model from a replica and hear from all of them once. Blocks: Serve
-        starts the ingress only once the replicas' constructors returned."""
-        facts: ModelFacts = self._handle.facts.remote().result(timeout_s=self.request_timeout)
+    async def open(self) -> None:
+        """Learn the model from a replica and hear from all of them once."""
+        facts: ModelFacts = await asyncio.wait_for(
+            self._handle.facts.remote(), self.request_timeout
+        )
         self._facts = facts
         self._checker = RequestChecker(facts.tokenizer, facts.eos_token_ids, self._limits)
-        self._poll()
-        self._poller.start()
+        await self._poll()
+        self._spawn(self._poll_loop())
         logger.info(
             "ingress: %s on %d replicas (%s)",
             facts.model_name,
@@ -92,11 +91,13 @@ class ReplicaSet:
         )
 
     def shutdown(self) -> None:
-        self._stop.set()
+        self._is_stopped = True
+        for task in list(self._tasks):
+            task.cancel()
 
     @property
     def is_running(self) -> bool:
-        return self._facts is not None and not self._stop.is_set()
+        return self._facts is not None and not self._is_stopped
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -260,19 +261,26 @@ class ReplicaSet:
             return f"the replicas hold different registries ({held})"
         return None
 
-    def _poll_loop(self) -> None:
-        while not self._stop.wait(self.poll_interval):
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
             try:
-                self._poll()
+                await self._poll()
             except Exception:  # keep polling: /health reports the silence
                 logger.exception("polling the engine replicas failed")
 
     def _poll_soon(self) -> None:
-        threading.Thread(target=self._poll, name="prefixgate-replicas-now", daemon=True).start()
+        self._spawn(self._poll())
 
-    def _poll(self) -> None:
-        results = self._handle.broadcast("report").results(
-            timeout_s=max(self.poll_interval * 4, 2.0), return_exceptions=True
+    async def _poll(self) -> None:
+        results = await asyncio.wait_for(
+            self._handle.broadcast("report").results_async(return_exceptions=True),
+            max(self.poll_interval * 4, 2.0),
         )
         reports = {r.name: r for r in results if isinstance(r, ReplicaReport)}
         self._poll_errors = [repr(r) for r in results if isinstance(r, BaseException)]

@@ -3,6 +3,7 @@ reports, validation against the tightest replica, contracts from the replicas' e
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,10 +32,13 @@ SPEC = PrefixSpec(
 class _Result:
     value: Any
 
-    def result(self, timeout_s: float | None = None) -> Any:
+    def __await__(self) -> Any:
+        return self._value().__await__()
+
+    async def _value(self) -> Any:
         return self.value
 
-    def results(self, timeout_s: float | None = None, return_exceptions: bool = False) -> Any:
+    async def results_async(self, return_exceptions: bool = False) -> Any:
         return self.value
 
 
@@ -77,8 +81,10 @@ def facts(tiny_tokenizer: Any) -> ModelFacts:
 
 
 def replica_set(facts: ModelFacts, reports: list[ReplicaReport | BaseException]) -> ReplicaSet:
+    """A ReplicaSet that heard the replicas once (its poll loop lives and dies with the
+    event loop `asyncio.run` made)."""
     replicas = ReplicaSet(FakeHandle(facts, reports), num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
-    replicas.start()
+    asyncio.run(replicas.open())
     return replicas
 
 
