@@ -24,6 +24,11 @@ from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from engine import (
@@ -46,7 +51,14 @@ from replicas.replica import ModelFacts, ReplicaReport
 from replicas.stats import sum_stats
 
 logger = logging.getLogger(__name__)
-_REPLICA_FAULTS = (RayActorError, ActorUnavailableError)
+# A replica died or is unreachable, or Serve has none to offer: the request may succeed again.
+_REPLICA_FAULTS = (
+    RayActorError,
+    ActorUnavailableError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+    BackPressureError,
+)
 
 
 class ReplicaSet:
@@ -193,10 +205,14 @@ class ReplicaSet:
                 finished = output.finished
                 yield output
         except _REPLICA_FAULTS as exc:
-            where = f"replica {replica}" if replica else "the engine replica"
+            if replica is None:  # Serve found no replica, or the chosen one was gone already
+                message = f"no engine replica could take this request ({type(exc).__name__})"
+            else:
+                message = (
+                    f"replica {replica} failed while serving this request ({type(exc).__name__})"
+                )
             raise EngineUnavailableError(
-                f"{where} failed while serving this request ({type(exc).__name__}); "
-                "the other replicas keep serving: retry"
+                f"{message}; the other replicas keep serving: retry"
             ) from None
         finally:
             if replica is not None:

@@ -8,7 +8,7 @@ Each configuration is a fresh `prefixgate serve` on 127.0.0.1 (stopped by PID), 
 tools/bench_serving.py (streaming chat, Poisson arrivals at `--qps`, the same seed for all,
 bounded by `--max-duration`). Reported per configuration: TTFT / TPOT / e2e p50 and p95, the
 registry hit rate (requests whose `cached_tokens` cover the registered prefix they start
-with) and, on Ray, each replica's registry hits. The ingress's added TTFT is the p50 of one
+with) and, on Ray, the requests each replica served. The ingress's added TTFT is the p50 of one
 replica on Ray minus the single-process p50: the same engine and threads, with the ingress,
 Serve's proxy and its router in front. Two replicas on this machine's 2 cores share them
 (one torch thread each), so expect little gain: the point is the overhead.
@@ -50,6 +50,13 @@ SETUPS = (
     Setup("single-process", ()),
     Setup("ray-1-replica", ("--replicas", "1", "--ray-address", "local")),
     Setup("ray-2-replicas", ("--replicas", "2", "--num-threads", "1")),
+    # One torch thread: a core stays free for Ray's processes (proxy, ingress, raylet), so the
+    # difference is the hops' latency more than their CPU taken from the engine.
+    Setup("single-process-1-thread", ("--num-threads", "1")),
+    Setup(
+        "ray-1-replica-1-thread",
+        ("--replicas", "1", "--ray-address", "local", "--num-threads", "1"),
+    ),
 )
 
 
@@ -109,7 +116,11 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
             check=True,
         )
         listing = httpx.get(f"{base}/v1/prefixes", timeout=30.0).json()
-        return {"report": json.loads(report.read_text()), "listing": listing}
+        return {
+            "report": json.loads(report.read_text()),
+            "listing": listing,
+            "floor": measure_floor(base),
+        }
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -118,6 +129,30 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
             server.kill()
             server.wait()
         log.close()
+
+
+def measure_floor(base: str, num: int = 25) -> dict[str, float]:
+    """The fixed cost of a hop, without the workload: p50 ms of `GET /v1/models` (HTTP and
+    the ingress, no engine) and of a one-token chat completion of "hi" (the whole path with
+    the smallest engine step), `num` each, sequential, after 5 unmeasured."""
+    with httpx.Client(base_url=base, timeout=30.0) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        body |= {"max_tokens": 1, "temperature": 0}
+
+        def p50(call: Any) -> float:
+            times = []
+            for i in range(num + 5):
+                start = time.perf_counter()
+                call().raise_for_status()
+                if i >= 5:
+                    times.append(1000 * (time.perf_counter() - start))
+            return sorted(times)[len(times) // 2]
+
+        return {
+            "models_p50_ms": p50(lambda: client.get("/v1/models")),
+            "one_token_chat_p50_ms": p50(lambda: client.post("/v1/chat/completions", json=body)),
+        }
 
 
 def _wait_healthy(base: str, server: subprocess.Popen[bytes], timeout: float) -> None:
@@ -152,18 +187,32 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "completed": len(done),
             "errors": summary["num_errors"],
             "registry_hit_rate": len(hits) / len(done) if done else None,
-            "replica_hits": {r["name"]: r["hits"] for r in result["listing"].get("replicas") or []},
+            **result["floor"],
+            "replica_requests": {
+                r["name"]: r["lookups"] for r in result["listing"].get("replicas") or []
+            },
         }
-    single, ray_one = rows.get("single-process"), rows.get("ray-1-replica")
-    added = ray_one["ttft_p50_ms"] - single["ttft_p50_ms"] if single and ray_one else None
-    return {"rows": rows, "ingress_added_ttft_p50_ms": added}
+    return {
+        "rows": rows,
+        "ingress_added_ttft_p50_ms": _added(rows, "single-process", "ray-1-replica"),
+        "ingress_added_ttft_p50_ms_1_thread": _added(
+            rows, "single-process-1-thread", "ray-1-replica-1-thread"
+        ),
+    }
+
+
+def _added(rows: dict[str, dict[str, Any]], single: str, ray: str) -> float | None:
+    if single not in rows or ray not in rows:
+        return None
+    return float(rows[ray]["ttft_p50_ms"] - rows[single]["ttft_p50_ms"])
 
 
 def markdown(summary: dict[str, Any]) -> str:
     lines = [
         "| configuration | TTFT p50 / p95 ms | TPOT p50 ms | e2e p50 / p95 ms | tok/s | "
-        "completed (errors) | registry hit rate | requests per replica |",
-        "|---|---|---|---|---|---|---|---|",
+        "completed (errors) | registry hit rate | requests per replica | GET /v1/models p50 ms "
+        "| 1-token chat p50 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["rows"].items():
         per_replica = ", ".join(f"{n}: {h}" for n, h in row["replica_requests"].items()) or "-"
@@ -171,11 +220,15 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {name} | {row['ttft_p50_ms']:.1f} / {row['ttft_p95_ms']:.1f} | "
             f"{row['tpot_p50_ms']:.1f} | {row['e2e_p50_ms']:.0f} / {row['e2e_p95_ms']:.0f} | "
             f"{row['output_throughput']:.1f} | {row['completed']} ({row['errors']}) | "
-            f"{100 * row['registry_hit_rate']:.0f}% | {per_replica} |"
+            f"{100 * row['registry_hit_rate']:.0f}% | {per_replica} | "
+            f"{row['models_p50_ms']:.1f} | {row['one_token_chat_p50_ms']:.1f} |"
         )
     added = summary["ingress_added_ttft_p50_ms"]
     if added is not None:
         lines.append(f"\nIngress-added TTFT p50 (Ray, 1 replica - single process): {added:.1f} ms")
+    added = summary["ingress_added_ttft_p50_ms_1_thread"]
+    if added is not None:
+        lines.append(f"Ingress-added TTFT p50, one torch thread each: {added:.1f} ms")
     return "\n".join(lines)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -100,10 +99,17 @@ def _listing(server: Server) -> dict[str, Any]:
 
 def _replica_pids() -> list[int]:
     """Engine replicas' worker processes: Ray names them `ray::ServeReplica:<app>:<name>`."""
-    found = subprocess.run(
-        ["pgrep", "-f", "ServeReplica:prefixgate:engine"], capture_output=True, text=True
-    )
-    return [int(pid) for pid in found.stdout.split()]
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if b"ServeReplica:prefixgate:engine" in command:
+            pids.append(int(entry.name))
+    return sorted(pids)
 
 
 def _by_replica(server: Server, name: str) -> dict[str, float]:
