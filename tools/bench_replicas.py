@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,9 +33,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools.provenance import git_revision
+from tools.local_server import local_server
+from tools.provenance import REPO, git_revision
 
-REPO = Path(__file__).resolve().parent.parent
 PREFIX = "intent-classifier"
 
 
@@ -93,10 +92,8 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     base = f"http://127.0.0.1:{args.port}"
     command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(args.port)]
     command += ["--prefixes", "prefixes.yaml", *setup.flags, *args.server_flags.split()]
-    log = (args.out_dir / f"{setup.name}.log").open("wb")
-    server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(base, server, timeout=300.0)
+    log = args.out_dir / f"{setup.name}.log"
+    with local_server(command, args.port, log):
         load = (
             ["--concurrency", str(args.concurrency)]
             if args.concurrency
@@ -121,14 +118,6 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
             "listing": listing,
             "floor": measure_floor(base),
         }
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=90.0)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
 
 
 def measure_floor(base: str, num: int = 25) -> dict[str, float]:
@@ -153,20 +142,6 @@ def measure_floor(base: str, num: int = 25) -> dict[str, float]:
             "models_p50_ms": p50(lambda: client.get("/v1/models")),
             "one_token_chat_p50_ms": p50(lambda: client.post("/v1/chat/completions", json=body)),
         }
-
-
-def _wait_healthy(base: str, server: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before /health")
-        try:
-            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"no healthy server after {timeout} s")
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:

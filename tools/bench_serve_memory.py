@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 
 from engine.cpu import cpu_features
 from engine.loader import default_cache_dir
+from tools.local_server import local_server
 from tools.provenance import REPO, git_revision
 
 STARTS = ("fresh", "first", "second")
@@ -83,43 +82,18 @@ def _measure(args: argparse.Namespace, cache: Path, log: Path) -> dict[str, floa
     ]  # fmt: skip
     env = {**os.environ, "PREFIXGATE_CACHE_DIR": str(cache)}
     started = time.perf_counter()
-    with log.open("wb") as out:
-        server = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out)
-    try:
-        _wait_ready(args.port, server, log)
+    with local_server(command, args.port, log, READY_TIMEOUT_S, 30.0, env) as server:
         ready_s = time.perf_counter() - started
         with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models") as reply:
             model = json.load(reply)["data"][0]["id"]
         for i in range(3):
             _chat(args.port, model, f"Say hello number {i}")
         status = _proc_status(server.pid)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
     return {
         "ready_s": round(ready_s, 1),
         "peak_rss_gb": round(status["VmHWM"] * 1024 / 1e9, 3),
         "rss_gb": round(status["VmRSS"] * 1024 / 1e9, 3),
     }
-
-
-def _wait_ready(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited ({server.returncode}); see {log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server was not ready in {READY_TIMEOUT_S:.0f} s")
 
 
 def _chat(port: int, model: str, text: str) -> None:
