@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This delta and the next one of the same request as one delta (a stream that sends
+        several steps at once)."""
+        assert later.request_id == self.request_id
+        logprobs = (
+            None
+            if self.logprobs is None and later.logprobs is None
+            else [*(self.logprobs or []), *(later.logprobs or [])]
+        )
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=[*self.token_ids, *later.token_ids],
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )

@@ -90,7 +90,7 @@ def build_app(config: GatewayConfig) -> Application:
         request_router_config=RequestRouterConfig(
             request_router_class=PreferredReplicaRouter  # type: ignore[arg-type]
         ),
-    )(EngineReplica).bind(config.engine)
+    )(EngineReplica).bind(config.engine, config.stream_interval)
     return Ingress.bind(config, engine)  # type: ignore[attr-defined,no-any-return]
 
 

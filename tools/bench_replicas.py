@@ -49,6 +49,11 @@ SETUPS = (
     Setup("single-process", ()),
     Setup("ray-1-replica", ("--replicas", "1", "--ray-address", "local")),
     Setup("ray-2-replicas", ("--replicas", "2", "--num-threads", "1")),
+    # Four tokens a message from the replica: a quarter of the messages, burstier streams.
+    Setup(
+        "ray-1-replica-stream-4",
+        ("--replicas", "1", "--ray-address", "local", "--stream-interval", "4"),
+    ),
     # One torch thread: a core stays free for Ray's processes (proxy, ingress, raylet), so the
     # difference is the hops' latency more than their CPU taken from the engine.
     Setup("single-process-1-thread", ("--num-threads", "1")),

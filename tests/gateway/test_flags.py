@@ -47,7 +47,7 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
             *("--seed", "11", "--debug-check-integrity", "--response-store-entries", "9"),
             *("--response-store-bytes", "2MiB", "--response-store-ttl", "60"),
             *("--replicas", "3", "--ray-address", "auto", "--replica-cpus", "1.5"),
-            *("--replica-timeout", "9", "--affinity-slack", "2"),
+            *("--replica-timeout", "9", "--affinity-slack", "2", "--stream-interval", "4"),
         ]
     )
     engine = EngineConfig(
@@ -94,6 +94,7 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
         ray_address="auto",
         replica_cpus=1.5,
         replica_timeout=9.0,
+        stream_interval=4,
         affinity_slack=2,
     )
     # The command line above names each field once: nothing was left at its default.
