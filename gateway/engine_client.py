@@ -86,10 +86,20 @@ class ReplicaState:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaHealth:
+    """`problem`: why the set cannot serve as one registry (no replica reports, a reload is
+    under way, the replicas hold different registries): /health is 503. `degraded`: what is
+    short while it still serves (a replica restarting or not answering): /health is 200 and
+    says so, because the others keep taking requests and a load balancer should keep sending
+    them."""
+
+    problem: str | None = None
+    degraded: str | None = None
+
+
 @runtime_checkable
 class ReplicaSetView(Protocol):
     def replica_states(self) -> list[ReplicaState]: ...
 
-    def health_problem(self) -> str | None:
-        """Why the set cannot be called healthy (a replica missing or loading, replicas
-        holding different registries), or None."""
+    def health(self) -> ReplicaHealth: ...

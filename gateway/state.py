@@ -21,7 +21,7 @@ from engine import AsyncEngine, EngineStats
 from gateway import errors
 from gateway.admission import Ticket
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient, ReplicaSetView
+from gateway.engine_client import EngineClient, ReplicaHealth, ReplicaSetView
 from gateway.metrics import GatewayMetrics
 from gateway.response_store import ResponseStore
 from gateway.tenants import Caller, KeyRing
@@ -112,11 +112,11 @@ class Gateway:
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_running
 
-    def replica_problem(self) -> str | None:
-        """Why a ready engine's replicas are not healthy yet (one missing or loading, some
-        holding another registry), or None; always None for a single engine."""
+    def replica_health(self) -> ReplicaHealth:
+        """A ready engine's replicas: whether they serve one registry, and what is short;
+        always healthy for a single engine."""
         replicas = self.replicas
-        return replicas.health_problem() if replicas is not None else None
+        return replicas.health() if replicas is not None else ReplicaHealth()
 
     @property
     def replicas(self) -> ReplicaSetView | None:

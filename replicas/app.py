@@ -14,6 +14,7 @@ Three ways in:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -65,6 +66,13 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Starlette:
         return self._app
 
+    def check_health(self) -> None:
+        """Serve restarts an ingress whose connection to the replicas failed for good (a
+        replica's facts that do not unpickle, say: faults and silence are retried)."""
+        error = self._app.state.gateway.load_error
+        if error is not None:
+            raise RuntimeError(f"ingress: connecting to the engine replicas failed: {error}")
+
 
 def build_app(config: GatewayConfig) -> Application:
     """The application for `config`: paths made absolute (replicas may start elsewhere),
@@ -91,7 +99,10 @@ def build_app(config: GatewayConfig) -> Application:
             request_router_class=PreferredReplicaRouter  # type: ignore[arg-type]
         ),
     )(EngineReplica).bind(config.engine, config.stream_interval)
-    return Ingress.bind(config, engine)  # type: ignore[attr-defined,no-any-return]
+    ingress = Ingress.options(  # type: ignore[attr-defined]
+        graceful_shutdown_timeout_s=config.shutdown_grace
+    )
+    return ingress.bind(config, engine)  # type: ignore[no-any-return]
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -101,6 +112,8 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def config_from_serve_args(args: dict[str, Any]) -> GatewayConfig:
+    """Raises ValueError naming what argparse refused (it would exit the Serve controller's
+    builder instead)."""
     from gateway.cli import build_parser, gateway_config_from_args
 
     argv = ["serve"]
@@ -111,15 +124,32 @@ def config_from_serve_args(args: dict[str, Any]) -> GatewayConfig:
                 argv.append(flag)
             elif item is not False and item is not None:
                 argv += [flag, str(item)]
-    return gateway_config_from_args(build_parser().parse_args(argv))
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        return gateway_config_from_args(parser.parse_args(argv))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"bad serve args {args!r}: {exc}") from None
 
 
 def serve_on_ray(config: GatewayConfig) -> int:
     """Start (or join, with `ray_address`) Ray, run the application with Serve's HTTP proxy
-    on `host:port`, and keep it up until SIGTERM or SIGINT; then shut Serve down."""
+    on `host:port`, and keep it up until SIGTERM or SIGINT; then shut Serve down. A signal
+    while the replicas still load (minutes, for a big model) stops the start-up too."""
     import ray
 
+    stop = threading.Event()
+    started = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+        if not started.is_set():  # leave serve.run; the finally below shuts down
+            raise KeyboardInterrupt
+
     ray.init(address=config.ray_address, include_dashboard=False)
+    # After ray.init, whose own SIGTERM handler (a log line, then abort) would run instead.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         logger.info(
@@ -129,16 +159,17 @@ def serve_on_ray(config: GatewayConfig) -> int:
             config.port,
         )
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        started.set()
         logger.info(
             "ready: http://%s:%d/v1 on %d replicas", config.host, config.port, config.replicas
         )
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
-        logger.info("stopping the Ray Serve application")
-        serve.shutdown()  # type: ignore[no-untyped-call]
+    except KeyboardInterrupt:
+        logger.info("stopped while starting")
     finally:
+        logger.info("stopping the Ray Serve application")
+        started.set()  # a second signal must not interrupt the shutdown
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
     return 0
 

@@ -8,28 +8,32 @@ stats for /metrics and the registry listing, the registry digests /health compar
 prefix entries for contracts and affinity. Everything here awaits Serve's handle on the
 ingress's own loop (no blocking `.result()`), so Serve may run its router on that loop.
 
-Faults: a replica that dies fails the requests streaming from it with EngineUnavailableError
-(503, retry); a request no replica takes within `request_timeout` (all of them down or
-restarting) gets the same instead of waiting forever.
+Faults: a replica that dies (or whose engine stopped) fails the requests streaming from it
+with EngineUnavailableError (503, retry); a request no replica takes within `request_timeout`
+(all of them down or restarting) gets the same instead of waiting forever. A replica that
+does not answer a poll is reported as such while the others' reports still count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import (
-    BackPressureError,
-    DeploymentUnavailableError,
-    ReplicaUnavailableError,
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import (
+    DeploymentBroadcastResponse,
+    DeploymentHandle,
+    DeploymentResponseGenerator,
 )
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from engine import (
     EngineRequest,
@@ -42,23 +46,32 @@ from engine import (
     RequestOutput,
     SamplingParams,
 )
-from engine.errors import EngineUnavailableError
+from engine.errors import EngineDeadError, EngineUnavailableError
 from engine.prefix_index import PrefixIndex
 from engine.request_checker import RequestChecker, RequestLimits
-from gateway.engine_client import ReplicaState
+from gateway.engine_client import ReplicaHealth, ReplicaState
 from replicas.affinity import AffinityTable
 from replicas.replica import ModelFacts, ReplicaReport
 from replicas.stats import sum_stats
 
 logger = logging.getLogger(__name__)
-# A replica died or is unreachable, or Serve has none to offer: the request may succeed again.
-_REPLICA_FAULTS = (
-    RayActorError,
-    ActorUnavailableError,
-    ReplicaUnavailableError,
-    DeploymentUnavailableError,
-    BackPressureError,
-)
+T = TypeVar("T")
+# Between two tries of `open`, while no replica answers (they may take minutes to load).
+_OPEN_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0)
+
+
+def replica_fault(exc: BaseException) -> str | None:
+    """What went wrong when `exc` says a replica cannot serve (it died, is unreachable, Serve
+    has none to offer, or its engine stopped) and the request may succeed elsewhere; None
+    for the replica's own answer (a RayTaskError wrapping, say, an InvalidRequestError is a
+    400 and stays one)."""
+    if isinstance(exc, EngineDeadError):  # also a RayTaskError: Ray keeps the cause's type
+        return "its engine stopped"
+    if isinstance(exc, RayTaskError):
+        return None
+    if isinstance(exc, RayError | RayServeException):
+        return type(exc).__name__
+    return None
 
 
 class ReplicaSet:
@@ -84,13 +97,29 @@ class ReplicaSet:
         self._spec_index: PrefixIndex[PrefixSpec] | None = None
         self._is_stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._poll_requested = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def open(self) -> None:
-        """Learn the model from a replica and hear from all of them once."""
-        facts: ModelFacts = await asyncio.wait_for(
-            self._handle.facts.remote(), self.request_timeout
-        )
+        """Learn the model from a replica and hear from all of them once. Replicas may take
+        minutes to load the model and fill the registry, and Serve restarts one that fails:
+        ask again until one answers (each try bounded by `request_timeout`), so the ingress
+        never stays unconnected while the replicas come up."""
+        for attempt in itertools.count():
+            try:
+                facts: ModelFacts = await asyncio.wait_for(
+                    self._handle.facts.remote(), self.request_timeout
+                )
+                break
+            except TimeoutError:
+                reason = f"none answered within {self.request_timeout:g} s"
+            except Exception as exc:
+                reason = replica_fault(exc) or ""
+                if not reason:
+                    raise
+            backoff = _OPEN_BACKOFF_SECONDS[min(attempt, len(_OPEN_BACKOFF_SECONDS) - 1)]
+            logger.warning("ingress: waiting for the engine replicas (%s)", reason)
+            await asyncio.sleep(backoff)
         self._facts = facts
         self._checker = RequestChecker(facts.tokenizer, facts.eos_token_ids, self._limits)
         await self._poll()
@@ -204,13 +233,14 @@ class ReplicaSet:
             async for output in stream:
                 finished = output.finished
                 yield output
-        except _REPLICA_FAULTS as exc:
+        except Exception as exc:
+            fault = replica_fault(exc)
+            if fault is None:
+                raise
             if replica is None:  # Serve found no replica, or the chosen one was gone already
-                message = f"no engine replica could take this request ({type(exc).__name__})"
+                message = f"no engine replica could take this request ({fault})"
             else:
-                message = (
-                    f"replica {replica} failed while serving this request ({type(exc).__name__})"
-                )
+                message = f"replica {replica} failed while serving this request ({fault})"
             raise EngineUnavailableError(
                 f"{message}; the other replicas keep serving: retry"
             ) from None
@@ -245,8 +275,20 @@ class ReplicaSet:
     async def explain_prefix_match(
         self, token_ids: list[int], cache_salt: str | None = None, tenant: str | None = None
     ) -> MatchReport:
-        report: MatchReport = await self._handle.explain.remote(token_ids, cache_salt, tenant)
-        return report
+        """Asked of one replica: they all hold the same registry once /health is 200."""
+        return await self._call(self._handle.explain.remote(token_ids, cache_salt, tenant))
+
+    async def _call(self, response: Awaitable[T]) -> T:
+        """One replica's answer within `request_timeout`; faults and silence are 503s."""
+        try:
+            return await asyncio.wait_for(response, self.request_timeout)
+        except TimeoutError:
+            fault = f"no answer within {self.request_timeout:g} s"
+        except Exception as exc:
+            fault = replica_fault(exc) or ""
+            if not fault:
+                raise
+        raise EngineUnavailableError(f"no engine replica could answer ({fault}): retry")
 
     # -- state of the replicas ----------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -260,22 +302,26 @@ class ReplicaSet:
         states += [ReplicaState("?", None, error) for error in self._poll_errors]
         return states
 
-    def health_problem(self) -> str | None:
-        reports = dict(self._reports)
+    def health(self) -> ReplicaHealth:
         if self._facts is None:
-            return "connecting to the engine replicas"
+            return ReplicaHealth("connecting to the engine replicas")
         if time.monotonic() - self._last_poll > max(10 * self.poll_interval, 5.0):
-            return "the engine replicas have not reported for a while"
-        if len(reports) < self.num_replicas:
-            return f"{len(reports)} of {self.num_replicas} engine replicas serve"
+            return ReplicaHealth("the engine replicas have not reported for a while")
+        reports = dict(self._reports)
+        if not reports:
+            return ReplicaHealth("no engine replica answers")
         loading = sorted(name for name, r in reports.items() if r.stats.is_reload_pending)
         if loading:
-            return f"replicas loading prefixes: {', '.join(loading)}"
+            return ReplicaHealth(f"replicas loading prefixes: {', '.join(loading)}")
         digests = {r.stats.registry_digest for r in reports.values()}
         if len(digests) > 1:
             held = ", ".join(f"{n}={r.stats.registry_digest}" for n, r in sorted(reports.items()))
-            return f"the replicas hold different registries ({held})"
-        return None
+            return ReplicaHealth(f"the replicas hold different registries ({held})")
+        if len(reports) < self.num_replicas:
+            return ReplicaHealth(
+                degraded=f"{len(reports)} of {self.num_replicas} engine replicas serve"
+            )
+        return ReplicaHealth()
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -283,29 +329,64 @@ class ReplicaSet:
         task.add_done_callback(self._tasks.discard)
 
     async def _poll_loop(self) -> None:
+        """One poll at a time: every `poll_interval`, or sooner when `_poll_soon` asks."""
         while True:
-            await asyncio.sleep(self.poll_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_requested.wait(), self.poll_interval)
+            self._poll_requested.clear()
             try:
                 await self._poll()
             except Exception:  # keep polling: /health reports the silence
                 logger.exception("polling the engine replicas failed")
 
     def _poll_soon(self) -> None:
-        self._spawn(self._poll())
+        self._poll_requested.set()
 
     async def _poll(self) -> None:
-        results = await asyncio.wait_for(
-            self._handle.broadcast("report").results_async(return_exceptions=True),
+        """Every replica's report; one that does not answer within the poll's timeout is
+        listed with that error and the others still count. A replica sends its prefix
+        entries only when they are not the ones this ingress holds (`specs_digest`)."""
+        answers = await each_replica(
+            self._handle.broadcast("report", self._specs_digest),
             max(self.poll_interval * 4, 2.0),
         )
-        reports = {r.name: r for r in results if isinstance(r, ReplicaReport)}
-        self._poll_errors = [repr(r) for r in results if isinstance(r, BaseException)]
-        for report in reports.values():  # every replica's entries agree once /health is 200
-            if report.specs_digest != self._specs_digest:
-                self._spec_index = PrefixIndex(
-                    report.specs, lambda s: s.token_ids, report.limits.block_size
-                )
-                self._specs_digest = report.specs_digest
-            break
+        reports = {r.name: r for r in answers if isinstance(r, ReplicaReport)}
+        self._poll_errors = [repr(r) for r in answers if isinstance(r, BaseException)]
+        self._adopt_specs(reports.values())
         self._reports = reports
         self._last_poll = time.monotonic()
+
+    def _adopt_specs(self, reports: Iterable[ReplicaReport]) -> None:
+        """Answer contracts and affinity from the entries most replicas hold (ties: the one
+        held already, else the smallest digest), so the index does not flip with the order
+        the reports came in while replicas disagree (a reload under way)."""
+        reports = list(reports)
+        held = Counter(r.specs_digest for r in reports)
+        if not held:
+            return
+        most = max(held.values())
+        candidates = sorted(digest for digest, n in held.items() if n == most)
+        digest = self._specs_digest if self._specs_digest in candidates else candidates[0]
+        if digest == self._specs_digest:
+            return
+        source = next(r for r in reports if r.specs_digest == digest and r.specs is not None)
+        self._spec_index = PrefixIndex(
+            source.specs or (), lambda s: s.token_ids, source.limits.block_size
+        )
+        self._specs_digest = digest
+
+
+async def each_replica(response: DeploymentBroadcastResponse, timeout: float) -> list[Any]:
+    """Each replica's answer to a broadcast, or its exception; a replica silent for
+    `timeout` seconds gives a TimeoutError while the others' answers count (Serve's own
+    `results_async(timeout_s=...)` times the broadcast out as a whole). Uses the response's
+    replica results, which Serve 2.60 keeps behind `_fetch_replica_results_async`."""
+    results = await asyncio.wait_for(response._fetch_replica_results_async(), timeout)
+
+    async def answer(result: Any) -> Any:
+        try:
+            return await asyncio.wait_for(result.get_async(), timeout)
+        except TimeoutError:
+            return TimeoutError(f"a replica did not answer within {timeout:g} s")
+
+    return list(await asyncio.gather(*map(answer, results), return_exceptions=True))

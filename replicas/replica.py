@@ -46,13 +46,14 @@ class ModelFacts:
 @dataclass(frozen=True, slots=True)
 class ReplicaReport:
     """One replica's state for the ingress: its engine stats and the prefix entries it
-    accepted (`specs_digest` names them; the ingress rebuilds its index when it changes)."""
+    accepted (`specs_digest` names them; `specs` is None when the ingress said it holds
+    those already, which is every poll but the ones after a reload)."""
 
     name: str
     stats: EngineStats
     limits: RequestLimits
     specs_digest: str
-    specs: tuple[PrefixSpec, ...]
+    specs: tuple[PrefixSpec, ...] | None
 
 
 class EngineReplica:
@@ -99,20 +100,27 @@ class EngineReplica:
             )
         gathered: RequestOutput | None = None
         is_first = True
-        async for output in self.engine.generate(request, request_id):
-            gathered = output if gathered is None else gathered.followed_by(output)
-            if is_first or gathered.finished or len(gathered.token_ids) >= self.stream_interval:
+        try:
+            async for output in self.engine.generate(request, request_id):
+                gathered = output if gathered is None else gathered.followed_by(output)
+                if is_first or gathered.finished or len(gathered.token_ids) >= self.stream_interval:
+                    yield gathered
+                    gathered, is_first = None, False
+        except Exception:
+            if gathered is not None:  # the tokens made before the failure still reach the client
                 yield gathered
-                gathered, is_first = None, False
+            raise
 
-    def report(self) -> ReplicaReport:
+    def report(self, known_specs_digest: str | None = None) -> ReplicaReport:
+        """`known_specs_digest`: the entries the ingress holds; sent again only if ours differ."""
         engine = self.engine.engine
         specs = engine.prefixes.specs  # replaced, never mutated, on each accepted load
         if specs is not self._specs_source:
             self._specs_source, self._specs = specs, tuple(specs)
             self._specs_digest = registry_digest(self._specs)
+        sent = None if self._specs_digest == known_specs_digest else self._specs
         return ReplicaReport(
-            self.name, self.engine.stats(), engine.limits, self._specs_digest, self._specs
+            self.name, self.engine.stats(), engine.limits, self._specs_digest, sent
         )
 
     async def reload(self) -> tuple[str, ReloadStatus]:

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import random
 
-from ray.serve.request_router import (
-    FIFOMixin,
-    PendingRequest,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
-class PreferredReplicaRouter(FIFOMixin, RequestRouter):
+class PreferredReplicaRouter(RequestRouter):
+    """No FIFOMixin: it would hand the replica chosen for one request to whichever request
+    waited longest, and affinity would follow the queue instead of the conversation; the
+    base class gives each request the replica chosen for it."""
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],

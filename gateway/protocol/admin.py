@@ -94,5 +94,9 @@ class MatchResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
+    """`degraded`: serving, with something short that `detail` names (on Ray Serve, an
+    engine replica restarting or not answering)."""
+
+    status: Literal["ok", "degraded"] = "ok"
     model: str
+    detail: str | None = None

@@ -34,17 +34,23 @@ def _served_model(request: Request) -> ModelCard:
 
 
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and every registry prefix is filled (on every replica,
-    all holding the same registry digest); 503 before."""
+    """200 once the model is loaded and every registry prefix is filled; 503 before. On Ray
+    Serve: 503 while the replicas that answer hold different registry digests (a reload
+    under way or failed on some), 200 "degraded" while some replica is restarting."""
     gateway = gateway_of(request)
     if gateway.is_draining:
         raise errors.shutting_down()
     if not gateway.is_ready:
         raise errors.not_ready(gateway.load_error)
-    problem = gateway.replica_problem()
-    if problem is not None:  # Ray Serve: every replica must serve the same registry
-        raise errors.not_ready(problem)
-    return JSONResponse(HealthResponse(model=gateway.model_name).model_dump(mode="json"))
+    replicas = gateway.replica_health()
+    if replicas.problem is not None:  # Ray Serve: the replicas must serve the same registry
+        raise errors.not_ready(replicas.problem)
+    health = HealthResponse(
+        status="degraded" if replicas.degraded else "ok",
+        model=gateway.model_name,
+        detail=replicas.degraded,
+    )
+    return JSONResponse(health.model_dump(mode="json", exclude_none=True))
 
 
 async def metrics(request: Request) -> Response:

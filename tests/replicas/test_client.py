@@ -4,15 +4,20 @@ reports, validation against the tightest replica, contracts from the replicas' e
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from engine import PrefixContract, PrefixSpec, PromptTooLongError, SamplingParams
+from engine.errors import EngineDeadError, EngineUnavailableError
 from engine.registry import registry_digest
 from engine.request_checker import RequestLimits
-from replicas.client import ReplicaSet
+from replicas.client import ReplicaSet, replica_fault
 from replicas.replica import ModelFacts, ReplicaReport
 from tests.replicas.test_stats import stats
 
@@ -30,48 +35,91 @@ SPEC = PrefixSpec(
 
 @dataclass
 class _Result:
+    """A replica's answer (or exception), after `delay` seconds."""
+
     value: Any
+    delay: float = 0.0
 
     def __await__(self) -> Any:
-        return self._value().__await__()
+        return self.get_async().__await__()
 
-    async def _value(self) -> Any:
+    async def get_async(self) -> Any:
+        await asyncio.sleep(self.delay)
+        if isinstance(self.value, BaseException):
+            raise self.value
         return self.value
 
-    async def results_async(self, return_exceptions: bool = False) -> Any:
-        return self.value
+
+class _Broadcast:
+    def __init__(self, results: list[_Result]) -> None:
+        self.results = results
+
+    async def _fetch_replica_results_async(self) -> list[_Result]:
+        return self.results
 
 
 class FakeHandle:
-    """What ReplicaSet asks of Serve's handle outside requests: `facts` and `report`."""
+    """What ReplicaSet asks of Serve's handle outside requests: `facts`, `explain` and the
+    `report` broadcast. `facts_answers`: what the first calls of `facts` give (an exception,
+    or a delay past the timeout) before the facts."""
 
-    def __init__(self, facts: ModelFacts, reports: list[ReplicaReport | BaseException]) -> None:
+    def __init__(
+        self,
+        facts: ModelFacts,
+        reports: list[ReplicaReport | BaseException],
+        facts_answers: list[_Result] | None = None,
+        explain: _Result | None = None,
+    ) -> None:
         self.facts_ = facts
         self.reports = reports
+        self.facts_answers = list(facts_answers or [])
+        self.explain_ = explain
+        self.known_digests: list[str | None] = []
+        self.delays: dict[str, float] = {}
 
     @property
     def facts(self) -> Any:
-        facts = self.facts_
+        answers, facts = self.facts_answers, self.facts_
 
         class _Method:
             def remote(self) -> _Result:
-                return _Result(facts)
+                return answers.pop(0) if answers else _Result(facts)
 
         return _Method()
 
-    def broadcast(self, method: str) -> _Result:
+    @property
+    def explain(self) -> Any:
+        answer = self.explain_
+
+        class _Method:
+            def remote(self, *args: Any) -> _Result:
+                assert answer is not None
+                return answer
+
+        return _Method()
+
+    def broadcast(self, method: str, known_digest: str | None = None) -> _Broadcast:
         assert method == "report"
-        return _Result(list(self.reports))
+        self.known_digests.append(known_digest)
+        return _Broadcast(
+            [
+                _Result(
+                    r
+                    if isinstance(r, BaseException) or r.specs_digest != known_digest
+                    else replace(r, specs=None),
+                    0.0 if isinstance(r, BaseException) else self.delays.get(r.name, 0.0),
+                )
+                for r in self.reports
+            ]
+        )
 
 
-def report(name: str, digest: str = "d1", **changes: Any) -> ReplicaReport:
+def report(
+    name: str, digest: str = "d1", specs: tuple[PrefixSpec, ...] = (SPEC,), **changes: Any
+) -> ReplicaReport:
     limits = changes.pop("limits", LIMITS)
     return ReplicaReport(
-        name,
-        stats(registry_digest=digest, **changes),
-        limits,
-        registry_digest([SPEC]),
-        (SPEC,),
+        name, stats(registry_digest=digest, **changes), limits, registry_digest(specs), specs
     )
 
 
@@ -88,10 +136,15 @@ def replica_set(facts: ModelFacts, reports: list[ReplicaReport | BaseException])
     return replicas
 
 
+def health(replicas: ReplicaSet) -> tuple[str | None, str | None]:
+    state = replicas.health()
+    return state.problem, state.degraded
+
+
 def test_healthy_when_every_replica_holds_the_same_registry(facts: ModelFacts) -> None:
     replicas = replica_set(facts, [report("a"), report("b")])
     try:
-        assert replicas.health_problem() is None
+        assert health(replicas) == (None, None)
         assert [s.name for s in replicas.replica_states()] == ["a", "b"]
         assert replicas.stats().num_kv_blocks == 200
     finally:
@@ -101,19 +154,33 @@ def test_healthy_when_every_replica_holds_the_same_registry(facts: ModelFacts) -
 @pytest.mark.parametrize(
     ("reports", "problem"),
     [
-        ([report("a")], "1 of 2 engine replicas serve"),
-        ([report("a"), RuntimeError("gone")], "1 of 2 engine replicas serve"),
         ([report("a"), report("b", is_reload_pending=True)], "replicas loading prefixes: b"),
         ([report("a"), report("b", "d2")], "the replicas hold different registries (a=d1, b=d2)"),
+        ([RuntimeError("gone"), RuntimeError("gone too")], "no engine replica answers"),
     ],
 )
-def test_unhealthy_until_all_replicas_agree(
+def test_unhealthy_until_the_replicas_agree(
     facts: ModelFacts, reports: list[ReplicaReport | BaseException], problem: str
 ) -> None:
     replicas = replica_set(facts, reports)
     try:
-        assert replicas.health_problem() == problem
+        assert health(replicas) == (problem, None)
         assert replicas.is_running  # requests still flow to the replicas that serve
+    finally:
+        replicas.shutdown()
+
+
+@pytest.mark.parametrize(
+    "reports", [[report("a")], [report("a"), RuntimeError("gone")]], ids=["restarting", "failed"]
+)
+def test_a_missing_replica_degrades_but_the_others_serve(
+    facts: ModelFacts, reports: list[ReplicaReport | BaseException]
+) -> None:
+    """A replica Serve is restarting (not in the broadcast) or that failed its report: the
+    others serve the one registry, so /health stays 200 and says what is short."""
+    replicas = replica_set(facts, reports)
+    try:
+        assert health(replicas) == (None, "1 of 2 engine replicas serve")
     finally:
         replicas.shutdown()
 
@@ -146,3 +213,126 @@ def test_contracts_come_from_the_entries_the_replicas_accepted(facts: ModelFacts
         assert replicas.prefix_contract([5, 6, 7, 1]) is None
     finally:
         replicas.shutdown()
+
+
+def test_a_silent_replica_is_listed_and_the_others_still_count(facts: ModelFacts) -> None:
+    handle = FakeHandle(facts, [report("a"), report("b")])
+    handle.delays["b"] = 5.0  # past the poll's 2 s
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=0.1)  # type: ignore[arg-type]
+    try:
+        asyncio.run(replicas.open())
+        states = replicas.replica_states()
+        assert [s.name for s in states] == ["a", "?"]
+        assert "did not answer within 2 s" in (states[1].error or "")
+        assert health(replicas) == (None, "1 of 2 engine replicas serve")
+    finally:
+        replicas.shutdown()
+
+
+def test_entries_are_sent_once_and_taken_from_most_replicas(facts: ModelFacts) -> None:
+    other = replace(SPEC, name="other", token_ids=(1, 2, 3, 4, 5))
+    handle = FakeHandle(facts, [report("a", specs=(other,)), report("b"), report("c")])
+    replicas = ReplicaSet(handle, num_replicas=3, poll_interval=30.0)  # type: ignore[arg-type]
+
+    async def two_polls() -> None:
+        await replicas.open()
+        await replicas._poll()
+
+    try:
+        asyncio.run(two_polls())
+        # b and c hold SPEC: its contract answers, whatever order the reports came in.
+        assert replicas.prefix_contract([5, 6, 7, 8, 9, 10]) == SPEC.contract
+        assert replicas.prefix_contract([1, 2, 3, 4, 5, 6]) is None
+        assert handle.known_digests == [None, registry_digest([SPEC])]
+    finally:
+        replicas.shutdown()
+
+
+def test_a_tie_keeps_the_entries_held_and_does_not_flip(facts: ModelFacts) -> None:
+    other = replace(SPEC, name="other", token_ids=(1, 2, 3, 4, 5))
+    handle = FakeHandle(facts, [report("a"), report("b")])
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+
+    async def reload_half_way() -> None:
+        await replicas.open()
+        for order in (
+            [report("b", specs=(other,)), report("a")],
+            [report("a"), report("b", specs=(other,))],
+        ):
+            handle.reports = order
+            await replicas._poll()
+            assert replicas.prefix_contract([5, 6, 7, 8, 9, 10]) == SPEC.contract
+        handle.reports = [report("a", specs=(other,)), report("b", specs=(other,))]
+        await replicas._poll()
+
+    try:
+        asyncio.run(reload_half_way())
+        assert replicas.prefix_contract([1, 2, 3, 4, 5, 6]) == other.contract
+        assert replicas.prefix_contract([5, 6, 7, 8, 9, 10]) is None
+    finally:
+        replicas.shutdown()
+
+
+def test_open_waits_for_replicas_that_are_slow_or_restarting(facts: ModelFacts) -> None:
+    """No replica yet (Serve has none), then one too slow for the timeout: the ingress asks
+    again until one answers instead of staying unconnected."""
+    answers = [
+        _Result(DeploymentUnavailableError(DeploymentID("engine"))),
+        _Result(facts, delay=5.0),
+    ]
+    handle = FakeHandle(facts, [report("a"), report("b")], facts_answers=answers)
+    replicas = ReplicaSet(handle, num_replicas=2, request_timeout=0.2, poll_interval=30.0)  # type: ignore[arg-type]
+    try:
+        asyncio.run(replicas.open())
+        assert replicas.is_running and replicas.model_name == "tiny"
+        assert handle.facts_answers == []
+    finally:
+        replicas.shutdown()
+
+
+def test_open_raises_what_is_not_a_replica_fault(facts: ModelFacts) -> None:
+    handle = FakeHandle(facts, [], facts_answers=[_Result(TypeError("bad facts"))])
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bad facts"):
+        asyncio.run(replicas.open())
+
+
+@pytest.mark.parametrize(
+    ("exc", "fault"),
+    [
+        (EngineDeadError("stopped"), "its engine stopped"),
+        (
+            RayTaskError("explain", "tb", EngineDeadError("x")).as_instanceof_cause(),
+            "its engine stopped",
+        ),
+        (ObjectLostError("0" * 56, "owner", "call site"), "ObjectLostError"),
+        (ActorDiedError(), "ActorDiedError"),
+        (BackPressureError(num_queued_requests=3, max_queued_requests=2), "BackPressureError"),
+        (RayTaskError("explain", "tb", ValueError("x")).as_instanceof_cause(), None),
+        (ValueError("x"), None),
+    ],
+)
+def test_replica_faults_are_told_from_the_replicas_own_errors(
+    exc: BaseException, fault: str | None
+) -> None:
+    assert replica_fault(exc) == fault
+
+
+def test_explain_maps_a_fault_and_silence_to_unavailable(facts: ModelFacts) -> None:
+    for answer, message in [
+        (_Result(ActorDiedError()), "ActorDiedError"),
+        (_Result(None, delay=5.0), "no answer within 0.2 s"),
+    ]:
+        handle = FakeHandle(facts, [report("a"), report("b")], explain=answer)
+        replicas = ReplicaSet(handle, num_replicas=2, request_timeout=0.2, poll_interval=30.0)  # type: ignore[arg-type]
+
+        try:
+            with pytest.raises(EngineUnavailableError, match=re.escape(message)):
+                asyncio.run(_open_and_explain(replicas))
+        finally:
+            replicas.shutdown()
+
+
+async def _open_and_explain(replicas: ReplicaSet) -> None:
+    await replicas.open()
+    await replicas.explain_prefix_match([1, 2, 3])
