@@ -13,6 +13,13 @@ replica on Ray minus the single-process p50: the same engine and threads, with t
 Serve's proxy and its router in front. Two replicas on this machine's 2 cores share them
 (one torch thread each), so expect little gain: the point is the overhead.
 
+That difference has two parts, which `single-process-beside-idle-ray` tells apart: the
+single-process server measured while a Ray Serve application (one replica, no traffic) runs
+beside it on another port. Against the plain single process it is what Ray's processes
+(GCS, raylet, Serve's controller and proxy, each replica's Ray threads: ~1,400 wakeups a
+second at rest) take from the engine's threads; Ray with one replica against it is the
+request path itself (proxy, ingress, handle, the stream back).
+
 Writes `<out-dir>/<config>.json` (bench_serving's report), `<config>.log` (the server's) and
 `summary.json`; prints a Markdown table.
 """
@@ -20,6 +27,7 @@ Writes `<out-dir>/<config>.json` (bench_serving's report), `<config>.log` (the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -41,12 +49,17 @@ PREFIX = "intent-classifier"
 
 @dataclass(frozen=True)
 class Setup:
+    """`beside_idle_ray`: run an idle one-replica Ray Serve app on the next port meanwhile."""
+
     name: str
     flags: tuple[str, ...]
+    beside_idle_ray: bool = False
 
 
+IDLE_RAY_FLAGS = ("--replicas", "1", "--ray-address", "local")
 SETUPS = (
     Setup("single-process", ()),
+    Setup("single-process-beside-idle-ray", (), beside_idle_ray=True),
     Setup("ray-1-replica", ("--replicas", "1", "--ray-address", "local")),
     Setup("ray-2-replicas", ("--replicas", "2", "--num-threads", "1")),
     # Four tokens a message from the replica: a quarter of the messages, burstier streams.
@@ -94,9 +107,22 @@ def main() -> int:
 
 def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """Start the server, load it, read its registry listing, stop it (SIGTERM, by PID)."""
+    with contextlib.ExitStack() as servers:
+        if setup.beside_idle_ray:
+            port = args.port + 1
+            idle = _serve_command(port, IDLE_RAY_FLAGS, args)
+            servers.enter_context(local_server(idle, port, args.out_dir / "idle-ray.log"))
+        return _measure(setup, args)
+
+
+def _serve_command(port: int, flags: tuple[str, ...], args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    return [*command, "--prefixes", "prefixes.yaml", *flags, *args.server_flags.split()]
+
+
+def _measure(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     base = f"http://127.0.0.1:{args.port}"
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(args.port)]
-    command += ["--prefixes", "prefixes.yaml", *setup.flags, *args.server_flags.split()]
+    command = _serve_command(args.port, setup.flags, args)
     log = args.out_dir / f"{setup.name}.log"
     with local_server(command, args.port, log):
         load = (
@@ -175,6 +201,12 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "rows": rows,
         "ingress_added_ttft_p50_ms": _added(rows, "single-process", "ray-1-replica"),
+        "ray_beside_added_ttft_p50_ms": _added(
+            rows, "single-process", "single-process-beside-idle-ray"
+        ),
+        "request_path_added_ttft_p50_ms": _added(
+            rows, "single-process-beside-idle-ray", "ray-1-replica"
+        ),
         "ingress_added_ttft_p50_ms_1_thread": _added(
             rows, "single-process-1-thread", "ray-1-replica-1-thread"
         ),
@@ -206,6 +238,12 @@ def markdown(summary: dict[str, Any]) -> str:
     added = summary["ingress_added_ttft_p50_ms"]
     if added is not None:
         lines.append(f"\nIngress-added TTFT p50 (Ray, 1 replica - single process): {added:.1f} ms")
+    for key, text in [
+        ("ray_beside_added_ttft_p50_ms", "of which an idle Ray beside the single process"),
+        ("request_path_added_ttft_p50_ms", "of which the request path (Ray - beside idle Ray)"),
+    ]:
+        if summary.get(key) is not None:
+            lines.append(f"  {text}: {summary[key]:.1f} ms")
     added = summary["ingress_added_ttft_p50_ms_1_thread"]
     if added is not None:
         lines.append(f"Ingress-added TTFT p50, one torch thread each: {added:.1f} ms")

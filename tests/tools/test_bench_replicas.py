@@ -48,3 +48,19 @@ def test_hit_rate_counts_requests_that_cover_the_registered_prefix() -> None:
 def test_no_added_ttft_without_both_configurations() -> None:
     summary = summarize({"ray-2-replicas": result(100.0, [937], [])})
     assert summary["ingress_added_ttft_p50_ms"] is None
+
+
+def test_the_idle_ray_control_splits_the_added_ttft() -> None:
+    summary = summarize(
+        {
+            "single-process": result(100.0, [937], None),
+            "single-process-beside-idle-ray": result(130.0, [937], None),
+            "ray-1-replica": result(145.0, [937], [{"name": "a", "lookups": 1}]),
+        }
+    )
+    assert summary["ingress_added_ttft_p50_ms"] == 45.0
+    assert summary["ray_beside_added_ttft_p50_ms"] == 30.0
+    assert summary["request_path_added_ttft_p50_ms"] == 15.0
+    text = markdown(summary)
+    assert "of which an idle Ray beside the single process: 30.0 ms" in text
+    assert "of which the request path (Ray - beside idle Ray): 15.0 ms" in text
