@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from replicas.app import app_builder, config_from_serve_args
@@ -40,3 +41,9 @@ def test_the_shipped_serve_config_builds() -> None:
     config = config_from_serve_args(application["args"])
     assert config.replicas >= 2
     assert app_builder(application["args"]) is not None
+
+
+def test_bad_args_are_a_value_error_naming_them() -> None:
+    """Serve's builder gets an error it can report, not argparse's exit."""
+    with pytest.raises(ValueError, match="replicas"):
+        config_from_serve_args({"replicas": "two"})
