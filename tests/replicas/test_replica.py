@@ -40,6 +40,9 @@ class FakeEngine:
     def stats(self) -> Any:
         return stats(registry_digest="d1")
 
+    def shutdown(self) -> None:  # EngineReplica.__del__
+        pass
+
 
 def replica(engine: FakeEngine, stream_interval: int) -> EngineReplica:
     made = EngineReplica.__new__(EngineReplica)  # the constructor needs Serve and a model
