@@ -107,19 +107,12 @@ class ReplicaSet:
         never stays unconnected while the replicas come up."""
         for attempt in itertools.count():
             try:
-                facts: ModelFacts = await asyncio.wait_for(
-                    self._handle.facts.remote(), self.request_timeout
-                )
+                facts: ModelFacts = await self._call(self._handle.facts.remote())
                 break
-            except TimeoutError:
-                reason = f"none answered within {self.request_timeout:g} s"
-            except Exception as exc:
-                reason = replica_fault(exc) or ""
-                if not reason:
-                    raise
-            backoff = _OPEN_BACKOFF_SECONDS[min(attempt, len(_OPEN_BACKOFF_SECONDS) - 1)]
-            logger.warning("ingress: waiting for the engine replicas (%s)", reason)
-            await asyncio.sleep(backoff)
+            except EngineUnavailableError as exc:
+                backoff = _OPEN_BACKOFF_SECONDS[min(attempt, len(_OPEN_BACKOFF_SECONDS) - 1)]
+                logger.warning("ingress: waiting for the engine replicas: %s", exc)
+                await asyncio.sleep(backoff)
         self._facts = facts
         self._checker = RequestChecker(facts.tokenizer, facts.eos_token_ids, self._limits)
         await self._poll()
