@@ -14,8 +14,9 @@ Three ways in:
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
+import io
 import logging
 import os
 import signal
@@ -112,8 +113,8 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def config_from_serve_args(args: dict[str, Any]) -> GatewayConfig:
-    """Raises ValueError naming what argparse refused (it would exit the Serve controller's
-    builder instead)."""
+    """Raises ValueError with argparse's reason (argparse would exit Serve's builder
+    instead)."""
     from gateway.cli import build_parser, gateway_config_from_args
 
     argv = ["serve"]
@@ -124,12 +125,14 @@ def config_from_serve_args(args: dict[str, Any]) -> GatewayConfig:
                 argv.append(flag)
             elif item is not False and item is not None:
                 argv += [flag, str(item)]
-    parser = build_parser()
-    parser.exit_on_error = False
+    refusal = io.StringIO()
     try:
-        return gateway_config_from_args(parser.parse_args(argv))
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise ValueError(f"bad serve args {args!r}: {exc}") from None
+        with contextlib.redirect_stderr(refusal):
+            namespace = build_parser().parse_args(argv)
+    except SystemExit:  # argparse wrote why (its last line) and exited
+        why = refusal.getvalue().strip().splitlines()[-1]
+        raise ValueError(f"serve args {args!r}: {why}") from None
+    return gateway_config_from_args(namespace)
 
 
 def serve_on_ray(config: GatewayConfig) -> int:

@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -227,8 +227,7 @@ class ReplicaSet:
                 finished = output.finished
                 yield output
         except Exception as exc:
-            fault = replica_fault(exc)
-            if fault is None:
+            if (fault := replica_fault(exc)) is None:
                 raise
             if replica is None:  # Serve found no replica, or the chosen one was gone already
                 message = f"no engine replica could take this request ({fault})"
@@ -273,13 +272,13 @@ class ReplicaSet:
 
     async def _call(self, response: Awaitable[T]) -> T:
         """One replica's answer within `request_timeout`; faults and silence are 503s."""
+        fault: str | None
         try:
             return await asyncio.wait_for(response, self.request_timeout)
         except TimeoutError:
             fault = f"no answer within {self.request_timeout:g} s"
         except Exception as exc:
-            fault = replica_fault(exc) or ""
-            if not fault:
+            if (fault := replica_fault(exc)) is None:
                 raise
         raise EngineUnavailableError(f"no engine replica could answer ({fault}): retry")
 
@@ -345,15 +344,14 @@ class ReplicaSet:
         )
         reports = {r.name: r for r in answers if isinstance(r, ReplicaReport)}
         self._poll_errors = [repr(r) for r in answers if isinstance(r, BaseException)]
-        self._adopt_specs(reports.values())
+        self._adopt_specs(list(reports.values()))
         self._reports = reports
         self._last_poll = time.monotonic()
 
-    def _adopt_specs(self, reports: Iterable[ReplicaReport]) -> None:
+    def _adopt_specs(self, reports: list[ReplicaReport]) -> None:
         """Answer contracts and affinity from the entries most replicas hold (ties: the one
         held already, else the smallest digest), so the index does not flip with the order
         the reports came in while replicas disagree (a reload under way)."""
-        reports = list(reports)
         held = Counter(r.specs_digest for r in reports)
         if not held:
             return

@@ -56,24 +56,18 @@ class Setup:
     beside_idle_ray: bool = False
 
 
-IDLE_RAY_FLAGS = ("--replicas", "1", "--ray-address", "local")
+RAY_1_REPLICA = ("--replicas", "1", "--ray-address", "local")
 SETUPS = (
     Setup("single-process", ()),
     Setup("single-process-beside-idle-ray", (), beside_idle_ray=True),
-    Setup("ray-1-replica", ("--replicas", "1", "--ray-address", "local")),
+    Setup("ray-1-replica", RAY_1_REPLICA),
     Setup("ray-2-replicas", ("--replicas", "2", "--num-threads", "1")),
     # Four tokens a message from the replica: a quarter of the messages, burstier streams.
-    Setup(
-        "ray-1-replica-stream-4",
-        ("--replicas", "1", "--ray-address", "local", "--stream-interval", "4"),
-    ),
+    Setup("ray-1-replica-stream-4", (*RAY_1_REPLICA, "--stream-interval", "4")),
     # One torch thread: a core stays free for Ray's processes (proxy, ingress, raylet), so the
     # difference is the hops' latency more than their CPU taken from the engine.
     Setup("single-process-1-thread", ("--num-threads", "1")),
-    Setup(
-        "ray-1-replica-1-thread",
-        ("--replicas", "1", "--ray-address", "local", "--num-threads", "1"),
-    ),
+    Setup("ray-1-replica-1-thread", (*RAY_1_REPLICA, "--num-threads", "1")),
 )
 
 
@@ -110,7 +104,7 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as servers:
         if setup.beside_idle_ray:
             port = args.port + 1
-            idle = _serve_command(port, IDLE_RAY_FLAGS, args)
+            idle = _serve_command(port, RAY_1_REPLICA, args)
             servers.enter_context(local_server(idle, port, args.out_dir / "idle-ray.log"))
         return _measure(setup, args)
 

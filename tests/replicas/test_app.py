@@ -45,5 +45,5 @@ def test_the_shipped_serve_config_builds() -> None:
 
 def test_bad_args_are_a_value_error_naming_them() -> None:
     """Serve's builder gets an error it can report, not argparse's exit."""
-    with pytest.raises(ValueError, match="replicas"):
+    with pytest.raises(ValueError, match="argument --replicas: invalid int value: 'two'"):
         config_from_serve_args({"replicas": "two"})
