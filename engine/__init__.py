@@ -4,9 +4,8 @@ This module is the engine's public API; the gateway imports only from here.
 """
 
 from engine.async_engine import AsyncEngine
-from engine.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
-from engine.config import EngineConfig, option
-from engine.errors import (
+from engine.core.config import EngineConfig, option
+from engine.core.errors import (
     EngineDeadError,
     EngineError,
     EngineUnavailableError,
@@ -15,21 +14,31 @@ from engine.errors import (
     PromptTooLongError,
     RequestFailedError,
 )
+from engine.core.outputs import RequestOutput, SampleLogprobs, TokenLogprob
+from engine.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
+from engine.kvcache.block_hash import BlockHash, extend_block_hashes, scope_seed
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, SampleLogprobs, TokenLogprob
-from engine.prefix_loader import PrefixBudgetError
-from engine.registry import MatchReport, PrefixRegistry, RegisteredPrefix, ReloadStatus
-from engine.registry_file import PrefixContract, PrefixSpec, RegistryFileError, load_prefix_file
+from engine.registry.file import PrefixContract, PrefixSpec, RegistryFileError, load_prefix_file
+from engine.registry.index import PrefixIndex
+from engine.registry.loader import PrefixBudgetError
+from engine.registry.registry import (
+    MatchReport,
+    PrefixRegistry,
+    RegisteredPrefix,
+    ReloadStatus,
+    registry_digest,
+)
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
-from engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
 from engine.stats import EngineStats, PrefixInfo
-from engine.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
+from engine.text.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
+from engine.text.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
 
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "AsyncEngine",
+    "BlockHash",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
@@ -44,6 +53,7 @@ __all__ = [
     "ParsedToolCall",
     "PrefixBudgetError",
     "PrefixContract",
+    "PrefixIndex",
     "PrefixInfo",
     "PrefixRegistry",
     "PrefixSpec",
@@ -59,10 +69,13 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "chat_prompt_ids",
+    "extend_block_hashes",
     "fim_prompt_ids",
     "load_prefix_file",
     "option",
     "parse_tool_calls",
+    "registry_digest",
+    "scope_seed",
     "text_prompt_ids",
     "tool_call_grammar",
 ]

@@ -27,14 +27,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineError, RequestFailedError
+from engine.core.config import EngineConfig
+from engine.core.errors import EngineDeadError, EngineError, RequestFailedError
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import GrammarSpec, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.registry import MatchReport, ReloadStatus
-from engine.registry_file import PrefixContract
+from engine.registry.file import PrefixContract
+from engine.registry.registry import MatchReport, ReloadStatus
 from engine.request import EngineRequest
-from engine.sampling_params import GrammarSpec, SamplingParams
 from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)

@@ -16,30 +16,30 @@ from pathlib import Path
 from llguidance import LLMatcher
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, InvalidRequestError
-from engine.kv_cache import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_setup import LoadedModel, load_model
-from engine.outputs import RequestOutput, SampleLogprobs
-from engine.prefix_loader import PrefixLoader
-from engine.registry import MatchReport, PrefixRegistry, ReloadStatus
-from engine.registry_file import (
+from engine.core.config import EngineConfig
+from engine.core.errors import EngineError, InvalidRequestError
+from engine.core.outputs import RequestOutput, SampleLogprobs
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+from engine.executor.runner import ModelRunner, SampledToken
+from engine.executor.sampler import make_generator
+from engine.kvcache.block_pool import BlockPool
+from engine.kvcache.manager import KVCacheManager
+from engine.loading.setup import LoadedModel, load_model
+from engine.registry.file import (
     PrefixContract,
     PrefixSpec,
     RegistryFileError,
     parse_prefix_bytes,
 )
+from engine.registry.loader import PrefixLoader
+from engine.registry.registry import MatchReport, PrefixRegistry, ReloadStatus
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
-from engine.runner import ModelRunner, SampledToken
-from engine.sampler import make_generator
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.scheduler.scheduler import Scheduler
 from engine.stats import EngineStats, snapshot
-from engine.structured import GrammarCompiler
+from engine.structured.grammar import GrammarCompiler
+from engine.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class LLMEngine:
         self.prefixes = PrefixLoader(
             self.registry,
             self.scheduler,
+            self.pool,
             self.max_model_len,
             lambda: next(self._arrivals),
             config.enable_prefix_cache,

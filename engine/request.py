@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured import CompiledGrammar
+    from engine.structured.grammar import CompiledGrammar
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.kv_cache import num_blocks_for
+from engine.core.errors import InvalidRequestError, PromptTooLongError
+from engine.core.sampling_params import GrammarSpec, SamplingParams
+from engine.kvcache.block_pool import num_blocks_for
 from engine.request import EngineRequest
-from engine.sampling_params import GrammarSpec, SamplingParams
-from engine.structured import CompiledGrammar, GrammarCompiler
+from engine.structured.grammar import CompiledGrammar, GrammarCompiler
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.registry import PrefixRegistry
-from engine.registry_file import PrefixContract
-from engine.scheduler import Scheduler
+from engine.kvcache.manager import KVCacheManager
+from engine.registry.file import PrefixContract
+from engine.registry.registry import PrefixRegistry
+from engine.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 In this order, so that nothing expensive happens for a request the server will refuse:
 1. the API key (401/403);
-2. a place in the waiting queue (`Ticket`): counted against `--max-waiting` before the body
-   is even read, streaming or not (429), and refused while the server drains (503);
+2. a place in the waiting queue (`gateway.waiting.Ticket`): counted against `--max-waiting`
+   before the body is even read, streaming or not (429), and refused while the server drains
+   (503);
 3. the body, read under `--max-request-bytes` (413) and `--request-read-timeout` (408), only
    as JSON (415 for other content types);
 4. parsing, text validity (no lone surrogates) and the pydantic models, once, in the
@@ -19,18 +20,17 @@ import asyncio
 import codecs
 import json
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 
 from gateway import errors
 from gateway.protocol import GenerationBase, json_type_name
+from gateway.state import Gateway
 from gateway.tenants import Caller
-
-if TYPE_CHECKING:
-    from gateway.state import Gateway
+from gateway.waiting import Ticket
 
 Body = TypeVar("Body", bound=BaseModel)
 Generation = TypeVar("Generation", bound=GenerationBase)
@@ -43,50 +43,6 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # After refusing an oversized body, read (and drop) up to this many times the limit, so the
 # client gets its 413 instead of a connection reset while it is still sending.
 _DISCARD_FACTOR = 8
-
-
-@dataclass(eq=False)
-class Ticket:
-    """A request's place in the gateway's waiting queue, from admission until its response
-    ends. `num_waiting` sequences count against `--max-waiting` until each produces its first
-    output; `close()` (idempotent) releases whatever is left and ends the request's flight,
-    which the drain on SIGTERM waits for."""
-
-    gateway: Gateway
-    num_waiting: int = 1
-    is_closed: bool = field(default=False, init=False)
-
-    def hold(self, num_sequences: int) -> None:
-        """Grow (or shrink) the reservation to `num_sequences`: 400 if the request alone can
-        never fit, 429 if the queue is too full for it now."""
-        max_waiting = self.gateway.config.max_waiting
-        if num_sequences > max_waiting:
-            raise errors.OpenAIError(
-                400,
-                f"This request asks for {num_sequences} sequences (n x prompts); this server "
-                f"queues at most {max_waiting}. Send fewer choices or prompts per request.",
-                param="n",
-                code="too_many_sequences",
-            )
-        others = self.gateway.num_waiting - self.num_waiting
-        if others + num_sequences > max_waiting:
-            raise errors.too_many_requests(retry_after=1.0)
-        self.gateway.num_waiting += num_sequences - self.num_waiting
-        self.num_waiting = num_sequences
-
-    def started(self) -> None:
-        """One sequence produced its first output: it no longer waits."""
-        if self.num_waiting > 0:
-            self.num_waiting -= 1
-            self.gateway.num_waiting -= 1
-
-    def close(self) -> None:
-        if self.is_closed:
-            return
-        self.is_closed = True
-        self.gateway.num_waiting -= self.num_waiting
-        self.num_waiting = 0
-        self.gateway.tickets.discard(self)
 
 
 @dataclass(frozen=True, slots=True)

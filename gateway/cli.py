@@ -1,4 +1,7 @@
-"""`prefixgate` command line: flags generated from GatewayConfig and EngineConfig (flags.py)."""
+"""The `prefixgate` command's parser (flags generated from GatewayConfig and EngineConfig by
+flags.py) and its single-process commands: `serve` on uvicorn and `generate`. The command
+itself (`prefixgate.cli`) sits above this package and `replicas`, and picks Ray Serve when
+`--replicas` asks for it."""
 
 from __future__ import annotations
 
@@ -8,11 +11,9 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
 
 from engine import (
     EngineConfig,
-    EngineError,
     LLMEngine,
     SamplingParams,
     chat_prompt_ids,
@@ -88,16 +89,12 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run uvicorn; SIGTERM stops accepting, gives in-flight requests `--shutdown-grace`
-    seconds, then the engine aborts the rest, and the process exits 0. With `--replicas N`
-    (N > 1) or `--ray-address`, run the Ray Serve application instead."""
+def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
+    """Run uvicorn in this process; SIGTERM stops accepting, gives in-flight requests
+    `--shutdown-grace` seconds, then the engine aborts the rest, and the process exits 0."""
     from gateway.app import create_app
     from gateway.server import DrainingServer, uvicorn_config
 
-    config = gateway_config_from_args(args)
-    if config.uses_ray:
-        return serve_on_ray(config)
     logger.info(
         "starting prefixgate on http://%s:%d (model %s, device %s, dtype %s)",
         args.host,
@@ -130,33 +127,3 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 1 if failed or not server.started else 0
-
-
-def serve_on_ray(config: GatewayConfig) -> int:
-    try:
-        from replicas.app import serve_on_ray as run
-    except ImportError as exc:
-        raise ValueError(
-            f"--replicas/--ray-address need Ray Serve ({exc}): pip install 'prefixgate[ray]'"
-        ) from exc
-    return run(config)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        if args.command == "serve":
-            return serve(args)
-        if args.command == "generate":
-            return generate(args)
-    except (EngineError, ValueError) as exc:  # ValueError: a setting is refused (API keys)
-        logger.error("%s", exc)
-        return 2
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

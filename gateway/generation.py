@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from engine import EngineRequest, RequestOutput, SampleLogprobs
-from gateway.admission import Ticket
 from gateway.engine_client import EngineClient
 from gateway.state import Gateway
+from gateway.waiting import Ticket
 
 
 @dataclass(slots=True)

@@ -19,12 +19,12 @@ from starlette.requests import Request
 
 from engine import AsyncEngine, EngineStats
 from gateway import errors
-from gateway.admission import Ticket
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ReplicaHealth, ReplicaSetView
 from gateway.metrics import GatewayMetrics
 from gateway.response_store import ResponseStore
 from gateway.tenants import Caller, KeyRing
+from gateway.waiting import Ticket, WaitingQueue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,8 +46,7 @@ class Gateway:
         self._connect = connect or (lambda: AsyncEngine(config.engine))
         self.load_error: str | None = None
         self.created = int(time.time())
-        self.num_waiting = 0  # sequences admitted by the gateway, no output yet
-        self.tickets: set[Ticket] = set()  # requests in flight, admission to response end
+        self.waiting = WaitingQueue(config.max_waiting)
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
@@ -82,6 +81,16 @@ class Gateway:
             self.config.host,
             self.config.port,
         )
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences admitted by the gateway that have no output yet."""
+        return self.waiting.num_waiting
+
+    @property
+    def tickets(self) -> set[Ticket]:
+        """Requests in flight, from admission to the end of their response."""
+        return self.waiting.tickets
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -191,12 +200,7 @@ class Gateway:
         """A place in the waiting queue for one more request, or 503 (draining) / 429."""
         if self.is_draining:
             raise errors.shutting_down()
-        if self.num_waiting >= self.config.max_waiting:
-            raise errors.too_many_requests(retry_after=1.0)
-        ticket = Ticket(self)
-        self.num_waiting += 1
-        self.tickets.add(ticket)
-        return ticket
+        return self.waiting.open()
 
     def stats_by_replica(self) -> dict[str | None, EngineStats]:
         """Engine stats for /metrics: by replica name, or {None: stats} for one engine;

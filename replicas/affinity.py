@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, extend_block_hashes, scope_seed
+from engine import BlockHash, extend_block_hashes, scope_seed
 
 CHUNK_TOKENS = 32
 MAX_KEYS = 200_000  # remembered chunk keys, least recently used dropped (~30 MB at most)

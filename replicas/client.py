@@ -36,19 +36,21 @@ from ray.serve.handle import (
 )
 
 from engine import (
+    EngineDeadError,
     EngineRequest,
     EngineStats,
+    EngineUnavailableError,
     GrammarSpec,
     MatchReport,
     PrefixContract,
+    PrefixIndex,
     PrefixSpec,
     ReloadStatus,
+    RequestChecker,
+    RequestLimits,
     RequestOutput,
     SamplingParams,
 )
-from engine.errors import EngineDeadError, EngineUnavailableError
-from engine.prefix_index import PrefixIndex
-from engine.request_checker import RequestChecker, RequestLimits
 from gateway.engine_client import ReplicaHealth, ReplicaState
 from replicas.affinity import AffinityTable
 from replicas.replica import ModelFacts, ReplicaReport

@@ -24,11 +24,11 @@ from engine import (
     MatchReport,
     PrefixSpec,
     ReloadStatus,
+    RequestLimits,
     RequestOutput,
     SamplingParams,
+    registry_digest,
 )
-from engine.registry import registry_digest
-from engine.request_checker import RequestLimits
 
 logger = logging.getLogger(__name__)
 

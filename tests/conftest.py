@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from engine.loader import ModelSource, default_cache_dir, resolve_model
+from engine.loading.source import ModelSource, default_cache_dir, resolve_model
 from tests.helpers import TINY_LLAMA_SHAPE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

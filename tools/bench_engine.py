@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.llm_engine as llm_engine_module
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.chat import chat_prompt_ids
-from engine.registry_file import load_prefix_file
-from engine.structured import GrammarMasker
+from engine.registry.file import load_prefix_file
+from engine.structured.grammar import GrammarMasker
+from engine.text.chat import chat_prompt_ids
 from tools.provenance import git_revision
 from tools.workloads import intent_messages
 

@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kv_cache import BlockPool, KVCacheSpec
-from engine.kv_cache_manager import KVCacheManager
-from engine.registry import PrefixRegistry, RegisteredPrefix
-from engine.registry_file import PrefixSpec
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+from engine.kvcache.block_pool import BlockPool, KVCacheSpec
+from engine.kvcache.manager import KVCacheManager
+from engine.registry.file import PrefixSpec
+from engine.registry.registry import PrefixRegistry, RegisteredPrefix
+from engine.scheduler.scheduler import Scheduler
 from tools.provenance import git_revision
 
 BLOCK = 16

@@ -110,7 +110,7 @@ def run_setup(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve_command(port: int, flags: tuple[str, ...], args: argparse.Namespace) -> list[str]:
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "prefixgate", "serve", "--port", str(port)]
     return [*command, "--prefixes", "prefixes.yaml", *flags, *args.server_flags.split()]
 
 

@@ -28,8 +28,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from engine.cpu import cpu_features
-from engine.loader import default_cache_dir
+from engine.core.cpu import cpu_features
+from engine.loading.source import default_cache_dir
 from tools.local_server import local_server
 from tools.provenance import REPO, git_revision
 
@@ -76,7 +76,7 @@ def main() -> None:
 
 def _measure(args: argparse.Namespace, cache: Path, log: Path) -> dict[str, float]:
     command = [
-        sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1",
+        sys.executable, "-m", "prefixgate", "serve", "--host", "127.0.0.1",
         "--port", str(args.port), "--prefixes", args.prefixes,
         "--kv-cache-memory", args.kv_cache_memory,
     ]  # fmt: skip

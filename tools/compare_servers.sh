@@ -45,7 +45,7 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
 
 prefixgate() {  # label flags...
   local label=$1; shift
-  $PY -m gateway.cli serve --port $PORT --prefixes prefixes.yaml --dtype "$DTYPE" \
+  $PY -m prefixgate serve --port $PORT --prefixes prefixes.yaml --dtype "$DTYPE" \
     ${EXTRA[@]+"${EXTRA[@]}"} "$@" \
     > "$OUT/$label.log" 2>&1 &
   local pid=$!

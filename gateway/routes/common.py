@@ -18,7 +18,6 @@ from starlette.types import Receive, Scope, Send
 
 from engine import EngineError, EngineRequest, InvalidRequestError, SamplingParams
 from gateway import errors
-from gateway.admission import Ticket
 from gateway.engine_client import EngineClient
 from gateway.generation import Job
 from gateway.protocol import (
@@ -28,6 +27,7 @@ from gateway.protocol import (
 )
 from gateway.state import Gateway
 from gateway.tenants import Caller
+from gateway.waiting import Ticket
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "[DONE]"

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine.loader import ModelSource
+from engine.loading.source import ModelSource
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
 
 SHIPPED_PREFIXES = REPO_ROOT / "prefixes.yaml"

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import ModelSource
+from engine.loading.source import ModelSource
 from tests.e2e.conftest import question_prompts
 from tests.helpers import assert_all_free, run_staggered, tokens_of
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.outputs import SampleLogprobs
-from engine.quantization import QuantizedLinear
+from engine.core.outputs import SampleLogprobs
+from engine.executor.quantization import QuantizedLinear
 from tests.e2e.conftest import question_prompts
 from tests.helpers import assert_all_free, run_staggered
 

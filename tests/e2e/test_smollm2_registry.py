@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids, text_prompt_ids
-from engine.loader import ModelSource
+from engine.loading.source import ModelSource
 from tests.helpers import run_staggered, tokens_of
 
 pytestmark = pytest.mark.e2e

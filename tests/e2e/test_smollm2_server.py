@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.loader import ModelSource
+from engine.loading.source import ModelSource
 from tests.e2e.conftest import CHAT_WEATHER_TOOL, SHIPPED_PREFIXES, model_of
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, Server, ServerFactory
 

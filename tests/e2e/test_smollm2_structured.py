@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, GrammarSpec, LLMEngine, SamplingParams, chat_prompt_ids
-from engine.loader import ModelSource
+from engine.loading.source import ModelSource
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.e2e

@@ -31,8 +31,8 @@ from engine import (
     SamplingParams,
 )
 from engine.async_engine import AsyncEngine
-from engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from engine.scheduler import SchedulerOutput
+from engine.scheduler.scheduler import SchedulerOutput
+from engine.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
 T = TypeVar("T")
 TIMEOUT_S = 60.0

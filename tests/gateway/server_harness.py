@@ -1,7 +1,7 @@
 """Run `prefixgate serve` as a real uvicorn subprocess on 127.0.0.1 for end-to-end tests,
 and compute what it must answer with an in-process engine on the same weights (`Reference`).
 
-`start_server` picks a free port, starts `python -m gateway.cli serve ...` in its own process
+`start_server` picks a free port, starts `python -m prefixgate serve ...` in its own process
 group with stdout/stderr going to a log file, and polls GET /health until it answers 200.
 `Server.stop()` sends SIGTERM to the server's PID, waits (bounded), falls back to SIGKILL,
 and returns the exit code. `ServerFactory` stops every server it started that is still
@@ -171,7 +171,7 @@ def start_server(
 
     `api_key`, if given, is passed as `--api-key` and used by the Server's helpers."""
     port = free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--host", HOST, "--port", str(port)]
+    command = [sys.executable, "-m", "prefixgate", "serve", "--host", HOST, "--port", str(port)]
     command += list(args)
     if api_key is not None:
         command += ["--api-key", api_key]

@@ -14,8 +14,8 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from engine import PrefixContract, PrefixSpec, PromptTooLongError, SamplingParams
-from engine.errors import EngineDeadError, EngineUnavailableError
-from engine.registry import registry_digest
+from engine.core.errors import EngineDeadError, EngineUnavailableError
+from engine.registry.registry import registry_digest
 from engine.request_checker import RequestLimits
 from replicas.client import ReplicaSet, replica_fault
 from replicas.replica import ModelFacts, ReplicaReport

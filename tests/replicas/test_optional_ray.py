@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gateway.cli import main
+from prefixgate.cli import main
 
 NO_RAY = (
     "import sys, gateway.cli, gateway.app, gateway.server, gateway.state; "

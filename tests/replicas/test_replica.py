@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine import RequestFailedError, RequestOutput, SamplingParams
-from engine.registry import registry_digest
+from engine.registry.registry import registry_digest
 from replicas.replica import EngineReplica
 from tests.replicas.test_client import LIMITS, SPEC
 from tests.replicas.test_stats import stats

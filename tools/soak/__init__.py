@@ -21,7 +21,7 @@ interleaving went:
 - after every edit of the prefixes file settles, GET /v1/prefixes lists exactly the names of
   the last valid file written, and never the subset a half-written file holds.
 
-By default it starts its own server (`python -m gateway.cli serve` on 127.0.0.1, a free port,
+By default it starts its own server (`python -m prefixgate serve` on 127.0.0.1, a free port,
 a small KV pool so that long requests force preemptions, a prefixes file of its own in the
 work directory) and stops it by PID at the end: SIGTERM, a bounded wait, then SIGKILL. With
 `--url` it drives a server that is already running, on 127.0.0.1 or localhost only; edits then

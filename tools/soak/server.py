@@ -86,7 +86,7 @@ class ServerProcess:
 def start_server(
     settings: ServerSettings, prefixes_file: Path, api_key: str, admin_api_key: str, work_dir: Path
 ) -> ServerProcess:
-    """`python -m gateway.cli serve` on 127.0.0.1 and a free port, in its own session, keys
+    """`python -m prefixgate serve` on 127.0.0.1 and a free port, in its own session, keys
     passed in the environment (not on a command line others can read); waits for /health."""
     port = free_port()
     command = server_command(settings, prefixes_file, port)
@@ -114,7 +114,7 @@ def start_server(
 
 
 def server_command(settings: ServerSettings, prefixes_file: Path, port: int) -> list[str]:
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--host", HOST, "--port", str(port)]
+    command = [sys.executable, "-m", "prefixgate", "serve", "--host", HOST, "--port", str(port)]
     if settings.model is not None:
         command += ["--model", settings.model]
     return [

@@ -1,0 +1,134 @@
+"""Engine configuration: one frozen dataclass; CLI flags map one-to-one onto its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.core.cpu import auto_dtype
+from engine.core.errors import InvalidRequestError
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATIONS = ("auto", "int4", "int8", "none")
+GiB = 1 << 30
+# A step's token budget bounds how long running decodes stall behind prefills, and how many
+# waiting requests share one long step before any of them gets a token. On CPU a 100-token
+# suffix prefill takes ~0.1 s; over HTTP at concurrency 8 on the intent workload (bf16, 2
+# cores) 512 tokens gave TTFT p50 1.0 s, 256 gave 0.60 s at 99 tok/s, 128 gave 0.38 s at
+# 89 tok/s (docs/benchmarks.md). Long uncached prompts pay ~10% more TTFT in 128-token chunks.
+DEFAULT_TOKEN_BUDGET = {"cpu": 128, "cuda": 2048}
+
+
+def option(default: Any, help: str, **cli: Any) -> Any:
+    """A config field with its command-line help: `prefixgate`'s flags are generated from the
+    config dataclasses (gateway/flags.py), so each setting is named and explained once.
+
+    `cli` may hold `flag` (another flag name), `choices`, `size=True` (accepts 2GiB, 512M),
+    `env` (environment variable that gives the default), `repeat=True` (a tuple field whose
+    flag is given once per value)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build and run the engine.
+
+    `model=None` serves the embedded default model. The KV pool is sized by `num_kv_blocks`
+    when given, else by `kv_cache_memory` bytes, else by a default share of RAM (CPU) or of
+    free device memory (CUDA). `max_model_len=None` takes the model's own limit.
+    """
+
+    model: str | None = option(
+        None, "local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+    device: str = option("cpu", "cpu or cuda[:N]")
+    dtype: str = option(
+        "auto",
+        "compute and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 "
+        "(AVX512_BF16, AMX), float32 otherwise",
+        choices=DTYPE_CHOICES,
+    )
+    quantization: str = option(
+        "auto",
+        "CPU linear weights: int4 (GGML Q4_1, group 32; int8 head), int8 (Q8_0) or none; "
+        "auto: as a .gguf file ships them, none for a Hugging Face folder",
+        choices=QUANTIZATIONS,
+    )
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks")
+    kv_cache_memory: int | None = option(
+        None,
+        "KV pool size in bytes, e.g. 2GiB (default: max-num-seqs x max-model-len tokens, "
+        "capped at 10%% of RAM and 2 GiB)",
+        size=True,
+    )
+    max_num_seqs: int = option(32, "sequences decoded together at most")
+    max_num_batched_tokens: int | None = option(
+        None, "token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA"
+    )
+    max_model_len: int | None = option(None, "context length (default: the model's own)")
+    enable_prefix_cache: bool = option(
+        True, "reuse computed KV blocks at all (registered prefixes and automatic caching)"
+    )
+    enable_auto_prefix_cache: bool = option(
+        True,
+        "cache every computed block by content for later prompts (off: registered prefixes only)",
+    )
+    enable_compile: bool = option(
+        True,
+        "build the C++ CPU kernels (paged decode attention, fused layer ops) for this CPU on "
+        "first start, cached on disk; off (--no-compile): torch operations only, for debugging",
+    )
+    prefix_file: str | None = option(
+        None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
+    )
+    prefix_watch_interval: float = option(1.0, "seconds between polls of the prefix file")
+    num_threads: int | None = option(None, "torch intra-op threads")
+    seed: int = option(0, "seed of the engine's default random generator")
+    debug_check_integrity: bool = option(False, "check the KV block accounting every step")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPE_CHOICES}", param="dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {QUANTIZATIONS}", param="quantization"
+            )
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidRequestError("device must be cpu or cuda[:N]", param="device")
+        _positive(self.block_size, "block_size")
+        _positive(self.max_num_seqs, "max_num_seqs")
+        for name in (
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "kv_cache_memory",
+            "max_model_len",
+            "num_threads",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(value, name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """`dtype`, with auto resolved for this machine (see `engine.cpu.auto_dtype`)."""
+        if self.dtype == "auto":
+            return auto_dtype(self.torch_device)
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute: `max_num_batched_tokens` or the device's default."""
+        return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET[self.torch_device.type]
+
+
+def _positive(value: int, name: str) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)

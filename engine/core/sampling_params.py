@@ -1,0 +1,142 @@
+"""Per-request generation parameters, validated once at admission."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.core.errors import InvalidRequestError
+
+# Bounds the API validates against too (gateway/protocol imports them from here).
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+GRAMMAR_PARAM = "grammar"  # the engine's name for a constraint; the gateway names its field
+GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint as the client stated it: `source` is a JSON schema (JSON text), a regex,
+    a JSON list of choice strings, or a Lark grammar (llguidance's Lark, GBNF accepted)."""
+
+    kind: GrammarKind
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | None = None) -> GrammarSpec:
+        """`None`: any JSON object (response_format json_object). Key order is kept: the
+        output's properties come in the schema's order."""
+        text = ANY_JSON_OBJECT if schema is None else json.dumps(schema)
+        return cls("json_schema", text)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> GrammarSpec:
+        return cls("choice", json.dumps(list(choices)))
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What to generate and when to stop. `temperature == 0` means greedy.
+
+    `max_tokens=None` means "until EOS or `max_model_len`"; `max_tokens=0` only scores the
+    prompt (with `prompt_logprobs`). `logprobs=None` returns none; `logprobs=k` returns the
+    chosen token's logprob plus the top-k alternatives. `prompt_logprobs=k` does the same for
+    every prompt token after the first (scoring needs every position computed, so such a
+    request shares no cached prefix).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: what the text must match
+    prompt_logprobs: int | None = None
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1 or self.prompt_logprobs is not None,
+            "max_tokens must be >= 1 (0 only to score a prompt with prompt_logprobs)",
+            "max_tokens",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0", "max_tokens"
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
+            "prompt_logprobs",
+        )
+        _check(0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]", "temperature")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= -1, "top_k must be -1, 0 (disabled) or a positive integer", "top_k")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty must be in (0, 2]",
+            "repetition_penalty",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            "logprobs",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop strings must be non-empty",
+            "stop",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop"
+        )
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must fit in int64", "seed")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            "stop_token_ids",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

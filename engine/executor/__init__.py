@@ -1,0 +1,1 @@
+"""One forward over a batch: runner, attention, sampler, quantized linears, kernels, models."""

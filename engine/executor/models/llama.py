@@ -1,0 +1,162 @@
+"""The Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (qkv bias).
+
+Projections that read the same input are fused at load time (q/k/v into `qkv_proj`,
+gate/up into `gate_up_proj`): fewer, larger matmuls per layer, which is what a small model on
+a 2-core CPU is bound by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.executor.attention import ForwardBatch, paged_attention
+from engine.executor.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    load_exact,
+    rope_and_store,
+    silu_and_mul,
+    stack_weights,
+)
+from engine.executor.quantization import project
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, head_dim: int, has_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=has_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = project(self.qkv_proj, x, batch.decode_only).view(n, -1, self.head_dim)
+        q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        return project(self.o_proj, o.reshape(n, self.q_size), batch.decode_only)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate_up = project(self.gate_up_proj, x, batch.decode_only)
+        act = silu_and_mul(gate_up, batch.use_cpu_kernels)
+        return project(self.down_proj, act, batch.decode_only)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, head_dim: int, has_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, head_dim, has_bias)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it). `x` is the previous
+        layer's MLP output, not yet added to `residual` (None: x is the embedding): each add
+        happens inside the norm that reads it."""
+        kernels = batch.use_cpu_kernels
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, kernels)
+        else:
+            h, residual = self.input_layernorm.add(x, residual, kernels)
+        h, residual = self.post_attention_layernorm.add(
+            self.self_attn(h, batch, rope), residual, kernels
+        )
+        return self.mlp(h, batch), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Paged-KV Llama. `forward` returns hidden states; `compute_logits` projects chosen rows."""
+
+    def __init__(self, cfg: Any, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        has_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, head_dim, has_bias) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rotary_args = (cfg, max_positions, dtype)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)build what weights loading does not cover: RoPE tables and the tied head.
+
+        Called again after the model was materialised from the meta device.
+        """
+        self.rotary = RotaryEmbedding(*self._rotary_args)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary(batch.positions)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, rope)
+        assert residual is not None
+        return self.norm.add(x, residual, batch.use_cpu_kernels)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab]
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [m for m in self.modules() if isinstance(m, LlamaAttention)]
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face Llama state dict (consumed: each unfused q/k/v or gate/up
+        tensor is freed once fused, not held to the end), fusing q/k/v and gate/up."""
+        sd = self.fuse_hf_state(state_dict, stack_weights)
+        sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
+        tied = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        load_exact(self, sd, tied)
+
+    def fuse_hf_state(
+        self, state_dict: dict[str, Any], stack: Callable[[list[Any]], Any]
+    ) -> dict[str, Any]:
+        """Hugging Face names -> this model's (q/k/v and gate/up fused by `stack`, the tied
+        head dropped), `state_dict` consumed. Values can be anything `stack` combines: float
+        tensors here, a GGUF file's group codes in `engine.gguf_weights`."""
+        sd = {k.removeprefix("model."): state_dict.pop(k) for k in list(state_dict)}
+        if self.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        for i in range(len(self.layers)):
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                names = [f"{p}self_attn.{x}_proj.{kind}" for x in ("q", "k", "v")]
+                if names[0] in sd:
+                    sd[f"{p}self_attn.qkv_proj.{kind}"] = stack([sd.pop(n) for n in names])
+            gate_up = [sd.pop(f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")]
+            sd[f"{p}mlp.gate_up_proj.weight"] = stack(gate_up)
+        return sd

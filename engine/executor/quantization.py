@@ -1,0 +1,311 @@
+"""Group-wise 4- and 8-bit weights for CPU decode, on our integer-dot-product kernel.
+
+Why: a batch-1 decode step streams every weight once, so its time is the weights' size over
+memory bandwidth. SmolLM2's linears and head in bf16 are 269 MB; as 4-bit codes with a scale
+and a min per group of 32 (8-bit for the head) they are ~100 MB, and
+`torch.ops.prefixgate.quant_matmul` (engine/kernels/quant_matmul.cpp) multiplies them by
+activations quantized to 8 bits per group, llama.cpp's scheme, at close to memory bandwidth
+on AVX2 as on AVX-512 (docs/benchmarks.md, "Issue 12, third session").
+
+The two schemes are GGML's own: `int4` is Q4_1 (per group, d = (max - min) / 15, m = min,
+q = round((w - m) / d)) and `int8` is Q8_0 (d = absmax / 127, q = round(w / d)). Applied to
+weights dequantized from a Q4_1 / Q8_0 GGUF they give back the file's codes exactly, since
+each group's extremes sit on its grid; d and m are kept in float16, as the GGUF keeps them:
+the embedded model runs on the weights as shipped.
+
+Where the prepacked dense GEMM beats the kernel beyond some row count (bf16 on AVX-512: above
+16 rows), a `QuantizedLinear` also keeps a dense copy of the same (dequantized) weights and
+picks per call by row count (`max_rows`; 0, dense only, until `use_quantized_kernel` switches
+the kernel on where it was built). On AVX2 the kernel beats float32 at every row count, and
+no dense copy is kept (`WeightFormat.dense_copies`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.core.memory import return_freed_memory
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+TILE_ROWS = 8  # the kernel's tile: weight rows interleaved 4 columns at a time
+BITS = {"int4": 4, "int8": 8}
+
+# Rows up to which the quantized kernel beats the prepacked dense GEMM over SmolLM2's 120
+# layer linears (30 distinct layers, weights not in cache), 2 threads, Zen 4, whole pass in ms
+# (`tools/bench_decode_step.py --linears`, docs/benchmarks.md "Issue 12, third session"):
+#   AVX512 (bf16 dense):  M=1 4.6 vs 15.2, M=8 8.6 vs 15.1, M=16 14.7 vs 17.2, M=32 26.7
+#                         vs 25.9, M=128 99.8 vs 75.7
+#   AVX2   (fp32 dense):  M=1 4.1 vs 30.0, M=16 20.9 vs 50.9, M=128 126 vs 175, M=256 266
+#                         vs 347
+# None: the kernel wins at every row count measured, so no dense copy is kept (on AVX2 the
+# float32 copies were 540 MB of the server's 1.3 GB).
+DENSE_ABOVE_ROWS: dict[str, int | None] = {"AVX512": 16, "AVX2": None}
+DEFAULT_DENSE_ABOVE_ROWS = 16
+EVERY_ROW_COUNT = 1 << 62  # max_rows where no dense copy is kept
+QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
+
+    codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
+    scales: torch.Tensor  # [N / 8, 2, K / 32, 8] float16: per tile, d then m
+    bits: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * GROUP_SIZE
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1: codes [N, K / 32, 32] in 0..15 (as floats), scale d and min m [N, K / 32],
+    w ~ c * d + m."""
+    groups = w.float().reshape(w.shape[0], -1, GROUP_SIZE)  # [N, K / 32, 32]
+    low, high = torch.aminmax(groups, dim=-1)
+    scale = (high - low) / 15
+    safe = torch.where(scale == 0, 1.0, scale)[..., None]
+    codes = torch.round((groups - low[..., None]) / safe).clamp_(0, 15)
+    return codes, scale, low
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0: codes [N, K / 32, 32] in -127..127 (as floats) and scale d [N, K / 32],
+    w ~ q * d."""
+    groups = w.float().reshape(w.shape[0], -1, GROUP_SIZE)
+    scale = groups.abs().amax(-1) / 127
+    safe = torch.where(scale == 0, 1.0, scale)[..., None]
+    return torch.round(groups / safe).clamp_(-127, 127), scale
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
+) -> tuple[QuantizedWeight, torch.Tensor]:
+    """`w` [N, K] (K a multiple of 32, N of 8) in the kernel's layout, and the weight it
+    stands for (float16 scales included) in `dtype`, for the dense copy.
+
+    Codes stay float32 until packing: torch's integer elementwise ops are several times
+    slower. Rows go `QUANTIZE_ROWS` at a time: whole, the 49152-row head's temporaries were
+    ~500 MB of the first start's peak."""
+    weight = torch.empty(w.shape, dtype=dtype)
+    codes, scales = [], []
+    for start in range(0, w.shape[0], QUANTIZE_ROWS):
+        chunk = w[start : start + QUANTIZE_ROWS]
+        if bits == 4:
+            q, scale, low = quantize_int4(chunk)
+        else:
+            q, scale = quantize_int8(chunk)
+            low = torch.zeros_like(scale)
+        scale, low = scale.half(), low.half()
+        weight[start : start + QUANTIZE_ROWS] = (
+            q.mul(scale.float()[..., None]).add_(low.float()[..., None]).flatten(1)
+        )
+        packed = pack_weight(q, scale, low, bits)
+        codes.append(packed.codes)
+        scales.append(packed.scales)
+    return QuantizedWeight(torch.cat(codes), torch.cat(scales), bits), weight
+
+
+def pack_weight(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int
+) -> QuantizedWeight:
+    """Codes [N, K / 32, 32] (0..15 for 4 bits, -127..127 for 8, any dtype) with d and m
+    [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns
+    with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp)."""
+    rows, groups = scale.shape
+    tiles = rows // TILE_ROWS
+    steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
+    if bits == 4:
+        nibbles = steps.to(torch.uint8).reshape(tiles, groups, 4, 2, TILE_ROWS * 4)
+        packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # steps 2j, 2j + 1
+    else:
+        packed = steps.to(torch.int8).view(torch.uint8)
+    scales = torch.stack([scale, low], 1).half().reshape(tiles, TILE_ROWS, 2, groups)
+    return QuantizedWeight(
+        packed.reshape(tiles, groups, -1).contiguous(),
+        scales.permute(0, 2, 3, 1).contiguous(),
+        bits,
+    )
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the linear weights are stored: "int4", "int8" or "none" (the compute dtype), for
+    the decoder layers and for the LM head (which most formats keep at 8 bits); and whether a
+    quantized linear also keeps a dense copy for the calls the kernel is slower at."""
+
+    layers: str = "none"
+    head: str = "none"
+    dense_copies: bool = True
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.layers != "none" or self.head != "none"
+
+    def describe(self, dtype: torch.dtype) -> str:
+        if not self.is_quantized:
+            return f"{str(dtype).removeprefix('torch.')} weights"
+        copies = "" if self.dense_copies else ", no dense copies"
+        return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE}{copies})"
+
+
+def quantizable_linears(
+    model: nn.Module, weights: WeightFormat
+) -> list[tuple[str, nn.Module, str, nn.Linear, str]]:
+    """(qualified name, parent, attribute, linear, format) of every linear `weights` quantizes."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if not isinstance(child, nn.Linear):
+                continue
+            if child.in_features % GROUP_SIZE or child.out_features % TILE_ROWS:
+                continue  # the kernel takes K in groups of 32 and N in tiles of 8
+            kind = weights.head if name == "lm_head" else weights.layers
+            if kind != "none":
+                full = f"{parent_name}.{name}" if parent_name else name
+                found.append((full, parent, name, child, kind))
+    return found
+
+
+def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype) -> int:
+    """Replace the model's `nn.Linear`s (float, on CPU) by `QuantizedLinear`s whose dense copy
+    is in `dtype` (made per layer, so loading never holds a second float32 model), the head
+    (`lm_head`) by `weights.head`'s format and the others by `weights.layers`'; a linear the
+    kernel cannot take (input size not a multiple of 32, output size of 8) stays as it is.
+    Returns how many."""
+    targets = quantizable_linears(model, weights)
+    count = len(targets)
+    while targets:  # popped: a replaced linear's float weight is freed as soon as it is done
+        _full, parent, name, child, kind = targets.pop()
+        quantized, weight = quantize_weight(child.weight.detach(), BITS[kind], dtype)
+        dense = None
+        if weights.dense_copies:
+            dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+            dense.weight = nn.Parameter(weight, requires_grad=False)
+            dense.bias = child.bias
+        setattr(parent, name, QuantizedLinear(quantized, child.bias, dense))
+        del child, weight, dense
+        return_freed_memory()  # else the freed float weight stays in the heap
+    return count
+
+
+def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What `restore_linears` + `load_state_dict` need to rebuild a quantized model without
+    its float weights: the state dict (dense copies in the compute dtype) plus every quantized
+    weight. Shared tensors appear once (a tied head, a bias the dense copy shares)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            state[f"{name}.quantized.codes"] = module.quantized.codes
+            state[f"{name}.quantized.scales"] = module.quantized.scales
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            state[name] = tensor.contiguous()
+    return state
+
+
+def restore_linears(
+    model: nn.Module, state: dict[str, torch.Tensor], weights: WeightFormat
+) -> None:
+    """Put `QuantizedLinear`s where `quantize_linears` put them, their quantized weights taken
+    (popped) from `state`, their dense copies on the meta device for `load_state_dict` to
+    assign."""
+    for full, parent, name, child, kind in quantizable_linears(model, weights):
+        if f"{full}.quantized.codes" not in state:
+            raise ValueError(f"no quantized weight for {full} in the quantized state")
+        quantized = QuantizedWeight(
+            state.pop(f"{full}.quantized.codes"), state.pop(f"{full}.quantized.scales"), BITS[kind]
+        )
+        dense = None
+        if weights.dense_copies:
+            dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+        setattr(parent, name, QuantizedLinear(quantized, child.bias, dense))
+
+
+def relink_dense_biases(model: nn.Module) -> None:
+    """After an assigning load: a dense copy shares its layer's bias again."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.dense is not None:
+            bias = module.bias
+            if bias is not None:
+                assert isinstance(bias, nn.Parameter)
+                module.dense.register_parameter("bias", bias)
+
+
+def dense_above_rows() -> int | None:
+    """Row count above which the dense GEMM is faster, for this CPU's kernels; None where the
+    kernel is faster at every row count (no dense copies needed)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return DENSE_ABOVE_ROWS.get(capability, DEFAULT_DENSE_ABOVE_ROWS)
+
+
+def use_quantized_kernel(model: nn.Module) -> None:
+    """Switch the quantized linears to `quant_matmul` for calls of up to `dense_above_rows()`
+    rows (every call where that is None), once engine.kernels has built it: without it they
+    run on their dense copies."""
+    rows = dense_above_rows()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.max_rows = rows if rows is not None else EVERY_ROW_COUNT
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer with group-wise quantized weights: the quantized kernel for calls of up
+    to `max_rows` rows (decode), `dense` (same weights, dequantized; prepacked where it can
+    be) for larger ones (prefill, big decode batches) and while `max_rows` is 0. Without a
+    dense copy every call takes the kernel."""
+
+    def __init__(
+        self,
+        quantized: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dense: nn.Module | None,
+        max_rows: int = 0,
+    ) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.bias = bias
+        self.dense = dense
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor, allow_quantized: bool = True) -> torch.Tensor:
+        if self.dense is not None and (not allow_quantized or x.shape[0] > self.max_rows):
+            out: torch.Tensor = self.dense(x)
+            return out
+        q = self.quantized
+        y: torch.Tensor = torch.ops.prefixgate.quant_matmul(
+            x.contiguous(), q.codes, q.scales, q.bits
+        )
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def num_weight_bytes(self) -> int:
+        return self.quantized.num_bytes
+
+
+def project(linear: nn.Module, x: torch.Tensor, decode_only: bool) -> torch.Tensor:
+    """`linear(x)` inside a decoder layer. A quantized linear with a dense copy takes its
+    quantized kernel only in a step with no prefill span: a prompt's K/V then come from the
+    same (dense) arithmetic whether it is prefilled whole, in chunks or after a cache hit of
+    any length, so an identical request gives identical text (the kernel rounds activations
+    to 8 bits, enough to flip a near-tie). Without dense copies every step takes the kernel,
+    which computes each row alone, the same way whatever the batch: the same holds. The LM
+    head, which sees only sampled rows, always may."""
+    # `.forward`, not `__call__`: no hooks are ever set here, and the module call's bookkeeping
+    # was ~2 us x 120 projections a step.
+    if isinstance(linear, QuantizedLinear):
+        return linear.forward(x, decode_only)
+    out: torch.Tensor = linear.forward(x)
+    return out

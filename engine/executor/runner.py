@@ -1,0 +1,249 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and one sampling call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.outputs import SampleLogprobs
+from engine.core.sequence import Sequence
+from engine.executor.attention import (
+    DecodeGroup,
+    ForwardBatch,
+    PrefillSpan,
+    decode_mask,
+    prefill_mask,
+)
+from engine.executor.models import CausalLM
+from engine.executor.sampler import Sampler, SamplingBatch, score_tokens
+from engine.kvcache.block_pool import BlockPool
+from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
+from engine.structured.grammar import GrammarMasker
+
+
+@dataclass(slots=True)
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprobs: SampleLogprobs | None
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[SampledToken]
+    # sequences that filled a registry prefix, with their last-position logits [vocab_size]
+    prefix_logits: list[tuple[Sequence, torch.Tensor]]
+
+
+class ModelRunner:
+    """Owns the model and binds the pool's per-layer K/V tensors to its attention layers."""
+
+    def __init__(
+        self, model: CausalLM, pool: BlockPool, device: torch.device, use_cpu_kernels: bool
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.use_cpu_kernels = use_cpu_kernels
+        self.sampler = Sampler()
+        self.masker: GrammarMasker | None = None  # made when a constrained row first comes
+        self.num_forward_calls = 0
+        self.num_forward_tokens = 0
+        for i, layer in enumerate(model.attention_layers()):
+            layer.k_cache, layer.v_cache = pool.layer_caches(i)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run the scheduled chunks; sample one token per sequence that reached its end."""
+        ordered = batch_order(out)
+        sampling = [item for item in ordered if item.is_sampling]
+        logits = self._logits_rows(ordered, sampling)  # [len(sampling), vocab]
+        fills = [(i, item.seq) for i, item in enumerate(sampling) if item.seq.is_prefix_fill]
+        prefix_logits = [(seq, logits[i].clone()) for i, seq in fills]
+        if fills:
+            keep = [i for i, item in enumerate(sampling) if not item.seq.is_prefix_fill]
+            logits = logits[keep]
+            sampling = [sampling[i] for i in keep]
+        if not sampling:
+            return StepResult([], prefix_logits)
+        seqs = [item.seq for item in sampling]
+        matchers = [seq.matcher for seq in seqs]
+        if any(m is not None for m in matchers):
+            self._masker(logits.shape[1]).apply(logits, matchers)
+        result = self.sampler(logits, _sampling_batch(seqs))
+        sampled = [
+            SampledToken(seq, tok, lp)
+            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
+        ]
+        return StepResult(sampled, prefix_logits)
+
+    def _masker(self, vocab_size: int) -> GrammarMasker:
+        if self.masker is None:
+            self.masker = GrammarMasker(vocab_size, parallel=self.device.type == "cuda")
+        return self.masker
+
+    def _logits_rows(
+        self, ordered: list[ScheduledSequence], sampling: list[ScheduledSequence]
+    ) -> torch.Tensor:
+        """One logits row per sampling item: from this forward, a leader's row, or the
+        registry's stored row (exact hits need no forward at all)."""
+        computed = [item for item in ordered if item.num_new_tokens > 0]
+        forward_logits = None
+        if computed:
+            batch = self.build_batch(computed)
+            hidden = self.model(batch)  # [num_tokens, hidden]
+            self._score_prompts(computed, hidden)
+            forward_logits = self.model.compute_logits(hidden[batch.logits_indices])
+            self.num_forward_calls += 1
+            self.num_forward_tokens += len(batch.input_ids)
+        if all(item.num_new_tokens > 0 for item in sampling):
+            assert forward_logits is not None or not sampling
+            return forward_logits if forward_logits is not None else torch.empty(0)
+        row_of = {id(item.seq): i for i, item in enumerate(x for x in computed if x.is_sampling)}
+        rows = []
+        for item in sampling:
+            if item.cached_logits is not None:
+                rows.append(item.cached_logits)
+            else:
+                assert forward_logits is not None
+                source = item.leader if item.leader is not None else item.seq
+                rows.append(forward_logits[row_of[id(source)]])
+        return torch.stack(rows)  # [len(sampling), vocab]
+
+    def _score_prompts(self, computed: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        """Prompt logprobs of the sequences that asked for them: position p's logits score
+        prompt token p + 1. Recorded once per token (a recomputed chunk adds nothing)."""
+        token_start = 0
+        for item in computed:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            if seq.params.prompt_logprobs is not None:
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)  # the first token has no context
+                first = len(seq.prompt_logprobs) - 1  # the position scoring the next new token
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    rows = hidden[token_start + first - start : token_start + last - start]
+                    targets = seq.token_ids[first + 1 : last + 1]
+                    seq.prompt_logprobs += score_tokens(
+                        self.model.compute_logits(rows), targets, seq.params.prompt_logprobs
+                    )
+            token_start += n
+
+    def build_batch(self, ordered: list[ScheduledSequence]) -> ForwardBatch:
+        """Flatten the step's chunks (in `batch_order`) into the tensors the model reads."""
+        prefills = [s for s in ordered if s.num_new_tokens > 1]
+        decodes = ordered[len(prefills) :]
+        block_size = self.pool.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        spans: list[PrefillSpan] = []
+        for item in ordered:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            token_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size
+                for p in range(start, start + n)
+            )
+            if item.is_sampling:
+                logits_indices.append(token_start + n - 1)
+            if n > 1:
+                spans.append(self._span(seq, token_start, n))
+        num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            prefills=spans,
+            num_prefill_tokens=num_prefill_tokens,
+            decode_groups=self._decode_groups([d.seq for d in decodes]),
+            logits_indices=self._tensor(logits_indices),
+            use_cpu_kernels=self.use_cpu_kernels,
+        )
+
+    def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
+        num_cached = seq.num_computed_tokens
+        num_blocks = -(-(num_cached + n) // self.pool.block_size)
+        group = self.model.num_heads // self.model.num_kv_heads
+        dtype = self.pool.spec.dtype
+        mask = prefill_mask(num_cached, n, group, dtype, self.device) if num_cached else None
+        return PrefillSpan(
+            token_start=token_start,
+            num_new_tokens=n,
+            num_cached=num_cached,
+            block_ids=self._tensor(seq.block_table[:num_blocks]),
+            mask=mask,
+        )
+
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Decodes sharing a registry prefix's blocks form a cascade group (2+ members);
+        everything else is one plain group."""
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
+        for row, seq in enumerate(seqs):
+            key = tuple(seq.block_table[: seq.num_shared_blocks])
+            by_prefix.setdefault(key, []).append(row)
+        plain = by_prefix.pop((), [])
+        for key in [k for k, rows in by_prefix.items() if len(rows) == 1]:
+            plain += by_prefix.pop(key)
+        groups = [self._group(seqs, sorted(plain), 0)] if plain else []
+        groups += [self._group(seqs, rows, len(key)) for key, rows in by_prefix.items()]
+        return groups
+
+    def _group(self, seqs: list[Sequence], rows: list[int], num_shared: int) -> DecodeGroup:
+        block_size = self.pool.block_size
+        tables = [seqs[r].block_table[num_shared:] for r in rows]
+        lens = [seqs[r].num_computed_tokens + 1 - num_shared * block_size for r in rows]
+        max_blocks = -(-max(lens) // block_size)
+        # Pad with block 0: padded key slots are masked out (or never read), whatever they hold.
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+        context_lens = self._tensor(lens)
+        mask = None
+        if not self.use_cpu_kernels:
+            mask = decode_mask(context_lens, max_blocks * block_size, self.pool.spec.dtype)
+        return DecodeGroup(
+            rows=self._tensor(rows),
+            prefix_blocks=self._prefix_blocks(seqs[rows[0]].block_table[:num_shared]),
+            block_tables=self._tensor(padded),  # [G, max_blocks]
+            context_lens=context_lens,
+            mask=mask,
+        )
+
+    def _prefix_blocks(self, block_ids: list[int]) -> slice | torch.Tensor | None:
+        """A slice when the blocks are consecutive (attention reads them in place)."""
+        if not block_ids:
+            return None
+        first = block_ids[0]
+        if block_ids == list(range(first, first + len(block_ids))):
+            return slice(first, first + len(block_ids))
+        return self._tensor(block_ids)
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+def batch_order(out: SchedulerOutput) -> list[ScheduledSequence]:
+    """Prefill spans (2+ new tokens), then one-token decodes (what attention expects), then
+    the sequences that need no forward (exact prefix hits, in-step duplicates)."""
+    by_kind: tuple[list[ScheduledSequence], ...] = ([], [], [])
+    for item in out.scheduled:
+        by_kind[0 if item.num_new_tokens > 1 else 1 if item.num_new_tokens == 1 else 2].append(item)
+    return [*by_kind[0], *by_kind[1], *by_kind[2]]
+
+
+def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+    needs_history = [s.params.has_penalties for s in seqs]
+    return SamplingBatch(
+        params=[s.params for s in seqs],
+        generators=[s.generator for s in seqs],
+        prompt_token_ids=[
+            s.prompt_token_ids if h else [] for s, h in zip(seqs, needs_history, strict=True)
+        ],
+        output_token_ids=[
+            s.output_token_ids if h else [] for s, h in zip(seqs, needs_history, strict=True)
+        ],
+    )

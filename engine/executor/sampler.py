@@ -1,0 +1,266 @@
+"""Turns one step's logits into one token id per row.
+
+Semantics follow vLLM and Hugging Face: penalties on the raw logits (repetition as in HF's
+`RepetitionPenaltyLogitsProcessor`, presence/frequency as in OpenAI), then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> exponential-race sampling. Logprobs always come from
+the raw logits. Everything stays on the logits' device; only the chosen ids and the requested
+logprobs cross to the CPU, each as one `.tolist()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.outputs import SampleLogprobs, TokenLogprob
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """The rows that sample this step, in the same order as the logits rows.
+
+    `generators[i]` is the row's own generator when its request has a seed, else None. The
+    caller keeps a seeded request's generator across steps, so its stream of draws depends on
+    nothing but the seed. `prompt_token_ids` feed the repetition penalty only (HF applies it to
+    prompt + output); `output_token_ids` feed all three penalties.
+    """
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[SampleLogprobs | None]  # per row; None where params.logprobs is None
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on `device` (noise must be drawn where the logits live) seeded with `seed`."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Stateless; one call per step. Never mutates the caller's logits."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        # logits: [num_rows, vocab_size], any float dtype, any device
+        params = batch.params
+        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(batch.generators)
+        if all(_is_plain_greedy(p) for p in params):
+            # Fast path: argmax is exact in any dtype, so no upcast and no copies.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
+        # .float() returns the caller's tensor itself when it is already float32: only
+        # out-of-place ops below.
+        raw = logits.float()  # [num_rows, vocab_size]
+        token_ids = _choose_tokens(apply_penalties(raw, batch), params, batch.generators)
+        token_id_list: list[int] = token_ids.tolist()
+        return SamplerOutput(token_id_list, _gather_logprobs(raw, token_ids, token_id_list, params))
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy and not params.has_penalties and params.logprobs is None
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, batched over the rows that use any.
+
+    Returns `logits` itself when no row has penalties, else a new tensor; never mutates.
+    """
+    rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
+    if not rows:
+        return logits
+    index = _index(rows, logits.device)
+    penalized = _penalize_rows(
+        logits.index_select(0, index),
+        [batch.params[i] for i in rows],
+        [batch.prompt_token_ids[i] for i in rows],
+        [batch.output_token_ids[i] for i in rows],
+    )
+    return logits.index_copy(0, index, penalized)
+
+
+def _penalize_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+) -> torch.Tensor:
+    # logits: [num_penalized, vocab_size], a copy we own
+    vocab_size, device = logits.shape[1], logits.device
+    output_counts = _token_counts(output_token_ids, vocab_size, device)  # [n, vocab_size]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = _column([p.repetition_penalty for p in params], device)  # [n, 1]
+        is_seen = (output_counts > 0) | (_token_counts(prompt_token_ids, vocab_size, device) > 0)
+        # HF: shrink toward zero from either side, so a seen token always becomes less likely.
+        scaled = torch.where(logits < 0, logits * penalty, logits / penalty)
+        logits = torch.where(is_seen, scaled, logits)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        logits = logits - _column([p.frequency_penalty for p in params], device) * output_counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        presence = _column([p.presence_penalty for p in params], device)
+        logits = logits - presence * (output_counts > 0)
+    return logits
+
+
+def _token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each vocab id occurs per row, as float32 `[num_rows, vocab_size]`."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
+    # Padding (and, as in HF, any id past the logits' vocab) lands in a spare last column.
+    index = torch.tensor(padded, dtype=torch.long, device=device)  # [num_rows, width]
+    index.clamp_(max=vocab_size)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _choose_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """Argmax for greedy rows, a sample for the rest. Returns `[num_rows]` int64 on device."""
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return logits.argmax(dim=-1)
+    if len(rows) == len(params):
+        return _sample(logits, params, generators)
+    index = _index(rows, logits.device)
+    sampled = _sample(
+        logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows]
+    )
+    return logits.argmax(dim=-1).index_copy(0, index, sampled)
+
+
+def _sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    # logits: [num_sampled, vocab_size]; every row has temperature > 0
+    logits = logits / _column([p.temperature for p in params], logits.device)
+    logits = _apply_top_k_top_p(logits, params)
+    logits = _apply_min_p(logits, params)
+    return _exponential_race(logits.softmax(dim=-1), generators)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """vLLM's one-sort filter: both cuts are made on the ascending sort, then scattered back.
+
+    Top-k keeps ties with the k-th value (as HF and vLLM do). Top-p drops the tokens whose
+    cumulative probability from the bottom is <= 1 - top_p, which keeps the smallest set from
+    the top whose mass reaches top_p; the top token always survives.
+    """
+    vocab_size, device = logits.shape[1], logits.device
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    use_top_k = any(k < vocab_size for k in top_ks)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if not (use_top_k or use_top_p):
+        return logits
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # [n, vocab_size], ascending
+    if use_top_k:
+        kth_index = _index([vocab_size - k for k in top_ks], device).unsqueeze(1)  # [n, 1]
+        kth = sorted_logits.gather(1, kth_index)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if use_top_p:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        is_dropped = cumulative <= _column([1.0 - p.top_p for p in params], device)
+        is_dropped[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(is_dropped, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Drop tokens less likely than `min_p` times the most likely one (HF `MinPLogitsWarper`)."""
+    if all(p.min_p == 0.0 for p in params):
+        return logits
+    probs = logits.softmax(dim=-1)  # [n, vocab_size]
+    threshold = _column([p.min_p for p in params], logits.device) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_race(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """argmax(probs / Exp(1) noise) is an exact draw from `probs`, with no CPU sync.
+
+    A seeded row draws a fresh vocab-sized noise vector from its own generator, so its
+    tokens depend only on its seed and its own logits, never on the other rows in the batch.
+    """
+    noise = torch.empty_like(probs)  # [n, vocab_size]
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            own = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generator)
+            noise[row] = own
+    # A zero draw would make 0 / 0 = NaN for a filtered token, and argmax prefers NaN.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div(noise).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor,
+    token_ids: torch.Tensor,
+    token_id_list: list[int],
+    params: list[SamplingParams],
+) -> list[SampleLogprobs | None]:
+    """Chosen-token logprob plus top-k alternatives, from log_softmax of the raw logits."""
+    result: list[SampleLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return result
+    num_top = [p.logprobs or 0 for p in (params[i] for i in rows)]
+    if len(rows) < len(params):
+        index = _index(rows, raw.device)
+        raw, token_ids = raw.index_select(0, index), token_ids.index_select(0, index)
+    logprobs = torch.log_softmax(raw, dim=-1)  # [num_rows_with_logprobs, vocab_size]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    top_values, top_ids = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
+    values: list[list[float]] = torch.cat([chosen, top_values], dim=1).tolist()
+    ids: list[list[int]] = top_ids.tolist()
+    for j, row in enumerate(rows):
+        k = num_top[j]
+        top = tuple(
+            TokenLogprob(t, v) for t, v in zip(ids[j][:k], values[j][1 : k + 1], strict=True)
+        )
+        result[row] = SampleLogprobs(token_id_list[row], values[j][0], top)
+    return result
+
+
+def score_tokens(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[SampleLogprobs]:
+    """Each row's logprob of its token plus its top `num_top` alternatives (prompt scoring).
+    `logits` is [len(token_ids), vocab_size]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab_size]
+    chosen = logprobs.gather(1, _index(token_ids, logits.device).unsqueeze(1)).flatten().tolist()
+    top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [
+        SampleLogprobs(
+            token_id,
+            chosen[row],
+            tuple(
+                TokenLogprob(t, v)
+                for t, v in zip(ids[row][:num_top], values[row][:num_top], strict=True)
+            ),
+        )
+        for row, token_id in enumerate(token_ids)
+    ]
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [n, 1]

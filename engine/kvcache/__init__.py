@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping: block hashes, the block pool, the cache manager."""

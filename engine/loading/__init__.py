@@ -1,0 +1,1 @@
+"""From a model spec to weights in memory: sources, GGUF blocks, safetensors, caches."""

@@ -1,0 +1,319 @@
+"""Llama-family weights read straight from a GGUF file, one tensor at a time.
+
+Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
+(the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
+the file's own blocks anyway. Q4_1, Q4_0 and Q8_0 blocks are exactly the kernel's group-32
+schemes (engine/quantization.py), so they are unpacked into codes, d and m with no float round
+trip (`group_codes`); every other type (F32, F16, BF16, the K-quants...) is dequantized by the
+`gguf` package (`dequantize`).
+
+Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
+rotary embeddings in llama's layout; `HF_LAYOUT_ARCHS` lists the architectures whose rows are
+permuted back here (transformers' `LlamaTensorProcessor` does the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.core.memory import return_freed_memory
+from engine.executor.quantization import (
+    BITS,
+    GROUP_SIZE,
+    QUANTIZE_ROWS,
+    WeightFormat,
+    pack_weight,
+    quantizable_linears,
+    quantize_int4,
+    quantize_int8,
+)
+
+# GGUF architectures read here, by the Hugging Face model_type they convert to.
+ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+HF_LAYOUT_ARCHS = frozenset({"llama"})  # q/k rows permuted by llama.cpp's converter
+TABLE_RECORD = "prefixgate-gguf-tensors.json"  # in a GGUF's conversion folder
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Bytes of one 32-weight block, and the scheme it is: (bits, block bytes).
+_EXACT_BLOCKS = {"Q4_0": (4, 18), "Q4_1": (4, 20), "Q8_0": (8, 34)}
+
+
+@dataclass(frozen=True)
+class GroupCodes:
+    """A weight as group-32 codes, w = codes * d + m: codes [N, K / 32, 32] (uint8 0..15 for
+    4 bits, int8 for 8), d and m [N, K / 32] float16. Unpacked, so rows concatenate (q/k/v
+    fused into one linear) before `pack_weight` lays them out for the kernel."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
+
+    @staticmethod
+    def cat(parts: list[GroupCodes]) -> GroupCodes:
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError("cannot fuse weights of different bit widths")
+        return GroupCodes(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.d for p in parts]),
+            torch.cat([p.m for p in parts]),
+            parts[0].bits,
+        )
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """w = codes * d + m in float32 (as GGML computes it), stored in `dtype`, a few
+        thousand rows at a time: whole, the 49152-row head's float32 temporaries were
+        ~230 MB of a first start's peak."""
+        rows, groups, _ = self.codes.shape
+        out = torch.empty(rows, groups * GROUP_SIZE, dtype=dtype)
+        for start in range(0, rows, QUANTIZE_ROWS):
+            end = start + QUANTIZE_ROWS
+            w = self.codes[start:end].float().mul_(self.d[start:end].float()[..., None])
+            out[start:end] = w.add_(self.m[start:end].float()[..., None]).flatten(1)
+        return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    kind: str  # GGML type name
+    shape: tuple[int, ...]  # torch order: [N, K] for a matrix
+    offset: int  # of its data, from the start of the file
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """A GGUF file's architecture and tensor table, by GGUF tensor name."""
+
+    arch: str
+    tensors: dict[str, TensorEntry]
+
+    @classmethod
+    def parse(cls, path: Path) -> GGUFTable:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        tensors = {
+            t.name: TensorEntry(
+                t.tensor_type.name,
+                tuple(int(n) for n in reversed(t.shape.tolist())),
+                int(t.data_offset),
+                int(t.n_bytes),
+            )
+            for t in reader.tensors
+        }
+        table = cls(str(reader.fields["general.architecture"].contents()), tensors)
+        del reader
+        return_freed_memory()
+        return table
+
+    def to_json(self) -> str:
+        return json.dumps({"arch": self.arch, "tensors": {
+            name: dataclasses.asdict(entry) for name, entry in self.tensors.items()
+        }})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> GGUFTable:
+        """ValueError, KeyError or TypeError where `text` is not a table."""
+        data = json.loads(text)
+        tensors = {
+            name: TensorEntry(e["kind"], tuple(e["shape"]), int(e["offset"]), int(e["num_bytes"]))
+            for name, e in data["tensors"].items()
+        }
+        return cls(str(data["arch"]), tensors)
+
+
+def gguf_table(gguf_path: Path, folder: Path) -> GGUFTable:
+    """The table recorded in `folder` (the file's conversion, keyed by its content), else
+    parsed from the file and recorded there. Why: `GGUFReader` parses every metadata field,
+    the 49k-token vocabulary included: ~3 s and ~160 MB of small arrays, ~20 MB of which
+    stayed in the heap of the process that parsed it."""
+    record = folder / TABLE_RECORD
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return GGUFTable.from_json(record.read_text(encoding="utf-8"))
+    table = GGUFTable.parse(gguf_path)
+    with contextlib.suppress(OSError):
+        record.write_text(table.to_json(), encoding="utf-8")
+    return table
+
+
+class GGUFWeights:
+    """A Llama-family GGUF's tensors under Hugging Face names, read one at a time with plain
+    file reads, not a memory map: a mapped page stays in the RSS while the map lives."""
+
+    def __init__(self, path: Path, table: GGUFTable, hf_config: Any) -> None:
+        self.path = path
+        self.arch = table.arch
+        if self.arch not in ARCH_MODEL_TYPES:
+            raise ValueError(f"{path}: GGUF architecture {self.arch!r} is not read directly")
+        self._heads = (int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads))
+        self.entries: dict[str, TensorEntry] = {}
+        for gguf_name, entry in table.tensors.items():
+            hf_name = hf_tensor_name(gguf_name)
+            if hf_name is not None:  # None: e.g. rope_freqs, rebuilt from the config
+                self.entries[hf_name] = entry
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def group_codes(self, hf_name: str) -> GroupCodes | None:
+        """The tensor's own blocks as codes, d and m, or None where its type is not one of
+        the kernel's schemes (or it is not a matrix of whole groups)."""
+        entry = self.entries[hf_name]
+        if entry.kind not in _EXACT_BLOCKS or len(entry.shape) != 2:
+            return None
+        bits, block_bytes = _EXACT_BLOCKS[entry.kind]
+        rows, cols = entry.shape
+        blocks = self._read(entry).reshape(rows, cols // GROUP_SIZE, block_bytes)
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+        if entry.kind == "Q8_0":
+            codes = blocks[..., 2:].contiguous().view(torch.int8)
+            m = torch.zeros_like(d)
+        else:
+            packed = blocks[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
+            codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+            if entry.kind == "Q4_1":
+                m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+            else:  # Q4_0: w = (q - 8) * d
+                m = (d.float() * -8).half()
+        order = self._hf_row_order(hf_name)
+        if order is not None:
+            codes, d, m = codes[order], d[order], m[order]
+        return GroupCodes(codes, d, m, bits)
+
+    def dequantize(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor's values in float32 (float16/bf16 widened, blocks dequantized as GGML
+        does), stored in `dtype`, rows as Hugging Face has them."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        codes = self.group_codes(hf_name)
+        if codes is not None:
+            return codes.dequantize(dtype)
+        entry = self.entries[hf_name]
+        raw = self._read(entry).numpy()
+        qtype = GGMLQuantizationType[entry.kind]
+        if entry.kind in ("F32", "F16"):
+            values = raw.view(np.float32 if entry.kind == "F32" else np.float16)
+        else:
+            rows = entry.shape[0] if len(entry.shape) > 1 else 1
+            values = dequantize(raw.reshape(rows, -1), qtype)
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        tensor = tensor.reshape(entry.shape)
+        order = self._hf_row_order(hf_name)
+        return (tensor if order is None else tensor[order]).to(dtype)
+
+    def float_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Dtype and shape of each of `float_tensors`, for a file written as they come."""
+        return {name: (torch.float32, entry.shape) for name, entry in self.entries.items()}
+
+    def float_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor dequantized to float32, one at a time, in `names()` order."""
+        for name in self.entries:
+            yield self.dequantize(name)
+
+    def _read(self, entry: TensorEntry) -> torch.Tensor:
+        raw = torch.empty(entry.num_bytes, dtype=torch.uint8)
+        with self.path.open("rb") as f:
+            f.seek(entry.offset)
+            if f.readinto(raw.numpy()) != entry.num_bytes:  # type: ignore[arg-type]
+                raise ValueError(f"{self.path} is truncated at offset {entry.offset}")
+        return raw
+
+    def _hf_row_order(self, hf_name: str) -> torch.Tensor | None:
+        """For q/k of an architecture llama.cpp permuted: which file row each Hugging Face row
+        is (the converter interleaved the two rotary halves of each head)."""
+        if self.arch not in HF_LAYOUT_ARCHS:
+            return None
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            heads = self._heads[0]
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            heads = self._heads[1]
+        else:
+            return None
+        rows = self.entries[hf_name].shape[0]
+        return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def blocks_quantized_state(
+    model: nn.Module, gguf: GGUFWeights, weights: WeightFormat, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """What `restore_quantized_model` takes (`engine.quantization.quantized_state`'s layout)
+    for `model` (built on the meta device), from the file's own blocks, linear by linear:
+    the first start never holds float weights it does not serve, and the codes are the
+    file's, not a re-quantization of their dequantized values."""
+    fuse = getattr(model, "fuse_hf_state", None)
+    if fuse is None:
+        raise ValueError(f"{type(model).__name__} cannot load GGUF tensors directly")
+    # Each value names the Hugging Face tensors a weight of the model is made of, in order.
+    sources: dict[str, tuple[str, ...]] = fuse(
+        {name: (name,) for name in gguf.names()}, lambda parts: sum(parts, ())
+    )
+    state: dict[str, torch.Tensor] = {}
+    for full, _parent, _name, _child, kind in quantizable_linears(model, weights):
+        key = f"{full}.weight"
+        names = sources.pop(key) if key in sources else sources["embed_tokens.weight"]  # tied
+        codes = _fused_codes(gguf, names, BITS[kind])
+        packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
+        state[f"{full}.quantized.codes"] = packed.codes
+        state[f"{full}.quantized.scales"] = packed.scales
+        if weights.dense_copies:
+            state[f"{full}.dense.weight"] = codes.dequantize(dtype)
+    for key, names in sources.items():
+        parts = [gguf.dequantize(name, dtype) for name in names]
+        state[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return state
+
+
+def _fused_codes(gguf: GGUFWeights, names: tuple[str, ...], bits: int) -> GroupCodes:
+    parts = []
+    for name in names:
+        codes = gguf.group_codes(name)
+        if codes is None or codes.bits != bits:  # another type: re-quantized from its floats
+            codes = _quantized(gguf.dequantize(name), bits)
+        parts.append(codes)
+    return parts[0] if len(parts) == 1 else GroupCodes.cat(parts)
+
+
+def _quantized(w: torch.Tensor, bits: int) -> GroupCodes:
+    if bits == 4:
+        codes, scale, low = quantize_int4(w)
+        return GroupCodes(codes.to(torch.uint8), scale.half(), low.half(), 4)
+    codes, scale = quantize_int8(w)
+    return GroupCodes(codes.to(torch.int8), scale.half(), torch.zeros_like(scale).half(), 8)

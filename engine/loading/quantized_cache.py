@@ -1,0 +1,55 @@
+"""The quantized weights of a model, cached on disk so that only the first start quantizes.
+
+Quantizing reads the whole float model first (the embedded one: 540 MB of float32) and takes
+seconds; the cached quantized weights and dense copies (in the compute dtype) load at the size
+they serve at. A file is keyed by the model's weight files, the format, the dtype and torch's
+version; a damaged one is the caller's to ignore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from engine.executor.models import CausalLM
+from engine.executor.quantization import WeightFormat, quantized_state
+from engine.loading import safetensors_io
+from engine.loading.source import ModelSource, default_cache_dir, weight_files
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 2  # bump when quantized_state's layout changes
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    """A cached state, for `restore_quantized_model`; ValueError or OSError when damaged."""
+    return safetensors_io.read(path)
+
+
+def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
+    """Keyed by the weight files (name, size, mtime), the format, the dtype and torch's
+    version. The layout is ours (engine/kernels/quant_matmul.cpp), the same on every CPU."""
+    digest = hashlib.sha256(
+        f"v{CACHE_VERSION}|{source.path}|{weights}|{dtype}|{torch.__version__}".encode()
+    )
+    for file in weight_files(source.path):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    name = f"{source.path.name}-{digest.hexdigest()[:16]}.safetensors"
+    return default_cache_dir() / "quantized" / name
+
+
+def write(model: CausalLM, path: Path) -> None:
+    assert isinstance(model, torch.nn.Module)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        safetensors_io.write(quantized_state(model), tmp)
+        os.replace(tmp, path)
+        logger.info("cached the quantized weights at %s", path)
+    except (OSError, RuntimeError) as exc:
+        logger.warning("could not cache the quantized weights at %s: %s", path, exc)

@@ -1,0 +1,266 @@
+"""From EngineConfig to a ready model, tokenizer and KV pool (the slow, once-per-process part)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.core.config import EngineConfig, GiB
+from engine.core.cpu import cpu_features
+from engine.core.errors import ModelLoadError
+from engine.core.memory import return_freed_memory
+from engine.executor.kernels import load_cpu_kernels
+from engine.executor.models import CausalLM
+from engine.executor.quantization import WeightFormat, dense_above_rows, use_quantized_kernel
+from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
+from engine.loading import quantized_cache
+from engine.loading.build import (
+    load_gguf_quantized,
+    load_model_weights,
+    pack_model,
+    restore_quantized_model,
+)
+from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
+from engine.loading.source import (
+    ModelSource,
+    default_cache_dir,
+    load_hf_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model,
+    shipped_weight_format,
+)
+
+logger = logging.getLogger(__name__)
+
+# The default KV pool holds what the scheduler can ever use at once, max_num_seqs sequences of
+# max_model_len tokens, capped by a share of memory. The old default, a flat 20% of RAM up to
+# 4 GiB, let one SmolLM2 server reach 4.9 GB RSS on a 24 GiB machine.
+DEFAULT_CPU_KV_SHARE = 0.1  # of total RAM, capped at DEFAULT_CPU_KV_CAP
+DEFAULT_CPU_KV_CAP = 2 * GiB
+DEFAULT_CUDA_KV_SHARE = 0.85  # of free device memory after the weights
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: CausalLM
+    tokenizer: Any
+    pool: BlockPool
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    # decode attention and the layers' fused ops run engine/kernels' C++ (built for this CPU)
+    has_cpu_kernels: bool = False
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    start = time.perf_counter()
+    source = resolve_model(config.model)
+    hf_config = load_hf_config(source.path)
+    tokenizer = load_tokenizer(source.path)
+    max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
+    kernels_built = (
+        config.enable_compile
+        and config.torch_device.type == "cpu"
+        and load_cpu_kernels(default_cache_dir())
+    )
+    weights = weight_format(config, source, kernels_built)
+    dtype = config.torch_dtype
+    if weights.is_quantized:
+        model = _quantized_model(hf_config, source, max_model_len, dtype, weights)
+    else:
+        model = load_model_weights(
+            hf_config,
+            load_state_dict(source.path),
+            max_model_len,
+            dtype,
+            config.torch_device,
+            weights,
+        )
+    pack_model(model, config.torch_device, dtype)
+    return_freed_memory()
+    logger.info(
+        "model %s (%s, %d layers) on %s [%s, %d threads], compute %s%s, %s, loaded in %.1f s",
+        source.name,
+        hf_config.model_type,
+        len(model.attention_layers()),
+        config.device,
+        cpu_features().describe() if config.torch_device.type == "cpu" else "CUDA",
+        torch.get_num_threads(),
+        str(dtype).removeprefix("torch."),
+        " (--dtype auto)" if config.dtype == "auto" else "",
+        weights.describe(dtype),
+        time.perf_counter() - start,
+    )
+    pool = _make_pool(config, model, max_model_len)
+    if kernels_built and weights.is_quantized:
+        assert isinstance(model, torch.nn.Module)
+        use_quantized_kernel(model)
+    elif weights.is_quantized:
+        logger.info("quantized linears run on their dense copies: no CPU kernels")
+    return LoadedModel(
+        name=source.name,
+        model=model,
+        tokenizer=tokenizer,
+        pool=pool,
+        max_model_len=max_model_len,
+        eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
+        vocab_size=int(hf_config.vocab_size),
+        has_cpu_kernels=kernels_built and model.head_dim % 8 == 0,  # the kernels' width
+    )
+
+
+def _quantized_model(
+    hf_config: Any,
+    source: ModelSource,
+    max_model_len: int,
+    dtype: torch.dtype,
+    weights: WeightFormat,
+) -> CausalLM:
+    """A quantized model from its cache file, or quantized from the float weights and cached.
+
+    A Llama-family GGUF's blocks are read straight into the kernel's layout, tensor by tensor
+    (engine/gguf_weights.py); other sources are quantized from their float weights, read whole
+    (the float32 model in memory at once). Cached either way: building takes ~1 s from a GGUF
+    and much longer from floats, while the cached quantized weights and dense
+    copies load at the size they serve at."""
+    path = quantized_cache.cache_file(source, weights, dtype)
+    if path.is_file():
+        try:
+            state = quantized_cache.read(path)
+            return restore_quantized_model(hf_config, state, max_model_len, dtype, weights)
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            logger.warning("ignoring the quantized cache %s: %s", path, exc)
+    table = gguf_table(source.gguf_path, source.path) if source.gguf_path is not None else None
+    if source.gguf_path is not None and table is not None and table.arch in ARCH_MODEL_TYPES:
+        try:
+            gguf = GGUFWeights(source.gguf_path, table, hf_config)
+            model = load_gguf_quantized(hf_config, gguf, max_model_len, dtype, weights)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the weights of {source.gguf_path}: {exc}") from exc
+    else:
+        state = load_state_dict(source.path)
+        model = load_model_weights(
+            hf_config, state, max_model_len, dtype, torch.device("cpu"), weights
+        )
+    quantized_cache.write(model, path)
+    return model
+
+
+def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool) -> WeightFormat:
+    """`--quantization` resolved: auto keeps a GGUF file's own format on CPU (its 4-bit
+    layers and 8-bit head) and a Hugging Face folder's float weights; int4 / int8 quantize
+    at load. The quantized kernel is CPU-only: a GPU serves the float weights. Dense copies
+    are kept unless the kernel is built and beats the dense GEMM at every row count."""
+    choice = config.quantization
+    if config.torch_device.type != "cpu":
+        if choice in ("int4", "int8"):
+            raise ModelLoadError(f"--quantization {choice} runs on CPU only")
+        return WeightFormat()
+    if choice == "auto":
+        weights = shipped_weight_format(source)
+    elif choice == "none":
+        weights = WeightFormat()
+    else:
+        weights = WeightFormat(layers=choice, head="int8")
+    dense_copies = not (kernels_built and dense_above_rows() is None)
+    return dataclasses.replace(weights, dense_copies=dense_copies)
+
+
+def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window))  # beyond the window we would attend too far back
+    if requested is not None and requested > limit:
+        raise ModelLoadError(
+            f"max_model_len {requested} exceeds the model's limit {limit} ({path})"
+        )
+    return int(requested or limit)
+
+
+def _make_pool(config: EngineConfig, model: CausalLM, max_model_len: int) -> BlockPool:
+    layers = model.attention_layers()
+    spec = KVCacheSpec(
+        num_layers=len(layers),
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=config.block_size,
+        dtype=config.torch_dtype,
+    )
+    num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec, max_model_len)
+    needed = num_blocks_for(max_model_len, config.block_size)
+    if num_blocks < needed:
+        raise ModelLoadError(
+            f"the KV cache holds {num_blocks * config.block_size} tokens, less than one "
+            f"max_model_len sequence ({max_model_len}); raise --kv-cache-memory or lower "
+            "--max-model-len"
+        )
+    pool = BlockPool(spec, num_blocks, config.torch_device)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %.1f KB/token)",
+        num_blocks,
+        config.block_size,
+        num_blocks * config.block_size,
+        num_blocks * spec.bytes_per_block / GiB,
+        spec.bytes_per_block / config.block_size / 1024,
+    )
+    return pool
+
+
+def _blocks_from_memory(config: EngineConfig, spec: KVCacheSpec, max_model_len: int) -> int:
+    if config.kv_cache_memory is not None:
+        return max(1, config.kv_cache_memory // spec.bytes_per_block)
+    wanted = config.max_num_seqs * num_blocks_for(max_model_len, config.block_size)
+    if config.torch_device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(config.torch_device)
+        cap, rule = int(free * DEFAULT_CUDA_KV_SHARE), f"{DEFAULT_CUDA_KV_SHARE:.0%} of free memory"
+    else:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cap = min(int(ram * DEFAULT_CPU_KV_SHARE), DEFAULT_CPU_KV_CAP)
+        rule = f"{DEFAULT_CPU_KV_SHARE:.0%} of RAM, at most {DEFAULT_CPU_KV_CAP / GiB:.0f} GiB"
+    num_blocks = max(1, min(wanted, cap // spec.bytes_per_block))
+    logger.info(
+        "KV cache sized by default: max_num_seqs %d x max_model_len %d = %.2f GiB, capped at "
+        "%.2f GiB (%s): %s (--kv-cache-memory or --num-kv-blocks to choose)",
+        config.max_num_seqs,
+        max_model_len,
+        wanted * spec.bytes_per_block / GiB,
+        cap / GiB,
+        rule,
+        "capped" if num_blocks < wanted else "not capped",
+    )
+    return num_blocks
+
+
+def _eos_token_ids(hf_config: Any, tokenizer: Any, path: Path) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (
+        getattr(hf_config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+        _generation_eos(path),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _generation_eos(path: Path) -> Any:
+    from transformers import GenerationConfig
+
+    if not (path / "generation_config.json").exists():
+        return None
+    return GenerationConfig.from_pretrained(path).eos_token_id

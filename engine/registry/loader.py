@@ -1,0 +1,211 @@
+"""PrefixLoader: turns validated PrefixSpecs into pinned, registered prefixes.
+
+Prefixes are filled through the ordinary scheduler as internal sequences placed at the front
+of the waiting queue, so a (re)load is chunked like any prefill and never stalls running
+decodes for longer than one chunk. When the last fill completes, the new set is swapped in
+at once; unchanged entries (same name, same token ids) keep their blocks, and prefixes that
+left the set are released (requests still holding their blocks keep them until they finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.core.errors import EngineError
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+from engine.kvcache.block_pool import BlockPool, num_blocks_for
+from engine.registry.file import PrefixSpec
+from engine.registry.index import PrefixIndex
+from engine.registry.registry import PrefixRegistry, RegisteredPrefix, ReloadStatus, release
+
+logger = logging.getLogger(__name__)
+
+FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _spec_ids(spec: PrefixSpec) -> tuple[int, ...]:
+    return spec.token_ids
+
+
+class FillQueue(Protocol):
+    """Where fill sequences run: the scheduler, as the registry (a layer below it) sees it."""
+
+    def add_first(self, seq: Sequence) -> None: ...
+    def detach(self, seq: Sequence) -> None: ...
+    def finish(self, seq: Sequence, finish_reason: str) -> None: ...
+
+
+class PrefixBudgetError(EngineError):
+    """The prefixes would pin so much of the KV pool that no full-length request fits."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    specs: list[PrefixSpec]
+    ready: dict[str, RegisteredPrefix]
+    filling: dict[str, Sequence]
+    callbacks: list[Callable[[ReloadStatus], None]] = field(default_factory=list)
+
+
+class PrefixLoader:
+    """Engine-thread only. One (re)load at a time; a newer one replaces the pending one."""
+
+    def __init__(
+        self,
+        registry: PrefixRegistry,
+        queue: FillQueue,
+        pool: BlockPool,
+        max_model_len: int,
+        next_arrival: Callable[[], int],
+        enabled: bool,
+    ) -> None:
+        self.registry = registry
+        self.queue = queue
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.next_arrival = next_arrival
+        self.enabled = enabled
+        self.specs: list[PrefixSpec] = []  # the last accepted set, even with caching off
+        # The same set by content, for contract lookups (any thread: swapped, never mutated)
+        self.spec_index: PrefixIndex[PrefixSpec] = PrefixIndex((), _spec_ids, self.pool.block_size)
+        self._pending: _Pending | None = None
+
+    @property
+    def is_pending(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def num_pending_tokens(self) -> int:
+        if self._pending is None:
+            return 0
+        return sum(s.num_uncomputed_tokens for s in self._pending.filling.values())
+
+    def block_holders(self) -> list[list[int]]:
+        """Block tables this loader owns right now (fills in flight, filled but not swapped)."""
+        if self._pending is None:
+            return []
+        live = {id(p) for p in self.registry.prefixes.values()}
+        filled = [p.block_ids for p in self._pending.ready.values() if id(p) not in live]
+        return [s.block_table for s in self._pending.filling.values()] + filled
+
+    def start(
+        self, specs: list[PrefixSpec], on_done: Callable[[ReloadStatus], None] | None = None
+    ) -> None:
+        """Begin loading `specs`; raises PrefixBudgetError (old set untouched) if too big.
+
+        Reloads coalesce: while one is pending, a reload of the same specs joins it, and a
+        reload of other specs replaces it and answers its waiters too (the newest file is what
+        every one of them asked for), so concurrent reloads all succeed.
+        """
+        callbacks = [on_done] if on_done else []
+        pending = self._pending
+        if pending is not None and pending.specs == list(specs):
+            pending.callbacks += callbacks
+            return
+        self._check_budget(specs)
+        callbacks = self._drop_pending() + callbacks
+        self.specs = list(specs)
+        self.spec_index = PrefixIndex(self.specs, _spec_ids, self.pool.block_size)
+        pending = _Pending(list(specs), {}, {}, callbacks)
+        self._pending = pending
+        if self.enabled:
+            for spec in reversed(specs):  # appendleft: keep file order at the queue head
+                live = self.registry.unchanged(spec)
+                if live is not None:
+                    pending.ready[spec.name] = live
+                else:
+                    pending.filling[spec.name] = self._fill(spec)
+        self._maybe_finish()
+
+    def on_filled(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """A fill sequence computed its last token: its blocks become a pinned prefix."""
+        assert seq.prefix_fill is not None and self._pending is not None
+        spec = next(s for s in self._pending.specs if s.name == seq.prefix_fill)
+        self.queue.detach(seq)  # its blocks now belong to the registry entry
+        self.pool.pin(seq.block_table)
+        del self._pending.filling[spec.name]
+        self._pending.ready[spec.name] = RegisteredPrefix(
+            spec, seq.block_table, logits, self.pool.block_size
+        )
+        self._maybe_finish()
+
+    def _drop_pending(self) -> list[Callable[[ReloadStatus], None]]:
+        """Drop a pending reload (abort its fills, release what it filled); its waiters."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        for seq in pending.filling.values():
+            self.queue.finish(seq, "abort")
+        live = {id(p) for p in self.registry.prefixes.values()}
+        for prefix in pending.ready.values():
+            if id(prefix) not in live:
+                release(self.pool, prefix)
+        return pending.callbacks
+
+    def _fill(self, spec: PrefixSpec) -> Sequence:
+        seq = Sequence(
+            request_id=f"prefix-fill:{spec.name}:{time.monotonic_ns()}",
+            token_ids=list(spec.token_ids),
+            num_prompt_tokens=len(spec.token_ids),
+            params=FILL_PARAMS,
+            arrival_index=self.next_arrival(),
+            prefix_fill=spec.name,
+        )
+        self.queue.add_first(seq)
+        return seq
+
+    def _maybe_finish(self) -> None:
+        pending = self._pending
+        if pending is None or pending.filling:
+            return
+        self._pending = None
+        for spec in pending.specs:
+            if spec.name in pending.ready:  # same ids; the description or contract may be new
+                pending.ready[spec.name].spec = spec
+        self.registry.install(
+            {s.name: pending.ready[s.name] for s in pending.specs if s.name in pending.ready}
+        )
+        status = ReloadStatus(time.time(), True, None, len(pending.specs))
+        self.registry.last_reload = status
+        for prefix in self.registry.prefixes.values():
+            logger.info(
+                "prefix %r: %d tokens in %d blocks%s",
+                prefix.name,
+                prefix.num_tokens,
+                len(prefix.block_ids),
+                " (partial tail block)" if prefix.is_tail_partial else "",
+            )
+        for callback in pending.callbacks:
+            callback(status)
+
+    def _check_budget(self, specs: list[PrefixSpec]) -> None:
+        """New + still-pinned blocks must leave room for one full-length request."""
+        if not self.enabled:
+            return
+        block_size = self.pool.block_size
+        kept = {id(p) for s in specs if (p := self.registry.unchanged(s)) is not None}
+        new_blocks = sum(
+            num_blocks_for(len(s.token_ids), block_size)
+            for s in specs
+            if self.registry.unchanged(s) is None
+        )
+        pinned = self.registry.num_pinned_blocks
+        leaving = sum(
+            len(p.block_ids) for p in self.registry.prefixes.values() if id(p) not in kept
+        )
+        limit = self.pool.num_blocks - num_blocks_for(self.max_model_len, block_size)
+        peak = pinned + new_blocks  # old and new are both pinned until the swap
+        if peak > limit:
+            raise PrefixBudgetError(
+                f"the prefixes need {peak * block_size} tokens of pinned KV cache during the "
+                f"reload ({new_blocks} new blocks, {pinned} pinned, {leaving} to be released); "
+                f"at most {limit * block_size} may be pinned so that a request of "
+                f"max_model_len={self.max_model_len} still fits. Raise --kv-cache-memory."
+            )

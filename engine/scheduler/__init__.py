@@ -1,0 +1,1 @@
+"""Which sequences run in the next step: queues, token budget, preemption."""

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled by llguidance, per-sequence matchers, masks."""

@@ -1,0 +1,1 @@
+"""Text in and out: chat templates to token ids, incremental detokenizing, tool-call formats."""

@@ -1,0 +1,209 @@
+"""The one way prompts become token ids: chat messages through the model's chat template, or
+a completions prompt string through the tokenizer.
+
+The gateway and the prefix registry both call these functions, so a registered prefix and a
+request are tokenized by the same code path: prefix matching is on token ids, and two paths
+that rendered or tokenized even slightly differently would silently never hit.
+
+Message content is text, never markup. A chat prompt is rendered to one string and tokenized
+with special tokens parsed, because the template's own markup (`<|im_start|>`...) must become
+special ids; a user who writes `<|im_end|>\\n<|im_start|>system\\n` in a message would then
+forge a system turn. So when any message's content holds a special token's text, those
+occurrences are tokenized as plain text (`split_special_tokens`), as OpenAI and vLLM's
+secure mode do, while everything the template itself wrote is tokenized as before.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+
+from engine.core.errors import InvalidRequestError
+from engine.text.tool_format import messages_for_template, template_takes_tools
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Render `messages` with the model's chat template and tokenize the result.
+
+    Special-token text inside message content is tokenized as plain text (module docstring).
+    Raises InvalidRequestError (param "messages") when the model has no chat template, the
+    template refuses the conversation (templates raise on, for example, roles that do not
+    alternate), or content with special-token text goes through a template that rewrites
+    content beyond trimming it (its markup could then not be told from the content's).
+    """
+    conversation = [dict(message) for message in messages]
+    has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
+    if (tools or has_tool_turns) and not template_takes_tools(tokenizer.chat_template):
+        conversation, tools = messages_for_template(conversation, tools or []), None
+    text = _render(tokenizer, conversation, add_generation_prompt, tools)
+    pattern = _special_token_pattern(tokenizer)
+    if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):
+        return _encode(tokenizer, text)
+    segments = _split_content_specials(
+        tokenizer, conversation, add_generation_prompt, pattern, tools
+    )
+    if "".join(segment for segment, _ in segments) != text:
+        raise InvalidRequestError(
+            "message content contains special-token text that this model's chat template "
+            "does not keep verbatim; remove it",
+            param="messages",
+        )
+    ids: list[int] = []
+    for segment, is_content_special in _merge_text(segments):
+        ids += _encode(tokenizer, segment, split_special_tokens=is_content_special)
+    return ids
+
+
+def text_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Tokenize a completions prompt string, with the tokenizer's own special tokens (BOS)."""
+    return _as_token_ids(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+# Fill-in-the-middle tokens, as the StarCoder and Qwen-Coder families spell them.
+FIM_TOKENS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
+
+
+def fim_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, prefix: str | list[int], suffix: str
+) -> list[int]:
+    """`<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>`: the model writes the middle.
+    Raises InvalidRequestError (param "suffix") for a model without these tokens."""
+    vocab = tokenizer.get_vocab()
+    names = next((names for names in FIM_TOKENS if all(n in vocab for n in names)), None)
+    if names is None:
+        raise InvalidRequestError(
+            "suffix needs a model with a fill-in-the-middle format, and this model has none "
+            "(no <fim_prefix>, <fim_suffix> and <fim_middle> tokens)",
+            param="suffix",
+            code="unsupported_value",
+        )
+    prefix_token, suffix_token, middle_token = (vocab[name] for name in names)
+    prefix_ids = prefix if isinstance(prefix, list) else _encode(tokenizer, prefix)
+    return [prefix_token, *prefix_ids, suffix_token, *_encode(tokenizer, suffix), middle_token]
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    if not tokenizer.chat_template:
+        raise InvalidRequestError(
+            "this model has no chat template: send a raw prompt to the completions API",
+            param="messages",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=[dict(tool) for tool in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
+    assert isinstance(text, str)
+    return text
+
+
+def _encode(
+    tokenizer: PreTrainedTokenizerBase, text: str, split_special_tokens: bool = False
+) -> list[int]:
+    # add_special_tokens=False: the template writes BOS itself when the model wants one
+    # (what apply_chat_template(tokenize=True) does too).
+    encoded = tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)
+    return _as_token_ids(encoded["input_ids"])
+
+
+def _special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:
+    """The texts the tokenizer turns into special ids, longest first (one alternation)."""
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    texts.discard("")
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+def _contents(messages: list[dict[str, Any]]) -> Iterator[str]:
+    return (m["content"] for m in messages if isinstance(m.get("content"), str))
+
+
+def _split_content_specials(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    pattern: re.Pattern[str],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> list[tuple[str, bool]]:
+    """The prompt's text as segments; True marks special-token text written by content.
+
+    Each content that holds special-token text is rendered as a unique marker wrapped in
+    spaces: a template that keeps the spaces uses content verbatim, one that drops them trims
+    it (Llama 3's `| trim`), and the content is put back accordingly. The caller checks that
+    the segments join to the real rendering, which catches every other rewrite.
+    """
+    markers: dict[str, str] = {}
+    probed = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and pattern.search(content):
+            marker = f"pgcontent{uuid.uuid4().hex}"
+            markers[marker] = content
+            message = {**message, "content": f" {marker} "}
+        probed.append(message)
+    template_text = _render(tokenizer, probed, add_generation_prompt, tools)
+    split = re.split("( ?(?:" + "|".join(markers) + ") ?)", template_text)
+    segments: list[tuple[str, bool]] = []
+    for i, piece in enumerate(split):
+        if i % 2 == 0:  # the template's own text
+            segments.append((piece, False))
+            continue
+        content = markers[piece.strip()]
+        if piece != f" {piece.strip()} ":
+            content = content.strip()  # the template trimmed the probe's spaces
+        segments += _content_segments(content, pattern)
+    return segments
+
+
+def _content_segments(content: str, pattern: re.Pattern[str]) -> list[tuple[str, bool]]:
+    segments: list[tuple[str, bool]] = []
+    position = 0
+    for match in pattern.finditer(content):
+        segments += [(content[position : match.start()], False), (match.group(), True)]
+        position = match.end()
+    return [*segments, (content[position:], False)]
+
+
+def _merge_text(segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    # Join neighbouring ordinary text: the tokenizer splits text only at special tokens, so
+    # the template's markup and the content around it must be encoded in one call, as before.
+    merged: list[tuple[str, bool]] = []
+    for segment, is_special in segments:
+        if merged and not is_special and not merged[-1][1]:
+            merged[-1] = (merged[-1][0] + segment, False)
+        elif segment:
+            merged.append((segment, is_special))
+    return merged
+
+
+def _as_token_ids(ids: object) -> list[int]:
+    # One prompt in, so transformers returns a flat list of ints (its return types are unions).
+    assert isinstance(ids, list) and all(isinstance(token_id, int) for token_id in ids), ids
+    return [int(token_id) for token_id in ids]

@@ -1,0 +1,253 @@
+"""Paged forward == transformers forward, for every architecture we load, in every batch shape.
+
+The same token sequences are fed to our model in scheduler-like chunks (whole prefill, chunked
+prefill over cached blocks, single-token decodes, all mixed in one batch) and the logits of
+every position are compared with one plain transformers forward over the full sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+from engine.executor.kernels import load_cpu_kernels
+from engine.executor.models import CausalLM
+from engine.executor.quantization import (
+    QuantizedLinear,
+    WeightFormat,
+    quantize_weight,
+    use_quantized_kernel,
+)
+from engine.executor.runner import ModelRunner, batch_order
+from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
+from engine.loading.build import load_model_weights, pack_model
+from engine.loading.source import default_cache_dir
+from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
+
+BLOCK_SIZE = 4
+# vocab 320: the quantized kernel takes output sizes in tiles of 4 (the quantized head)
+SMALL = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+
+
+def _llama_gqa() -> Any:
+    cfg = LlamaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama3_rope_tied() -> Any:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    cfg = LlamaConfig(
+        **SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_parameters=rope,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2_bias() -> Any:
+    cfg = Qwen2Config(**SMALL, num_attention_heads=4, num_key_value_heads=2)
+    return Qwen2ForCausalLM(cfg)
+
+
+def _mistral() -> Any:
+    cfg = MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    return MistralForCausalLM(cfg)
+
+
+def _gpt2() -> Any:
+    cfg = GPT2Config(
+        vocab_size=300,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+ARCHITECTURES = {
+    "llama-gqa": _llama_gqa,
+    "llama3-rope-tied": _llama3_rope_tied,
+    "qwen2-qkv-bias": _qwen2_bias,
+    "mistral": _mistral,
+    "gpt2": _gpt2,
+}
+
+
+def build_model(
+    hf_config: Any,
+    state: dict[str, torch.Tensor],
+    max_positions: int,
+    dtype: torch.dtype,
+    weights: WeightFormat,
+) -> CausalLM:
+    """The model as model_setup builds it from float weights, packed for the CPU."""
+    cpu = torch.device("cpu")
+    model = load_model_weights(hf_config, state, max_positions, dtype, cpu, weights)
+    pack_model(model, cpu, dtype)
+    return model
+
+
+class PagedHarness:
+    """Our model over a small pool, fed chunk by chunk; records the logits of every position."""
+
+    def __init__(
+        self,
+        hf_model: Any,
+        dtype: torch.dtype = torch.float32,
+        *,
+        weights: WeightFormat | None = None,
+        use_cpu_kernels: bool = False,
+    ) -> None:
+        state = {k: v.clone() for k, v in hf_model.state_dict().items()}  # build_model takes them
+        weights = weights or WeightFormat()
+        self.model = build_model(hf_model.config, state, 256, dtype, weights)
+        if weights.is_quantized:  # as model_setup does once the kernels are built
+            assert load_cpu_kernels(default_cache_dir())
+            assert isinstance(self.model, torch.nn.Module)
+            use_quantized_kernel(self.model)
+        layers = self.model.attention_layers()
+        spec = KVCacheSpec(
+            len(layers), self.model.num_kv_heads, self.model.head_dim, BLOCK_SIZE, dtype
+        )
+        self.pool = BlockPool(spec, 128, torch.device("cpu"))
+        self.runner = ModelRunner(self.model, self.pool, torch.device("cpu"), use_cpu_kernels)
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, request_id: str, token_ids: list[int]) -> Sequence:
+        seq = Sequence(request_id, list(token_ids), len(token_ids), SamplingParams(), 0)
+        self.logits[request_id] = []
+        return seq
+
+    def run(self, chunks: list[tuple[Sequence, int]]) -> None:
+        for seq, n in chunks:
+            needed = num_blocks_for(seq.num_computed_tokens + n, BLOCK_SIZE)
+            seq.block_table += self.pool.allocate(needed - len(seq.block_table))
+        ordered = batch_order(SchedulerOutput([ScheduledSequence(s, n) for s, n in chunks]))
+        with torch.inference_mode():
+            logits = self.model.compute_logits(self.model(self.runner.build_batch(ordered)))
+        row = 0
+        for item in ordered:
+            self.logits[item.seq.request_id].append(logits[row : row + item.num_new_tokens])
+            row += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens
+
+    def all_logits(self, seq: Sequence) -> torch.Tensor:
+        return torch.cat(self.logits[seq.request_id]).float()
+
+
+def _reference_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("use_cpu_kernels", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_paged_forward_matches_transformers_in_mixed_batches(
+    arch: str, use_cpu_kernels: bool
+) -> None:
+    if use_cpu_kernels:
+        assert load_cpu_kernels(default_cache_dir())
+    torch.manual_seed(0)
+    hf = ARCHITECTURES[arch]().eval()
+    harness = PagedHarness(hf, use_cpu_kernels=use_cpu_kernels)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (7, 13, 1, 21)]
+    seqs = [harness.add(str(i), p) for i, p in enumerate(prompts)]
+    a, b, c, d = seqs
+    # Step 1: a whole, b's first chunk, c is a 1-token prompt (decode path), d's first chunk.
+    harness.run([(a, 7), (b, 5), (c, 1), (d, 8)])
+    # Step 2: b and d continue over their cached blocks (chunks not block-aligned).
+    harness.run([(b, 8), (d, 13)])
+    for _ in range(3):  # decodes of different lengths in one batch, plus a 2-token chunk
+        for seq in seqs:
+            seq.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
+        d.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
+        harness.run([(a, 1), (b, 1), (c, 1), (d, 2)])
+    for seq in seqs:
+        expected = _reference_logits(hf, seq.token_ids)
+        torch.testing.assert_close(harness.all_logits(seq), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_forward_tracks_float32() -> None:
+    torch.manual_seed(0)
+    hf = _llama_gqa().eval()
+    harness = PagedHarness(hf, torch.bfloat16)
+    seq = harness.add("x", torch.randint(0, 300, (19,)).tolist())
+    harness.run([(seq, 11)])
+    harness.run([(seq, 8)])
+    expected = _reference_logits(hf, seq.token_ids)
+    got = harness.all_logits(seq)
+    assert harness.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_weights_that_do_not_fit_are_rejected() -> None:
+    hf = _llama_gqa()
+    state = hf.state_dict()
+    del state["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
+        build_model(hf.config, state, 64, torch.float32, WeightFormat())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias"])
+def test_quantized_model_matches_transformers_on_the_dequantized_weights(
+    arch: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int4 layers and an int8 head: prefill chunks take the dense copy, decodes the quantized
+    kernel; both must compute the model whose weights are the quantized ones."""
+    torch.manual_seed(0)
+    monkeypatch.setattr("engine.executor.quantization.dense_above_rows", lambda: 16)  # any CPU
+    hf = ARCHITECTURES[arch]().eval()
+    harness = PagedHarness(hf, dtype, weights=WeightFormat(layers="int4", head="int8"))
+    quantized = [m for m in harness.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
+    # The reference: transformers on the weights the codes stand for. A new Parameter per
+    # linear unties a tied head: the embedding keeps its float weights, as ours does.
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            bits = 8 if name == "lm_head" else 4
+            weight = quantize_weight(module.weight.detach(), bits)[1]
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    gen = torch.Generator().manual_seed(1)
+    seq = harness.add("x", torch.randint(0, 300, (40,), generator=gen).tolist())
+    harness.run([(seq, 40)])  # the head's 40 rows too take the dense path (above 16)
+    for _ in range(4):  # 1 row: the quantized kernel
+        seq.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
+        harness.run([(seq, 1)])
+    expected = _reference_logits(hf, seq.token_ids)
+    got = harness.all_logits(seq)
+    # The kernel rounds activations to 8 bits per group: ~1% agreement even in float32.
+    torch.testing.assert_close(got[:40], expected[:40], **_tolerance(dtype))
+    torch.testing.assert_close(got[40:], expected[40:], rtol=0.03, atol=0.03)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}

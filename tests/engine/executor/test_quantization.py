@@ -1,0 +1,226 @@
+"""Group-wise int4/int8 weights: GGML's grids given back exactly, the quantized kernel's
+integer dot products against the scheme written out in torch, and the per-call choice between
+the kernel and the dense copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.core.cpu import CpuFeatures, auto_dtype
+from engine.executor.kernels import load_cpu_kernels
+from engine.executor.quantization import (
+    GROUP_SIZE,
+    QUANTIZE_ROWS,
+    TILE_ROWS,
+    QuantizedLinear,
+    WeightFormat,
+    pack_weight,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+    quantize_weight,
+    use_quantized_kernel,
+)
+from engine.loading.source import default_cache_dir
+
+N, K = 48, 128
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()  # GGUF keeps scales and mins as fp16
+
+
+def test_int4_gives_back_a_q4_1_grid_exactly() -> None:
+    """Weights dequantized from Q4_1 (each group spans codes 0..15) quantize to the same
+    codes: serving the GGUF's int4 layers loses nothing."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (N, K // GROUP_SIZE, GROUP_SIZE), generator=gen).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 maps each group's min to 0 and max to 15
+    scale = _fp16(torch.rand(N, K // GROUP_SIZE, generator=gen) * 0.01 + 1e-3)
+    low = _fp16(torch.randn(N, K // GROUP_SIZE, generator=gen) * 0.05)
+    weight = (codes * scale[..., None] + low[..., None]).flatten(1)
+    got_codes, got_scale, got_low = quantize_int4(weight)
+    assert torch.equal(got_codes, codes)
+    assert torch.equal(got_low, low)
+    torch.testing.assert_close(got_scale, scale, rtol=1e-6, atol=0)
+
+
+def test_int8_gives_back_a_q8_0_grid_exactly() -> None:
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(-127, 128, (N, K // GROUP_SIZE, GROUP_SIZE), generator=gen).float()
+    codes[..., 0] = 127  # Q8_0 maps each group's absmax to +-127
+    scale = _fp16(torch.rand(N, K // GROUP_SIZE, generator=gen) * 0.01 + 1e-3)
+    weight = (codes * scale[..., None]).flatten(1)
+    got_codes, got_scale = quantize_int8(weight)
+    assert torch.equal(got_codes, codes)
+    assert torch.equal(got_scale, scale)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    assert load_cpu_kernels(default_cache_dir()), "the C++ kernels did not build"
+
+
+def _int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding: per group of 32, scale absmax / 127, codes rounded
+    half away from zero."""
+    groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
+    scale = groups.abs().amax(-1) / 127
+    scaled = groups * torch.where(scale > 0, 1 / scale, 0)[..., None]
+    codes = torch.trunc(scaled + torch.where(scaled < 0, -0.5, 0.5)).clamp(-127, 127)
+    return codes, scale
+
+
+def _reference(
+    x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+) -> torch.Tensor:
+    """sum over groups of d * a * (code . q) + m * a * sum(q), in float64."""
+    q, a = _int8_activations(x)
+    dots = torch.einsum("ngj,mgj->mng", codes.double(), q.double())
+    weighted = dots * d.double()[None] * a.double()[:, None, :]
+    mins = m.double()[None] * (a.double() * q.double().sum(-1))[:, None, :]
+    return (weighted + mins).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])  # the kernel serves activation rows two at a time
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
+    kernels: None, bits: int, rows: int, dtype: torch.dtype
+) -> None:
+    """Against the scheme written out in torch: activations rounded to 8 bits per group, one
+    integer dot product and one scale per group, the min term from the activations' sums."""
+    gen = torch.Generator().manual_seed(bits * 10 + rows)
+    n, k = 8 * 37, 3 * 128 + 64  # an odd number of tiles; K not a multiple of 8 groups
+    low, high = (0, 16) if bits == 4 else (-127, 128)
+    codes = torch.randint(low, high, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen)
+    d = (torch.rand(n, k // GROUP_SIZE, generator=gen) * 0.02).half()
+    m = (torch.randn(n, k // GROUP_SIZE, generator=gen) * 0.05).half()
+    if bits == 8:
+        m = torch.zeros_like(m)
+    x = (torch.randn(rows, k, generator=gen) * 2).to(dtype)
+    weight = pack_weight(codes, d, m, bits)
+    got = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    want = _reference(x, codes, d.float(), m.float())
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16 output: one rounding
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_linear_stays_within_the_activation_rounding_of_its_weight(
+    kernels: None, bits: int
+) -> None:
+    """The dense copy is the weight the codes stand for (one step of the grid from the
+    original); the kernel's product differs from it by the 8-bit activations alone: per group
+    at most half a step (absmax / 254) per element, times |w|."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(N, K, generator=gen) * 0.05
+    quantized, dequantized = quantize_weight(weight, bits)
+    step = (weight.max() - weight.min()) / (15 if bits == 4 else 254)
+    assert (dequantized - weight).abs().max() <= step  # within one step of the grid
+    layer = QuantizedLinear(quantized, None, nn.Identity(), max_rows=8)
+    x = torch.randn(3, K, generator=gen)
+    exact = x.double() @ dequantized.double().t()
+    half_steps = x.reshape(3, -1, GROUP_SIZE).abs().amax(-1).repeat_interleave(GROUP_SIZE, 1) / 254
+    bound = half_steps.double() @ dequantized.abs().double().t()
+    error = (layer(x).double() - exact).abs()
+    assert (error <= bound + 1e-5).all()
+    assert error.max() > 0  # the kernel ran, not the dense copy
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tall_weight_quantized_in_row_chunks_equals_it_quantized_whole(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of QUANTIZE_ROWS (the head's 49152 rows go 4096 at a time, to keep the first
+    start's peak low) pack exactly as the whole weight would, a short last chunk included."""
+    weight = torch.randn(2 * 128 + 48, K, generator=torch.Generator().manual_seed(7)) * 0.05
+    whole_weight, whole = quantize_weight(weight, bits)
+    monkeypatch.setattr("engine.executor.quantization.QUANTIZE_ROWS", 128)
+    chunked_weight, chunked = quantize_weight(weight, bits, torch.bfloat16)
+    assert QUANTIZE_ROWS % TILE_ROWS == 0
+    assert chunked.dtype == torch.bfloat16 and torch.equal(chunked, whole.bfloat16())
+    assert torch.equal(chunked_weight.codes, whole_weight.codes)
+    assert torch.equal(chunked_weight.scales, whole_weight.scales)
+
+
+def test_rows_above_max_rows_take_the_dense_copy(
+    kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("engine.executor.quantization.dense_above_rows", lambda: 8)  # as on AVX-512
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(K, N, bias=True)
+    model = nn.Sequential(linear)
+    quantize_linears(model, WeightFormat(layers="int4"), torch.float32)
+    layer = model[0]
+    assert isinstance(layer, QuantizedLinear)
+    small = torch.randn(1, K, generator=gen)
+    assert layer.max_rows == 0 and torch.equal(layer(small), layer.dense(small))  # no kernel yet
+    use_quantized_kernel(model)
+    assert layer.max_rows == 8
+    big = torch.randn(layer.max_rows + 1, K, generator=gen)
+    assert torch.equal(layer(big), layer.dense(big))
+    torch.testing.assert_close(layer(small), layer.dense(small), rtol=0.02, atol=0.02)
+    assert not torch.equal(layer(small), layer.dense(small))  # the kernel's 8-bit activations
+    assert torch.equal(layer(small, allow_quantized=False), layer.dense(small))
+
+
+def test_without_a_dense_copy_every_call_takes_the_kernel_row_by_row(kernels: None) -> None:
+    """Where the kernel beats the dense GEMM at every size (AVX2) no copy is kept: prefill
+    rows take the kernel too, and each row's result does not depend on the rows beside it
+    (so a prompt's K/V do not depend on how it was split)."""
+    model = nn.Sequential(nn.Linear(K, N, bias=True))
+    quantize_linears(model, WeightFormat(layers="int4", dense_copies=False), torch.float32)
+    layer = model[0]
+    assert isinstance(layer, QuantizedLinear) and layer.dense is None
+    use_quantized_kernel(model)
+    x = torch.randn(37, K, generator=torch.Generator().manual_seed(4))
+    whole = layer(x, allow_quantized=False)  # a prefill step: no copy to fall back on
+    rows = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(whole, rows)
+    assert torch.equal(layer(x[5:16]), whole[5:16])
+    assert WeightFormat("int4", "int8", dense_copies=False).describe(torch.float32) == (
+        "int4 layers, int8 head (group 32, no dense copies)"
+    )
+
+
+def test_the_kernel_rejects_a_layout_it_does_not_know(kernels: None) -> None:
+    weight, _ = quantize_weight(torch.randn(N, K), 4)
+    x = torch.randn(1, K)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 8)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        torch.ops.prefixgate.quant_matmul(torch.randn(1, 40), weight.codes, weight.scales, 4)
+
+
+def test_linears_the_kernel_cannot_take_stay_dense() -> None:
+    model = nn.Sequential(nn.Linear(K, N), nn.Linear(40, N), nn.Linear(K, 42))
+    model.lm_head = nn.Linear(K, N)
+    assert quantize_linears(model, WeightFormat(layers="int4", head="none"), torch.float32) == 1
+    assert [type(m).__name__ for m in list(model)[:3]] == ["QuantizedLinear", "Linear", "Linear"]
+    assert isinstance(model.lm_head, nn.Linear)
+    assert (
+        WeightFormat("int4", "int8").describe(torch.float32) == "int4 layers, int8 head (group 32)"
+    )
+    assert WeightFormat().describe(torch.bfloat16) == "bfloat16 weights"
+
+
+@pytest.mark.parametrize(
+    ("features", "dtype"),
+    [
+        (CpuFeatures("AVX512", True, False, True), torch.bfloat16),
+        (CpuFeatures("AVX512", False, True, True), torch.bfloat16),  # AMX
+        (CpuFeatures("AVX512", False, False, True), torch.float32),  # AVX-512 without BF16
+        (CpuFeatures("AVX2", True, False, False), torch.float32),  # capped to AVX2
+        (CpuFeatures("DEFAULT", False, False, False), torch.float32),
+    ],
+)
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(
+    features: CpuFeatures, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("engine.core.cpu.cpu_features", lambda: features)
+    assert auto_dtype(torch.device("cpu")) == dtype
+    assert auto_dtype(torch.device("cuda")) == torch.bfloat16

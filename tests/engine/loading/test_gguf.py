@@ -1,0 +1,297 @@
+"""engine.loading.gguf on tiny GGUF files written here with the gguf package: names, llama's
+q/k row permutation, each block type, and the quantized state against the float route."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from transformers import LlamaConfig, Qwen2Config
+
+from engine.core.errors import ModelLoadError
+from engine.executor.quantization import WeightFormat
+from engine.executor.quantization import quantized_state as float_route_state
+from engine.loading import setup as model_setup
+from engine.loading.build import _on_meta, load_model_weights
+from engine.loading.gguf import (
+    TABLE_RECORD,
+    GGUFTable,
+    GGUFWeights,
+    GroupCodes,
+    blocks_quantized_state,
+    gguf_table,
+    hf_tensor_name,
+)
+from engine.loading.source import ModelSource
+from tests.helpers import TINY_LLAMA_SHAPE
+
+Q = GGMLQuantizationType
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: the rotary halves of each head interleaved row by row."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _config(model_type: str) -> LlamaConfig | Qwen2Config:
+    cls = LlamaConfig if model_type == "llama" else Qwen2Config
+    return cls(vocab_size=96, tie_word_embeddings=True, **TINY_LLAMA_SHAPE)
+
+
+def _write_gguf(
+    path: Path, model_type: str, layer_type: GGMLQuantizationType, head_type: GGMLQuantizationType
+) -> dict[str, torch.Tensor]:
+    """A tiny model's random weights as a GGUF (linears as `layer_type`, the tied embedding as
+    `head_type`); returns the Hugging Face state its file holds, dequantized."""
+    cfg = _config(model_type)
+    gen = np.random.default_rng(0)
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q_rows, kv_rows = hidden, hidden // cfg.num_attention_heads * cfg.num_key_value_heads
+    shapes = {
+        "attn_q": (q_rows, hidden),
+        "attn_k": (kv_rows, hidden),
+        "attn_v": (kv_rows, hidden),
+        "attn_output": (hidden, q_rows),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
+    }
+    writer = GGUFWriter(path, model_type)
+    expected: dict[str, torch.Tensor] = {}
+
+    def add(gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> None:
+        stored = w
+        if model_type == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
+            stored = _llama_permute(w, heads)
+        data = quantize(stored, qtype)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        values = dequantize(data, qtype).reshape(w.shape)  # what the file holds, its row order
+        if stored is not w:  # file row r holds HF row source[r]
+            source = _llama_permute(np.arange(w.shape[0])[:, None], heads)[:, 0]
+            hf_order = np.empty_like(values)
+            hf_order[source] = values
+            values = hf_order
+        name = hf_tensor_name(gguf_name)
+        assert name is not None
+        expected[name] = torch.from_numpy(np.asarray(values, dtype=np.float32))
+
+    add("token_embd.weight", gen.standard_normal((cfg.vocab_size, hidden), np.float32), head_type)
+    add("output_norm.weight", gen.standard_normal(hidden, np.float32), Q.F32)
+    for i in range(cfg.num_hidden_layers):
+        for part, shape in shapes.items():
+            add(f"blk.{i}.{part}.weight", gen.standard_normal(shape, np.float32), layer_type)
+        if model_type == "qwen2":
+            for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+                add(f"blk.{i}.{part}.bias", gen.standard_normal(rows, np.float32), Q.F32)
+        add(f"blk.{i}.attn_norm.weight", gen.standard_normal(hidden, np.float32), Q.F32)
+        add(f"blk.{i}.ffn_norm.weight", gen.standard_normal(hidden, np.float32), Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _open(path: Path, cfg: LlamaConfig | Qwen2Config) -> GGUFWeights:
+    return GGUFWeights(path, GGUFTable.parse(path), cfg)
+
+
+@pytest.mark.parametrize(
+    ("gguf_name", "hf_name"),
+    [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output.weight", "lm_head.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight"),
+        ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias"),
+        ("blk.12.ffn_down.weight", "model.layers.12.mlp.down_proj.weight"),
+        ("blk.1.ffn_norm.weight", "model.layers.1.post_attention_layernorm.weight"),
+        ("rope_freqs.weight", None),
+        ("blk.0.ffn_gate_exps.weight", None),
+    ],
+)
+def test_gguf_names_map_to_hugging_face_names(gguf_name: str, hf_name: str | None) -> None:
+    assert hf_tensor_name(gguf_name) == hf_name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("layer_type", [Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.F16])
+def test_dequantized_tensors_are_the_files_values_in_hf_row_order(
+    tmp_path: Path, model_type: str, layer_type: GGMLQuantizationType
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    expected = _write_gguf(path, model_type, layer_type, Q.Q8_0)
+    gguf = _open(path, _config(model_type))
+    assert sorted(gguf.names()) == sorted(expected)
+    for name, values in expected.items():
+        assert torch.equal(gguf.dequantize(name), values), name
+        assert gguf.dequantize(name, torch.bfloat16).equal(values.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize(
+    ("qtype", "bits"), [(Q.Q4_1, 4), (Q.Q4_0, 4), (Q.Q8_0, 8), (Q.Q5_0, None), (Q.F32, None)]
+)
+def test_group_codes_are_the_files_blocks(
+    tmp_path: Path, qtype: GGMLQuantizationType, bits: int | None
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    expected = _write_gguf(path, "llama", qtype, Q.Q8_0)
+    gguf = _open(path, _config("llama"))
+    name = "model.layers.1.self_attn.q_proj.weight"  # permuted rows
+    codes = gguf.group_codes(name)
+    if bits is None:  # not one of the kernel's schemes
+        assert codes is None
+        return
+    assert codes is not None and codes.bits == bits
+    assert codes.codes.shape == (64, 2, 32) and codes.d.dtype == codes.m.dtype == torch.float16
+    low, high = (0, 15) if bits == 4 else (-127, 127)
+    assert low <= int(codes.codes.min()) and int(codes.codes.max()) <= high
+    assert torch.equal(codes.dequantize(torch.float32), expected[name])
+
+
+def test_group_codes_of_different_widths_do_not_fuse() -> None:
+    four = GroupCodes(torch.zeros(8, 1, 32, dtype=torch.uint8), torch.ones(8, 1).half(),
+                      torch.zeros(8, 1).half(), 4)  # fmt: skip
+    eight = GroupCodes(four.codes.to(torch.int8), four.d, four.m, 8)
+    with pytest.raises(ValueError, match="bit widths"):
+        GroupCodes.cat([four, eight])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("layer_type", "head_type", "weights"),
+    [
+        (Q.Q4_1, Q.Q8_0, WeightFormat("int4", "int8", dense_copies=True)),
+        (Q.Q4_1, Q.Q8_0, WeightFormat("int4", "int8", dense_copies=False)),
+        (Q.Q8_0, Q.Q8_0, WeightFormat("int4", "int8", dense_copies=False)),  # re-quantized
+        (Q.F16, Q.F16, WeightFormat("int8", "int8", dense_copies=True)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_state_from_blocks_equals_quantizing_the_dequantized_floats(
+    tmp_path: Path,
+    model_type: str,
+    layer_type: GGMLQuantizationType,
+    head_type: GGMLQuantizationType,
+    weights: WeightFormat,
+    dtype: torch.dtype,
+) -> None:
+    """The GGUF route and the float route (the file dequantized, then quantized at load) give
+    the same model, tensor for tensor: the file's own codes where its blocks are the
+    kernel's schemes, the same re-quantization where they are not."""
+    path = tmp_path / "tiny.gguf"
+    floats = _write_gguf(path, model_type, layer_type, head_type)
+    cfg = _config(model_type)
+    direct = blocks_quantized_state(_on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
+    model = load_model_weights(cfg, dict(floats), 64, dtype, torch.device("cpu"), weights)
+    reference = float_route_state(model)
+    assert sorted(direct) == sorted(reference)
+    for name, tensor in reference.items():
+        assert direct[name].dtype == tensor.dtype, name
+        assert torch.equal(direct[name], tensor), name
+
+
+@pytest.mark.parametrize("layer_type", [Q.Q4_0, Q.Q4_1])
+def test_quantized_weights_are_exactly_the_files(
+    tmp_path: Path, layer_type: GGMLQuantizationType
+) -> None:
+    """Each quantized linear stands for the file's values exactly (fused q/k/v in HF row
+    order): Q4_0's grid too, which re-quantizing its floats as Q4_1 would not keep."""
+    path = tmp_path / "tiny.gguf"
+    floats = _write_gguf(path, "llama", layer_type, Q.Q8_0)
+    cfg = _config("llama")
+    weights = WeightFormat("int4", "int8", dense_copies=True)
+    model = _on_meta(cfg, 64, torch.float32)
+    state = blocks_quantized_state(model, _open(path, cfg), weights, torch.float32)
+    layer = "model.layers.1"
+    qkv = torch.cat([floats[f"{layer}.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(state["layers.1.self_attn.qkv_proj.dense.weight"], qkv)
+    assert torch.equal(
+        state["layers.1.mlp.down_proj.dense.weight"], floats[f"{layer}.mlp.down_proj.weight"]
+    )
+    assert torch.equal(state["lm_head.dense.weight"], floats["model.embed_tokens.weight"])
+
+
+def test_a_model_without_gguf_fusion_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
+    with pytest.raises(ValueError, match="cannot load GGUF tensors directly"):
+        gguf = _open(path, _config("llama"))
+        blocks_quantized_state(
+            torch.nn.Linear(32, 8), gguf, WeightFormat("int4", "int8"), torch.float32
+        )
+
+
+def test_other_architectures_are_not_read_directly(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'gpt2' is not read directly"):
+        _open(path, _config("llama"))
+
+
+def test_the_tensor_table_is_parsed_once_and_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "qwen2", Q.Q4_1, Q.Q8_0)
+    parsed = GGUFTable.parse(path)
+    assert parsed.arch == "qwen2"
+    assert parsed.tensors["blk.0.attn_q.weight"].kind == "Q4_1"
+    assert parsed.tensors["blk.0.attn_q.weight"].shape == (64, 64)
+    assert parsed.tensors["blk.0.attn_q.bias"].kind == "F32"
+    assert GGUFTable.from_json(parsed.to_json()) == parsed
+    folder = tmp_path / "conversion"
+    folder.mkdir()
+    assert gguf_table(path, folder) == parsed
+    assert (folder / TABLE_RECORD).is_file()
+    monkeypatch.setattr(GGUFTable, "parse", _never_parse)
+    assert gguf_table(path, folder) == parsed  # from the record
+    (folder / TABLE_RECORD).write_text('{"arch": "llama"}')  # damaged: parsed again
+    with pytest.raises(AssertionError, match="parsed again"):
+        gguf_table(path, folder)
+
+
+def _never_parse(path: Path) -> GGUFTable:
+    raise AssertionError(f"{path} was parsed again")
+
+
+def test_a_truncated_file_is_a_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
+    gguf = _open(path, _config("llama"))
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor's tail
+    last = max(gguf.entries, key=lambda name: gguf.entries[name].offset)
+    with pytest.raises(ValueError, match="truncated"):
+        gguf.dequantize(last)
+
+
+def test_a_damaged_gguf_fails_the_load_with_a_model_load_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's load reads the file's blocks; a truncated file is a clear ModelLoadError,
+    not a traceback from deep inside the reader."""
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0)
+    folder = tmp_path / "conversion"
+    folder.mkdir()
+    gguf_table(path, folder)  # what the conversion recorded
+    (folder / "model.safetensors").write_bytes(b"")  # the cache key reads its size and mtime
+    path.write_bytes(path.read_bytes()[:-100])
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path / "cache"))
+    source = ModelSource(name="tiny", path=folder, gguf_path=path)
+    with pytest.raises(ModelLoadError, match=r"cannot read the weights of .*tiny\.gguf"):
+        model_setup._quantized_model(
+            _config("llama"), source, 64, torch.float32, WeightFormat("int4", "int8")
+        )

@@ -1,0 +1,149 @@
+"""engine.loading.setup: the default KV pool size; the quantized-weights cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig
+from engine.executor.kernels import load_cpu_kernels
+from engine.executor.quantization import EVERY_ROW_COUNT, QuantizedLinear, dense_above_rows
+from engine.loading import quantized_cache
+from engine.loading import setup as model_setup
+from engine.loading.setup import load_model
+from engine.loading.source import ModelSource, default_cache_dir
+
+
+def _config(model: Path, **overrides: object) -> EngineConfig:
+    settings: dict[str, object] = {
+        "model": str(model),
+        "dtype": "float32",
+        "block_size": 4,
+        "max_model_len": 64,
+    }
+    settings.update(overrides)
+    return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_the_default_pool_holds_max_num_seqs_full_length_sequences(
+    tiny_llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="engine.loading.setup"):
+        loaded = load_model(_config(tiny_llama_path, max_num_seqs=3))
+    assert loaded.pool.num_blocks == 3 * 64 // 4
+    assert "max_num_seqs 3 x max_model_len 64" in caplog.text
+    assert "not capped" in caplog.text
+
+
+def test_the_default_pool_is_capped_by_memory(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = load_model(_config(tiny_llama_path, num_kv_blocks=16)).pool.spec.bytes_per_block
+    monkeypatch.setattr(model_setup, "DEFAULT_CPU_KV_CAP", 40 * probe + probe // 2)
+    with caplog.at_level(logging.INFO, logger="engine.loading.setup"):
+        loaded = load_model(_config(tiny_llama_path, max_num_seqs=1000))
+    assert loaded.pool.num_blocks == 40
+    assert ": capped" in caplog.text
+
+
+def test_explicit_sizes_win(tiny_llama_path: Path) -> None:
+    assert load_model(_config(tiny_llama_path, num_kv_blocks=17)).pool.num_blocks == 17
+    probe = load_model(_config(tiny_llama_path, num_kv_blocks=16)).pool.spec.bytes_per_block
+    memory = load_model(_config(tiny_llama_path, kv_cache_memory=20 * probe + 1))
+    assert memory.pool.num_blocks == 20
+
+
+def test_quantized_weights_are_cached_and_restored_exactly(
+    tiny_llama_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first start quantizes and writes the cache; the second reads it (no float weights)
+    and computes the same thing, on the quantized kernel; a damaged cache file is ignored and
+    written again."""
+    kernels_dir = default_cache_dir()  # built once for the whole run, not in tmp_path
+    monkeypatch.setattr(model_setup, "load_cpu_kernels", lambda _dir: load_cpu_kernels(kernels_dir))
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    config = _config(tiny_llama_path, quantization="int4")
+    first = load_model(config)
+    [cached] = (tmp_path / "quantized").glob("*.safetensors")
+    read_float_weights = model_setup.load_state_dict
+    monkeypatch.setattr(model_setup, "load_state_dict", _never)
+    second = load_model(config)
+    assert _weights(second.model) == _weights(first.model)
+    assert len(_quantized(second.model)) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down), head
+    rows = dense_above_rows()  # None: the kernel beats the dense GEMM at every size
+    assert {m.max_rows for m in _quantized(second.model)} == {rows or EVERY_ROW_COUNT}
+    assert all((m.dense is None) == (rows is None) for m in _quantized(second.model))
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for a, b in zip(_quantized(first.model), _quantized(second.model), strict=True):
+            for num_rows in (1, 17):  # the quantized kernel, the dense copy (where kept)
+                x = torch.randn(num_rows, a.quantized.in_features, generator=gen)
+                assert torch.equal(a(x), b(x))
+    cached.write_bytes(cached.read_bytes()[:100])  # truncated
+    monkeypatch.setattr(model_setup, "load_state_dict", read_float_weights)
+
+    with caplog.at_level(logging.WARNING):
+        third = load_model(config)
+    assert "ignoring the quantized cache" in caplog.text
+    assert _weights(third.model) == _weights(first.model)
+    assert cached.stat().st_size > 100  # written again
+
+
+def _never(path: Path, *args: object) -> dict[str, torch.Tensor]:
+    raise AssertionError(f"{path} was read")
+
+
+def _quantized(model: object) -> list[QuantizedLinear]:
+    assert isinstance(model, torch.nn.Module)
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def _weights(model: object) -> list[tuple[str, bytes]]:
+    """Every quantized weight's bytes and every parameter's, by name: equal means the same
+    model."""
+    assert isinstance(model, torch.nn.Module)
+    quantized = [
+        (str(i), bytes(q.codes.numpy()) + bytes(q.scales.view(torch.uint8).numpy()))
+        for i, q in enumerate(m.quantized for m in _quantized(model))
+    ]
+    params = [
+        (n, bytes(t.detach().contiguous().view(torch.uint8).numpy()))
+        for n, t in model.state_dict().items()
+    ]
+    return quantized + params
+
+
+def test_without_the_kernels_quantized_linears_run_on_their_dense_copies(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    loaded = load_model(_config(tiny_llama_path, quantization="int4", enable_compile=False))
+    assert not loaded.has_cpu_kernels
+    assert {m.max_rows for m in _quantized(loaded.model)} == {0}
+    assert all(m.dense is not None for m in _quantized(loaded.model))
+
+
+@pytest.mark.e2e
+def test_a_gguf_models_first_start_reads_its_blocks_not_float_weights(
+    smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no quantized cache, the embedded model is built from the GGUF's own Q4_1 / Q8_0
+    blocks (engine/gguf_weights.py), never from the converted float32 weights, and cached;
+    the second start reads that cache and builds the same model."""
+    monkeypatch.setattr(quantized_cache, "default_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(model_setup, "load_state_dict", _never)
+    config = EngineConfig(max_model_len=256, kv_cache_memory=64 << 20)
+    first = load_model(config)
+    assert [p.parent for p in (tmp_path / "quantized").glob("*.safetensors")] == [
+        tmp_path / "quantized"
+    ]
+    monkeypatch.setattr(model_setup, "GGUFWeights", _never)
+    second = load_model(config)
+    assert _weights(second.model) == _weights(first.model)
+    assert len(_quantized(first.model)) == 4 * 30 + 1  # qkv, o, gate_up, down per layer; head
