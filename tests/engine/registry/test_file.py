@@ -20,7 +20,7 @@ from engine.registry.file import (
 )
 from engine.text.chat import chat_prompt_ids, text_prompt_ids
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MAX_MODEL_LEN = 256
 
 VALID_FILE = """\
