@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install serve test test-fast lint fmt typecheck bench clean
+.PHONY: help install serve test test-fast lint fmt typecheck bench kernels clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ typecheck: $(STAMP)  ## mypy strict on engine and gateway
 
 bench: $(STAMP)  ## in-process engine benchmark (see docs/benchmarks.md)
 	$(BIN)/python tools/bench_engine.py $(ARGS)
+
+kernels: $(STAMP)  ## build the C++ CPU kernels for this CPU now; fails loudly if they cannot build
+	$(BIN)/python -m engine.executor.kernels
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -18,7 +18,7 @@ from engine.core.outputs import RequestOutput, SampleLogprobs, TokenLogprob
 from engine.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
 from engine.kvcache.block_hash import BlockHash, extend_block_hashes, scope_seed
 from engine.llm_engine import LLMEngine
-from engine.registry.file import PrefixContract, PrefixSpec, RegistryFileError, load_prefix_file
+from engine.registry.file import load_prefix_file
 from engine.registry.index import PrefixIndex
 from engine.registry.loader import PrefixBudgetError
 from engine.registry.registry import (
@@ -28,6 +28,7 @@ from engine.registry.registry import (
     ReloadStatus,
     registry_digest,
 )
+from engine.registry.spec import PrefixContract, PrefixSpec, RegistryFileError
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
 from engine.stats import EngineStats, PrefixInfo

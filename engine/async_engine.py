@@ -32,8 +32,8 @@ from engine.core.errors import EngineDeadError, EngineError, RequestFailedError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import GrammarSpec, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.registry.file import PrefixContract
 from engine.registry.registry import MatchReport, ReloadStatus
+from engine.registry.spec import PrefixContract
 from engine.request import EngineRequest
 from engine.stats import EngineStats
 

@@ -5,10 +5,8 @@ Not thread-safe: exactly one thread (the AsyncEngine's loop, a test, a benchmark
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,14 +24,10 @@ from engine.executor.sampler import make_generator
 from engine.kvcache.block_pool import BlockPool
 from engine.kvcache.manager import KVCacheManager
 from engine.loading.setup import LoadedModel, load_model
-from engine.registry.file import (
-    PrefixContract,
-    PrefixSpec,
-    RegistryFileError,
-    parse_prefix_bytes,
-)
 from engine.registry.loader import PrefixLoader
 from engine.registry.registry import MatchReport, PrefixRegistry, ReloadStatus
+from engine.registry.spec import PrefixContract, PrefixSpec, RegistryFileError
+from engine.registry.watcher import PrefixFileWatcher
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.scheduler import Scheduler
@@ -63,6 +57,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
         self.pool: BlockPool = loaded.pool
+        self.kernels = loaded.kernels
         self.checker = RequestChecker(self.tokenizer, self.eos_token_ids, lambda: self.limits)
         self.registry = PrefixRegistry(self.pool)
         self.cache = KVCacheManager(self.pool, config.enable_auto_prefix_cache)
@@ -79,91 +74,50 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.prefixes = PrefixLoader(
             self.registry,
-            self.scheduler,
             self.pool,
             self.max_model_len,
             lambda: next(self._arrivals),
             config.enable_prefix_cache,
         )
         self.num_steps = 0
-        # sha-256 of the prefix file as last (re)loaded, and as read by the last poll
-        self._prefix_file_digest: bytes | None = None
-        self._settling_digest: bytes | None = None
+        self.prefix_file = PrefixFileWatcher(
+            Path(config.prefix_file) if config.prefix_file is not None else None,
+            self.tokenizer,
+            self.max_model_len,
+            self.grammars,
+        )
         if config.prefix_file is not None:
-            self._load_prefix_file_at_start(Path(config.prefix_file))
+            self._load_prefix_file_at_start()
 
     # -- prefixes ---------------------------------------------------------------------------------
     def load_prefixes(
         self, specs: list[PrefixSpec], on_done: Callable[[ReloadStatus], None] | None = None
     ) -> None:
         """Start registering `specs` (filled by the next steps); the old set serves meanwhile."""
-        self.prefixes.start(specs, on_done)
+        change = self.prefixes.start(specs, on_done)
+        for seq in change.dropped:
+            self.scheduler.finish(seq, "abort")
+        for seq in reversed(change.new):  # each ahead of the last: file order at the head
+            self.scheduler.add_first(seq)
 
     def reload_prefix_file(self, on_done: Callable[[ReloadStatus], None] | None = None) -> None:
-        """Re-read `config.prefix_file`. Any error keeps the old registry and is recorded."""
-        path = self._prefix_path()
+        """Re-read `config.prefix_file`. Any error in it keeps the old registry and is
+        recorded; without a configured file there is nothing to reload (RegistryFileError)."""
+        if self.prefix_file.path is None:
+            raise RegistryFileError(Path("<none>"), ["no prefix file is configured"])
         try:
-            self.load_prefixes(self._read_prefix_file(path), on_done)
+            self.load_prefixes(self.prefix_file.read(), on_done)
         except EngineError as exc:
-            error = str(exc)
-            status = ReloadStatus(time.time(), False, error, len(self.registry.prefixes))
-            self.registry.last_reload = status
-            logger.error("prefix reload failed, keeping the old registry: %s", error)
-            if on_done is not None:
-                on_done(status)
+            self.prefixes.fail(str(exc), on_done)
 
     def poll_prefix_file(self) -> bool:
-        """Reload once the file changed and then read the same on the next poll; True if started.
-
-        A writer that is not atomic (an editor saving in place, `cat > file`) leaves a
-        half-written file for a moment, often one that is still valid YAML with fewer
-        entries; acting on it would drop prefixes until the next poll. So a change is loaded
-        only when two polls in a row read identical bytes (README: write atomically anyway).
-        """
-        if self.config.prefix_file is None:
+        """Reload once the file changed and then read the same on the next poll (see
+        `PrefixFileWatcher`); True if a reload started."""
+        if not self.prefix_file.poll():
             return False
-        try:
-            digest = _digest(Path(self.config.prefix_file).read_bytes())
-        except OSError:
-            digest = None
-        if digest == self._prefix_file_digest or digest != self._settling_digest:
-            self._settling_digest = digest
-            return False
-        logger.info("%s changed: reloading prefixes", self.config.prefix_file)
+        logger.info("%s changed: reloading prefixes", self.prefix_file.path)
         self.reload_prefix_file()
         return True
-
-    def _prefix_path(self) -> Path:
-        if self.config.prefix_file is None:
-            raise RegistryFileError(Path("<none>"), ["no prefix file is configured"])
-        return Path(self.config.prefix_file)
-
-    def _read_prefix_file(self, path: Path) -> list[PrefixSpec]:
-        """Read and parse the prefix file, remembering the digest of the bytes read (valid or
-        not, None when unreadable) so that polls reload only when the file changes again."""
-        try:
-            content = path.read_bytes()
-        except OSError as exc:
-            self._prefix_file_digest = self._settling_digest = None
-            raise RegistryFileError(path, [f"cannot read the file: {exc}"]) from exc
-        self._prefix_file_digest = self._settling_digest = _digest(content)
-        specs = parse_prefix_bytes(content, path, self.tokenizer, self.max_model_len)
-        self._compile_contracts(specs, path)
-        return specs
-
-    def _compile_contracts(self, specs: list[PrefixSpec], path: Path) -> None:
-        """Each entry's response_format must compile now: a bad schema fails the file (old
-        registry kept), not the first request that hits the entry."""
-        problems = []
-        for spec in specs:
-            if spec.contract.grammar is None:
-                continue
-            try:
-                self.grammars.compile(spec.contract.grammar)
-            except InvalidRequestError as exc:
-                problems.append(f"entry '{spec.name}' field 'response_format': {exc.message}")
-        if problems:
-            raise RegistryFileError(path, problems)
 
     def prefix_contract(
         self, token_ids: list[int], tenant: str | None = None
@@ -174,9 +128,9 @@ class LLMEngine:
         best = self.prefixes.spec_index.longest(token_ids, visible=lambda s: s.visible_to(tenant))
         return best.contract if best is not None else None
 
-    def _load_prefix_file_at_start(self, path: Path) -> None:
+    def _load_prefix_file_at_start(self) -> None:
         """Load, fill and pin every prefix before serving; a bad file fails the start."""
-        self.load_prefixes(self._read_prefix_file(path))
+        self.load_prefixes(self.prefix_file.read())
         total = self.prefixes.num_pending_tokens
         with tqdm(total=total, desc="prefilling prefixes", unit="tok", disable=total == 0) as bar:
             while self.prefixes.is_pending:
@@ -276,8 +230,10 @@ class LLMEngine:
         result = self.runner.execute(out)
         self.scheduler.on_step_done(out)
         self.num_steps += 1
-        for seq, logits in result.prefix_logits:
-            self.prefixes.on_filled(seq, logits)
+        for seq, logits in result.prefilled:
+            self.scheduler.detach(seq)  # its blocks are the hook's now
+            assert seq.on_prefilled is not None
+            seq.on_prefilled(seq, logits)
         outputs = [self._append_or_fail(s) for s in result.sampled]
         if self.config.debug_check_integrity:
             self.check_integrity()
@@ -436,11 +392,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics and the admin API; safe to call from another thread."""
-        return snapshot(self.cache, self.scheduler, self.registry, self.prefixes.is_pending)
-
-
-def _digest(content: bytes) -> bytes:
-    return hashlib.sha256(content).digest()
+        return snapshot(
+            self.cache,
+            self.scheduler,
+            self.registry,
+            self.prefixes.is_pending,
+            self.kernels.label,
+        )
 
 
 def _advance(matcher: LLMatcher, token_id: int) -> bool:

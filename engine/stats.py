@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kvcache.manager import KVCacheManager
-from engine.registry.file import PrefixContract
 from engine.registry.registry import PrefixRegistry
+from engine.registry.spec import PrefixContract
 from engine.scheduler.scheduler import Scheduler
 
 
@@ -52,6 +52,8 @@ class EngineStats:
     last_reload_ok: bool | None
     last_reload_error: str | None
     is_reload_pending: bool
+    # The C++ CPU kernels' target ("avx512", "avx2", "portable"), or "off": the torch paths
+    cpu_kernels: str = "off"
 
     @property
     def kv_cache_usage_ratio(self) -> float:
@@ -60,12 +62,16 @@ class EngineStats:
 
 
 def snapshot(
-    cache: KVCacheManager, scheduler: Scheduler, registry: PrefixRegistry, is_reload_pending: bool
+    cache: KVCacheManager,
+    scheduler: Scheduler,
+    registry: PrefixRegistry,
+    is_reload_pending: bool,
+    cpu_kernels: str,
 ) -> EngineStats:
     reload, pool = registry.last_reload, cache.pool
     return EngineStats(
-        num_requests_running=sum(1 for s in list(scheduler.running) if not s.is_prefix_fill),
-        num_requests_waiting=sum(1 for s in list(scheduler.waiting) if not s.is_prefix_fill),
+        num_requests_running=sum(1 for s in list(scheduler.running) if not s.is_prompt_only),
+        num_requests_waiting=sum(1 for s in list(scheduler.waiting) if not s.is_prompt_only),
         num_kv_blocks=pool.num_blocks,
         num_free_kv_blocks=pool.num_free_blocks,
         num_pinned_kv_blocks=pool.num_pinned_blocks,
@@ -99,4 +105,5 @@ def snapshot(
         last_reload_ok=reload.ok,
         last_reload_error=reload.error,
         is_reload_pending=is_reload_pending,
+        cpu_kernels=cpu_kernels,
     )

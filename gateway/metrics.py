@@ -243,9 +243,10 @@ class _EngineCollector:
         )
         yield s.info(
             "prefixgate_cache_config",
-            "KV cache configuration.",
+            "KV cache configuration, and the C++ CPU kernels' target (off: the torch paths).",
             block_size=str(snap.block_size),
             num_blocks=str(snap.num_kv_blocks),
+            cpu_kernels=snap.cpu_kernels,
         )
 
     def _prefixes(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:

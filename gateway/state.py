@@ -145,6 +145,13 @@ class Gateway:
         return self.engine.model_name if self.engine is not None else "loading"
 
     @property
+    def cpu_kernels(self) -> str | None:
+        """The engine's C++ CPU kernel target, or "off"; None before the engine is up."""
+        if self.engine is None or not self.engine.is_running:
+            return None
+        return self.engine.stats().cpu_kernels
+
+    @property
     def tokenizer(self) -> Any:
         return self.ready_engine().tokenizer
 

@@ -41,6 +41,9 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         last_reload_ok=all(oks) if oks else None,
         last_reload_error="; ".join(s.last_reload_error or "" for s in failed) or None,
         is_reload_pending=any(s.is_reload_pending for s in all_stats),
+        cpu_kernels=kernels.pop()
+        if len(kernels := {s.cpu_kernels for s in all_stats}) == 1
+        else "mixed",
     )
 
 

@@ -26,7 +26,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from engine.loading.source import ModelSource, default_cache_dir, resolve_model
+from engine.core.config import default_cache_dir
+from engine.loading.source import ModelSource, resolve_model
 from tests.helpers import TINY_LLAMA_SHAPE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.core.config import default_cache_dir
 from engine.core.cpu import cpu_features
 from engine.executor.kernels import compile_flags, load_cpu_kernels
 from engine.executor.models.layers import PackedLinear
 from engine.executor.quantization import QuantizedLinear, quantize_weight
-from engine.loading.source import default_cache_dir
 from tools.provenance import git_revision
 
 DEFAULT_CONFIGS = ("auto:auto:on", "auto:none:on", "auto:none:off")

@@ -32,8 +32,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec
 from engine.kvcache.manager import KVCacheManager
-from engine.registry.file import PrefixSpec
 from engine.registry.registry import PrefixRegistry, RegisteredPrefix
+from engine.registry.spec import PrefixSpec
 from engine.scheduler.scheduler import Scheduler
 from tools.provenance import git_revision
 

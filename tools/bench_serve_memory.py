@@ -28,8 +28,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from engine.core.config import default_cache_dir
 from engine.core.cpu import cpu_features
-from engine.loading.source import default_cache_dir
 from tools.local_server import local_server
 from tools.provenance import REPO, git_revision
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,3 +134,10 @@ class EngineConfig:
 def _positive(value: int, name: str) -> None:
     if not isinstance(value, int) or value < 1:
         raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+
+
+def default_cache_dir() -> Path:
+    """Where everything built once per machine lives (converted GGUF models, quantized
+    weights, compiled kernels): `$PREFIXGATE_CACHE_DIR` or `~/.cache/prefixgate`."""
+    env = os.environ.get("PREFIXGATE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixgate"

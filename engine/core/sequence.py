@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    prefix_fill: str | None = None  # set: the registry entry this sequence fills
     cache_salt: str | None = None  # reuse of this sequence's own work stays within its salt
     tenant: str | None = None  # the API key name: which registered prefixes it may hit
     # Automatic prefix caching: the parent hash of the first block (its cache scope, set by the
@@ -63,10 +63,14 @@ class Sequence:
     matcher: LLMatcher | None = None
     # Scored prompt tokens (params.prompt_logprobs): None for the first, which has no context.
     prompt_logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    # Set: a sequence that only computes its prompt (a registry fill). The logits of its last
+    # position go to this hook instead of the sampler, once the scheduler has let go of it;
+    # its blocks are not indexed for reuse by content (whoever the hook hands them to is).
+    on_prefilled: Callable[[Sequence, torch.Tensor], None] | None = None
 
     @property
-    def is_prefix_fill(self) -> bool:
-        return self.prefix_fill is not None
+    def is_prompt_only(self) -> bool:
+        return self.on_prefilled is not None
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ class SampledToken:
 class StepResult:
     sampled: list[SampledToken]
     # sequences that filled a registry prefix, with their last-position logits [vocab_size]
-    prefix_logits: list[tuple[Sequence, torch.Tensor]]
+    prefilled: list[tuple[Sequence, torch.Tensor]]
 
 
 class ModelRunner:
@@ -59,14 +59,14 @@ class ModelRunner:
         ordered = batch_order(out)
         sampling = [item for item in ordered if item.is_sampling]
         logits = self._logits_rows(ordered, sampling)  # [len(sampling), vocab]
-        fills = [(i, item.seq) for i, item in enumerate(sampling) if item.seq.is_prefix_fill]
-        prefix_logits = [(seq, logits[i].clone()) for i, seq in fills]
+        fills = [(i, item.seq) for i, item in enumerate(sampling) if item.seq.is_prompt_only]
+        prefilled = [(seq, logits[i].clone()) for i, seq in fills]
         if fills:
-            keep = [i for i, item in enumerate(sampling) if not item.seq.is_prefix_fill]
+            keep = [i for i, item in enumerate(sampling) if not item.seq.is_prompt_only]
             logits = logits[keep]
             sampling = [sampling[i] for i in keep]
         if not sampling:
-            return StepResult([], prefix_logits)
+            return StepResult([], prefilled)
         seqs = [item.seq for item in sampling]
         matchers = [seq.matcher for seq in seqs]
         if any(m is not None for m in matchers):
@@ -76,7 +76,7 @@ class ModelRunner:
             SampledToken(seq, tok, lp)
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
-        return StepResult(sampled, prefix_logits)
+        return StepResult(sampled, prefilled)
 
     def _masker(self, vocab_size: int) -> GrammarMasker:
         if self.masker is None:

@@ -138,7 +138,7 @@ class KVCacheManager:
     def index_computed(self, seq: Sequence) -> None:
         """Make `seq`'s newly computed full blocks findable by later prompts (after the
         forward that computed them)."""
-        if not self.enable_auto_cache or seq.is_prefix_fill:
+        if not self.enable_auto_cache or seq.is_prompt_only:
             # A registry fill's blocks are findable in the registry scopes of the tenants
             # its entry names (PrefixRegistry.install), never in the default scope.
             return

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from engine.core.config import default_cache_dir
 from engine.executor.models import CausalLM
 from engine.executor.quantization import WeightFormat, quantized_state
 from engine.loading import safetensors_io
-from engine.loading.source import ModelSource, default_cache_dir, weight_files
+from engine.loading.source import ModelSource, weight_files
 
 logger = logging.getLogger(__name__)
 

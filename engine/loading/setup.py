@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from engine.core.config import EngineConfig, GiB
+from engine.core.config import EngineConfig, GiB, default_cache_dir
 from engine.core.cpu import cpu_features
 from engine.core.errors import ModelLoadError
 from engine.core.memory import return_freed_memory
-from engine.executor.kernels import load_cpu_kernels
+from engine.executor.kernels import NOT_BUILT, KernelBuild, build_cpu_kernels
 from engine.executor.models import CausalLM
 from engine.executor.quantization import WeightFormat, dense_above_rows, use_quantized_kernel
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
@@ -30,7 +30,6 @@ from engine.loading.build import (
 from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
 from engine.loading.source import (
     ModelSource,
-    default_cache_dir,
     load_hf_config,
     load_state_dict,
     load_tokenizer,
@@ -57,8 +56,10 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
-    # decode attention and the layers' fused ops run engine/kernels' C++ (built for this CPU)
+    # decode attention and the layers' fused ops run engine/executor/kernels' C++ (built for
+    # this CPU); `kernels` says whether they built, for which target, and why not
     has_cpu_kernels: bool = False
+    kernels: KernelBuild = NOT_BUILT
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -70,11 +71,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = load_hf_config(source.path)
     tokenizer = load_tokenizer(source.path)
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
-    kernels_built = (
-        config.enable_compile
-        and config.torch_device.type == "cpu"
-        and load_cpu_kernels(default_cache_dir())
+    kernels = (
+        build_cpu_kernels(default_cache_dir())
+        if config.enable_compile and config.torch_device.type == "cpu"
+        else NOT_BUILT
     )
+    kernels_built = kernels.is_built
     weights = weight_format(config, source, kernels_built)
     dtype = config.torch_dtype
     if weights.is_quantized:
@@ -91,7 +93,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     pack_model(model, config.torch_device, dtype)
     return_freed_memory()
     logger.info(
-        "model %s (%s, %d layers) on %s [%s, %d threads], compute %s%s, %s, loaded in %.1f s",
+        "model %s (%s, %d layers) on %s [%s, %d threads], compute %s%s, %s, %s, loaded in %.1f s",
         source.name,
         hf_config.model_type,
         len(model.attention_layers()),
@@ -101,6 +103,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         str(dtype).removeprefix("torch."),
         " (--dtype auto)" if config.dtype == "auto" else "",
         weights.describe(dtype),
+        kernels.describe(),
         time.perf_counter() - start,
     )
     pool = _make_pool(config, model, max_model_len)
@@ -118,6 +121,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
         vocab_size=int(hf_config.vocab_size),
         has_cpu_kernels=kernels_built and model.head_dim % 8 == 0,  # the kernels' width
+        kernels=kernels,
     )
 
 

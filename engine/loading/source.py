@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.executor.models import SUPPORTED_MODEL_TYPES
 from engine.executor.quantization import WeightFormat
@@ -74,12 +75,6 @@ class ModelSource:
     name: str
     path: Path
     gguf_path: Path | None = None
-
-
-def default_cache_dir() -> Path:
-    """Where converted GGUF models live: `$PREFIXGATE_CACHE_DIR` or `~/.cache/prefixgate`."""
-    env = os.environ.get("PREFIXGATE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixgate"
 
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelSource:

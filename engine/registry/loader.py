@@ -1,10 +1,12 @@
 """PrefixLoader: turns validated PrefixSpecs into pinned, registered prefixes.
 
-Prefixes are filled through the ordinary scheduler as internal sequences placed at the front
-of the waiting queue, so a (re)load is chunked like any prefill and never stalls running
-decodes for longer than one chunk. When the last fill completes, the new set is swapped in
-at once; unchanged entries (same name, same token ids) keep their blocks, and prefixes that
-left the set are released (requests still holding their blocks keep them until they finish).
+Prefixes are filled as internal sequences that the engine queues ahead of every waiting
+request (`start` returns them), so a (re)load is chunked like any prefill and never stalls
+running decodes for longer than one chunk. A fill computes its prompt only: its last logits
+come back through the sequence's `on_prefilled` hook, which pins its blocks. When the last
+fill completes, the new set is swapped in at once; unchanged entries (same name, same token
+ids) keep their blocks, and prefixes that left the set are released (requests still holding
+their blocks keep them until they finish).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -21,9 +22,9 @@ from engine.core.errors import EngineError
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.kvcache.block_pool import BlockPool, num_blocks_for
-from engine.registry.file import PrefixSpec
 from engine.registry.index import PrefixIndex
 from engine.registry.registry import PrefixRegistry, RegisteredPrefix, ReloadStatus, release
+from engine.registry.spec import PrefixSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +35,17 @@ def _spec_ids(spec: PrefixSpec) -> tuple[int, ...]:
     return spec.token_ids
 
 
-class FillQueue(Protocol):
-    """Where fill sequences run: the scheduler, as the registry (a layer below it) sees it."""
-
-    def add_first(self, seq: Sequence) -> None: ...
-    def detach(self, seq: Sequence) -> None: ...
-    def finish(self, seq: Sequence, finish_reason: str) -> None: ...
-
-
 class PrefixBudgetError(EngineError):
     """The prefixes would pin so much of the KV pool that no full-length request fits."""
+
+
+@dataclass(frozen=True, slots=True)
+class FillChange:
+    """What a (re)load asks of the scheduler: queue `new` ahead of every waiting sequence
+    (in order), and finish `dropped` (the fills of a reload this one replaced)."""
+
+    new: list[Sequence]
+    dropped: list[Sequence]
 
 
 @dataclass(slots=True)
@@ -55,19 +57,20 @@ class _Pending:
 
 
 class PrefixLoader:
-    """Engine-thread only. One (re)load at a time; a newer one replaces the pending one."""
+    """Engine-thread only. One (re)load at a time; a newer one replaces the pending one.
+
+    The one writer of `registry.last_reload`: a load that completes, or one that failed
+    before it started (`fail`)."""
 
     def __init__(
         self,
         registry: PrefixRegistry,
-        queue: FillQueue,
         pool: BlockPool,
         max_model_len: int,
         next_arrival: Callable[[], int],
         enabled: bool,
     ) -> None:
         self.registry = registry
-        self.queue = queue
         self.pool = pool
         self.max_model_len = max_model_len
         self.next_arrival = next_arrival
@@ -97,8 +100,9 @@ class PrefixLoader:
 
     def start(
         self, specs: list[PrefixSpec], on_done: Callable[[ReloadStatus], None] | None = None
-    ) -> None:
+    ) -> FillChange:
         """Begin loading `specs`; raises PrefixBudgetError (old set untouched) if too big.
+        Returns the fills to queue and those to drop.
 
         Reloads coalesce: while one is pending, a reload of the same specs joins it, and a
         reload of other specs replaces it and answers its waiters too (the newest file is what
@@ -108,27 +112,37 @@ class PrefixLoader:
         pending = self._pending
         if pending is not None and pending.specs == list(specs):
             pending.callbacks += callbacks
-            return
+            return FillChange([], [])
         self._check_budget(specs)
-        callbacks = self._drop_pending() + callbacks
+        dropped, dropped_callbacks = self._drop_pending()
+        callbacks = dropped_callbacks + callbacks
         self.specs = list(specs)
         self.spec_index = PrefixIndex(self.specs, _spec_ids, self.pool.block_size)
         pending = _Pending(list(specs), {}, {}, callbacks)
         self._pending = pending
         if self.enabled:
-            for spec in reversed(specs):  # appendleft: keep file order at the queue head
+            for spec in specs:
                 live = self.registry.unchanged(spec)
                 if live is not None:
                     pending.ready[spec.name] = live
                 else:
                     pending.filling[spec.name] = self._fill(spec)
         self._maybe_finish()
+        return FillChange(list(pending.filling.values()), dropped)
 
-    def on_filled(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """A fill sequence computed its last token: its blocks become a pinned prefix."""
-        assert seq.prefix_fill is not None and self._pending is not None
-        spec = next(s for s in self._pending.specs if s.name == seq.prefix_fill)
-        self.queue.detach(seq)  # its blocks now belong to the registry entry
+    def fail(self, error: str, on_done: Callable[[ReloadStatus], None] | None = None) -> None:
+        """A reload that could not start (unreadable or invalid file): the old registry
+        stays, and the failure is what the status says."""
+        status = ReloadStatus(time.time(), False, error, len(self.registry.prefixes))
+        self.registry.last_reload = status
+        logger.error("prefix reload failed, keeping the old registry: %s", error)
+        if on_done is not None:
+            on_done(status)
+
+    def _on_filled(self, spec: PrefixSpec, seq: Sequence, logits: torch.Tensor) -> None:
+        """A fill computed its last token (the scheduler has let go of it): its blocks
+        become a pinned prefix."""
+        assert self._pending is not None and self._pending.filling.get(spec.name) is seq
         self.pool.pin(seq.block_table)
         del self._pending.filling[spec.name]
         self._pending.ready[spec.name] = RegisteredPrefix(
@@ -136,18 +150,17 @@ class PrefixLoader:
         )
         self._maybe_finish()
 
-    def _drop_pending(self) -> list[Callable[[ReloadStatus], None]]:
-        """Drop a pending reload (abort its fills, release what it filled); its waiters."""
+    def _drop_pending(self) -> tuple[list[Sequence], list[Callable[[ReloadStatus], None]]]:
+        """Drop a pending reload (release what it filled): its fills, to be finished by the
+        caller, and its waiters."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return []
-        for seq in pending.filling.values():
-            self.queue.finish(seq, "abort")
+            return [], []
         live = {id(p) for p in self.registry.prefixes.values()}
         for prefix in pending.ready.values():
             if id(prefix) not in live:
                 release(self.pool, prefix)
-        return pending.callbacks
+        return list(pending.filling.values()), pending.callbacks
 
     def _fill(self, spec: PrefixSpec) -> Sequence:
         seq = Sequence(
@@ -156,9 +169,8 @@ class PrefixLoader:
             num_prompt_tokens=len(spec.token_ids),
             params=FILL_PARAMS,
             arrival_index=self.next_arrival(),
-            prefix_fill=spec.name,
+            on_prefilled=lambda seq, logits: self._on_filled(spec, seq, logits),
         )
-        self.queue.add_first(seq)
         return seq
 
     def _maybe_finish(self) -> None:

@@ -26,8 +26,8 @@ import torch
 
 from engine.kvcache.block_hash import BlockHash, registry_seed
 from engine.kvcache.block_pool import BlockPool
-from engine.registry.file import PrefixSpec
 from engine.registry.index import PrefixIndex, registry_hashes
+from engine.registry.spec import PrefixSpec
 
 
 @dataclass(slots=True)

@@ -185,14 +185,14 @@ class Scheduler:
         can_dedup = (
             can_share
             and seq.num_computed_tokens == 0
-            and (seq.num_output_tokens == 0 and not seq.is_prefix_fill)
+            and (seq.num_output_tokens == 0 and not seq.is_prompt_only)
         )
         key: _DedupKey = (seq.cache_salt, tuple(seq.token_ids)) if can_dedup else None
         if key is not None and key in leaders:
             return self._admit_duplicate(seq, leaders[key], out)
         is_fresh_request = (
             seq.num_prompt_tokens == seq.num_tokens
-            and not seq.is_prefix_fill
+            and not seq.is_prompt_only
             and seq.num_preemptions == 0
         )
         match = self._attach_cached(seq) if can_share and seq.num_computed_tokens == 0 else None

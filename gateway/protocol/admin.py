@@ -100,3 +100,5 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "degraded"] = "ok"
     model: str
     detail: str | None = None
+    # The C++ CPU kernels' target ("avx512", "avx2", "portable"), or "off" (torch paths)
+    cpu_kernels: str | None = None

@@ -49,6 +49,7 @@ async def health(request: Request) -> Response:
         status="degraded" if replicas.degraded else "ok",
         model=gateway.model_name,
         detail=replicas.degraded,
+        cpu_kernels=gateway.cpu_kernels,
     )
     return JSONResponse(health.model_dump(mode="json", exclude_none=True))
 

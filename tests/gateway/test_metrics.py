@@ -93,6 +93,7 @@ SNAP = EngineStats(
     last_reload_ok=True,
     last_reload_error=None,
     is_reload_pending=False,
+    cpu_kernels="avx2",
 )
 
 
@@ -160,7 +161,8 @@ def test_render_content_type_is_prometheus_text_0_0_4() -> None:
         f'prefixgate_prefix_cached_tokens_total{{{M},prefix="sys"}} 200.0',
         f'prefixgate_prefix_cached_tokens_total{{{M},prefix="doc"}} 64.0',
         "# TYPE prefixgate_cache_config_info gauge",
-        f'prefixgate_cache_config_info{{block_size="16",{M},num_blocks="64"}} 1.0',
+        f'prefixgate_cache_config_info{{block_size="16",cpu_kernels="avx2",{M},num_blocks="64"}}'
+        " 1.0",
         "# TYPE prefixgate_prefix_registry_info gauge",
         f'prefixgate_prefix_registry_info{{digest="0123456789abcdef",{M}}} 1.0',
         f"prefixgate_prefix_registry_last_reload_success{{{M}}} 1.0",

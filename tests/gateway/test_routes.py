@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs, SamplingParams
+from engine.executor.kernels import kernel_target
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.logprobs import _piece, completion_logprobs, echo_logprobs
@@ -373,7 +374,9 @@ def test_prompt_errors_name_the_route_field(
 
 def test_health(client: TestClient) -> None:
     response = client.get("/health")
-    assert (response.status_code, response.json()) == (200, {"status": "ok", "model": MODEL})
+    # the kernels built for the capability torch runs with: the test process's own
+    expected = {"status": "ok", "model": MODEL, "cpu_kernels": kernel_target()}
+    assert (response.status_code, response.json()) == (200, expected)
 
 
 def test_unknown_route_is_an_openai_404(client: TestClient) -> None:

@@ -29,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
+from engine.executor.kernels import kernel_target
 from tests.gateway.server_harness import (
     HTTP_TIMEOUT,
     Reference,
@@ -777,7 +778,8 @@ def test_health_and_metrics(tiny: Server) -> None:
     with httpx.Client(base_url=tiny.url, timeout=HTTP_TIMEOUT) as client:
         health = client.get("/health")
         metrics = client.get("/metrics")
-    assert (health.status_code, health.json()) == (200, {"status": "ok", "model": MODEL})
+    expected = {"status": "ok", "model": MODEL, "cpu_kernels": kernel_target()}
+    assert (health.status_code, health.json()) == (200, expected)
     assert metrics.status_code == 200
     assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
     info = [
@@ -786,12 +788,11 @@ def test_health_and_metrics(tiny: Server) -> None:
         for s in family.samples
         if s.name == "prefixgate_cache_config_info"
     ]
-    assert info == [
-        ({"model_name": MODEL, "block_size": str(BLOCK_SIZE), "num_blocks": "512"}, 1.0)
-    ]
+    labels = {"model_name": MODEL, "block_size": str(BLOCK_SIZE), "num_blocks": "512"}
+    assert info == [({**labels, "cpu_kernels": kernel_target()}, 1.0)]
     assert (
-        f'prefixgate_cache_config_info{{block_size="4",model_name="{MODEL}",num_blocks="512"}} 1.0'
-        in metrics.text.splitlines()
+        f'prefixgate_cache_config_info{{block_size="4",cpu_kernels="{kernel_target()}",'
+        f'model_name="{MODEL}",num_blocks="512"}} 1.0' in metrics.text.splitlines()
     )
 
 

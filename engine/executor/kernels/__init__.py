@@ -2,16 +2,25 @@
 
 Built for the instruction set torch itself runs with (`torch.backends.cpu.get_cpu_capability()`):
 `-march=native` on an AVX-512 CPU, AVX2 code where torch runs AVX2 (an AVX2-only CPU, or
-`ATEN_CPU_CAPABILITY=avx2`, which is how the AVX2 path is tested on an AVX-512 machine). The
-cache key holds the sources, torch's version, the flags and the CPU's. Where no compiler works
-the engine keeps its pure-torch paths and says so in the log.
+`ATEN_CPU_CAPABILITY=avx2`, which is how the AVX2 build is checked on an AVX-512 machine), and
+portable x86-64 code otherwise (`ATEN_CPU_CAPABILITY=default`). The cache key holds the sources,
+torch's version, the flags and the CPU's.
+
+What a build needs: a C++ compiler (`c++`, or `$CXX`) and ninja (a Python dependency), both
+used through `torch.utils.cpp_extension`. Where the build fails the engine keeps its pure-torch
+paths (slower, and the quantized linears keep dense copies of their weights) and says so in its
+start-up line, `/health` and the `prefixgate_cache_config` metric; `make kernels`
+(`python -m engine.executor.kernels`) builds them and fails loudly instead.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -29,6 +38,33 @@ HEADERS = (Path(__file__).with_name("vec.h"),)  # part of the cache key, not com
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 # torch's CPU capability -> the target: x86-64-v3 is AVX2 + FMA + F16C, what every AVX2 CPU has
 MARCH = {"AVX512": "-march=native", "AVX2": "-march=x86-64-v3"}
+TARGETS = {"AVX512": "avx512", "AVX2": "avx2"}  # anything else: "portable"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """Whether the C++ kernels serve this process, for which target, and why not."""
+
+    target: str  # "avx512", "avx2" or "portable": the instruction set compiled for
+    is_built: bool
+    error: str | None = None  # why they are not built (the compiler's own words)
+
+    @property
+    def label(self) -> str:
+        """The target when built, else "off": the start-up line, /health and metrics."""
+        return self.target if self.is_built else "off"
+
+    def describe(self) -> str:
+        if self.is_built:
+            return f"C++ kernels ({self.target}: {' '.join(compile_flags())})"
+        return f"no C++ kernels, torch paths ({self.error})"
+
+
+NOT_BUILT = KernelBuild("portable", False, "--no-compile or not a CPU device")
+
+
+def kernel_target() -> str:
+    return TARGETS.get(torch.backends.cpu.get_cpu_capability(), "portable")
 
 
 def compile_flags() -> list[str]:
@@ -45,16 +81,23 @@ def kernel_cache_key() -> str:
     return digest.hexdigest()[:16]
 
 
-@cache
 def load_cpu_kernels(cache_dir: Path) -> bool:
-    """Register `torch.ops.prefixgate.*`, compiling on first use (~30 s on 2 cores).
+    """Register `torch.ops.prefixgate.*`, compiling on first use; True when they are there."""
+    return build_cpu_kernels(cache_dir).is_built
 
-    True when the kernels are there; False (logged) when they cannot be built."""
+
+@cache
+def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
+    """Register `torch.ops.prefixgate.*`, compiling on first use (about 30 s on 2 cores).
+
+    A failed build is logged as a warning and reported, not raised: the engine then serves
+    on its torch paths."""
     from torch.utils.cpp_extension import load
 
     key = kernel_cache_key()
     build_dir = cache_dir / "kernels" / key
     started = time.perf_counter()
+    _put_ninja_on_path()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
@@ -69,12 +112,42 @@ def load_cpu_kernels(cache_dir: Path) -> bool:
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as exc:
-        logger.warning("CPU kernels unavailable, using the torch paths: %s", exc)
-        return False
+        build = KernelBuild(kernel_target(), False, _one_line(exc))
+        logger.warning(
+            "CPU kernels unavailable, serving on the torch paths (slower, dense weight "
+            "copies): %s. A C++ compiler and ninja are needed; `make kernels` shows the "
+            "whole error.",
+            build.error,
+        )
+        return build
     logger.info(
         "CPU kernels ready (%s) in %.1f s", " ".join(compile_flags()), time.perf_counter() - started
     )
-    return True
+    return KernelBuild(kernel_target(), True)
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the Python package puts its binary in the environment's
+    bin folder, which is not on PATH when the environment is not activated
+    (`.venv/bin/prefixgate serve`)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The build error's head and its first line that says what went wrong (torch's message
+    repeats every compiler command line first)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = lines[0].split(": [")[0] if lines else ""
+    cause = next(
+        (line for line in lines[1:] if "error" in line.lower() or "not found" in line), None
+    )
+    return f"{type(exc).__name__}: " + "; ".join(part for part in (head, cause) if part)[:300]
 
 
 def _cpu_flags() -> str:

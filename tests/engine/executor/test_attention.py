@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.config import default_cache_dir
 from engine.executor.attention import (
     DecodeGroup,
     _cascade_attention,
@@ -16,7 +17,6 @@ from engine.executor.attention import (
     prefill_mask,
 )
 from engine.executor.kernels import load_cpu_kernels
-from engine.loading.source import default_cache_dir
 
 NUM_BLOCKS, BLOCK, KV, HEADS, DIM = 32, 4, 2, 6, 8
 

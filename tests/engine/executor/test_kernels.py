@@ -40,3 +40,75 @@ def test_the_shared_header_is_part_of_the_cache_key(
     before = kernels.kernel_cache_key()
     header.write_text("// two")
     assert kernels.kernel_cache_key() != before
+
+
+# -- what a build needs, and what happens when it fails -----------------------------------------
+def test_a_failed_build_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No working compiler: the build says why (the compiler's own complaint), and the label
+    the start-up line, /health and metrics show is "off"."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "kernel_cache_key", lambda: "failedbuild")  # a fresh build dir
+    build = kernels.build_cpu_kernels(tmp_path)
+    assert (build.is_built, build.label, build.target) == (False, "off", kernels.kernel_target())
+    assert build.error is not None
+    assert build.error.startswith("RuntimeError: Error building extension")
+    assert f"{tmp_path / 'no-such-compiler'}: not found" in build.error
+    assert build.describe() == f"no C++ kernels, torch paths ({build.error})"
+
+
+def test_ninja_from_the_python_package_is_found_without_an_activated_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shutil
+
+    import ninja
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert shutil.which("ninja") is None
+    kernels._put_ninja_on_path()
+    assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
+
+
+# The kernels' numeric tests (int4/int8 matmul, paged decode attention, the layer ops) run
+# in-process against the build for this machine; the other instruction sets are built and
+# checked here, each in a process of its own (one build's ops per process).
+VARIANTS = {"avx2": ("AVX2", "-march=x86-64-v3"), "default": ("DEFAULT", None)}
+KERNEL_TESTS = ("test_quantization.py", "test_attention.py", "test_layers.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", sorted(VARIANTS))
+def test_other_instruction_set_builds_pass_the_kernel_tests(capability: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    torch_capability, march = VARIANTS[capability]
+    if torch.backends.cpu.get_cpu_capability() == torch_capability:
+        pytest.skip(f"{capability} is this machine's own build, tested in-process")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    target = "avx2" if capability == "avx2" else "portable"
+    assert probe.stdout.split() == [target, march or "no-march"]
+    here = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+        + [str(here / name) for name in KERNEL_TESTS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout
+
+
+PROBE = (
+    "from engine.executor import kernels\n"
+    "flags = [f for f in kernels.compile_flags() if f.startswith('-march')]\n"
+    "print(kernels.kernel_target(), flags[0] if flags else 'no-march')\n"
+)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.config import default_cache_dir
 from engine.executor.attention import ForwardBatch
 from engine.executor.kernels import load_cpu_kernels
 from engine.executor.models.layers import RMSNorm, rope_and_store, silu_and_mul
-from engine.loading.source import default_cache_dir
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 40]  # 40 > the ops' 16 rows per parallel task

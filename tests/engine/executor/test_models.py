@@ -22,6 +22,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.core.config import default_cache_dir
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.executor.kernels import load_cpu_kernels
@@ -35,7 +36,6 @@ from engine.executor.quantization import (
 from engine.executor.runner import ModelRunner, batch_order
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
 from engine.loading.build import load_model_weights, pack_model
-from engine.loading.source import default_cache_dir
 from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
 
 BLOCK_SIZE = 4

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.core.config import default_cache_dir
 from engine.core.cpu import CpuFeatures, auto_dtype
 from engine.executor.kernels import load_cpu_kernels
 from engine.executor.quantization import (
@@ -23,7 +24,6 @@ from engine.executor.quantization import (
     quantize_weight,
     use_quantized_kernel,
 )
-from engine.loading.source import default_cache_dir
 
 N, K = 48, 128
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from engine import EngineConfig
-from engine.executor.kernels import load_cpu_kernels
+from engine.core.config import default_cache_dir
+from engine.executor.kernels import build_cpu_kernels
 from engine.executor.quantization import EVERY_ROW_COUNT, QuantizedLinear, dense_above_rows
 from engine.loading import quantized_cache
 from engine.loading import setup as model_setup
 from engine.loading.setup import load_model
-from engine.loading.source import ModelSource, default_cache_dir
+from engine.loading.source import ModelSource
 
 
 def _config(model: Path, **overrides: object) -> EngineConfig:
@@ -66,7 +67,9 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     and computes the same thing, on the quantized kernel; a damaged cache file is ignored and
     written again."""
     kernels_dir = default_cache_dir()  # built once for the whole run, not in tmp_path
-    monkeypatch.setattr(model_setup, "load_cpu_kernels", lambda _dir: load_cpu_kernels(kernels_dir))
+    monkeypatch.setattr(
+        model_setup, "build_cpu_kernels", lambda _dir: build_cpu_kernels(kernels_dir)
+    )
     monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
     config = _config(tiny_llama_path, quantization="int4")
     first = load_model(config)
@@ -147,3 +150,33 @@ def test_a_gguf_models_first_start_reads_its_blocks_not_float_weights(
     second = load_model(config)
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(first.model)) == 4 * 30 + 1  # qkv, o, gate_up, down per layer; head
+
+
+def test_a_failed_kernel_build_serves_on_the_torch_paths(
+    tiny_llama_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No working C++ compiler: the engine still starts, keeps the quantized linears' dense
+    copies, says so in its start-up line and stats, and answers what the engine without
+    kernels (`--no-compile`) answers."""
+    from engine import LLMEngine, SamplingParams
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    config = _config(tiny_llama_path, quantization="int4")
+    with caplog.at_level(logging.INFO, logger="engine.loading.setup"):
+        loaded = load_model(config)
+    assert (loaded.kernels.is_built, loaded.has_cpu_kernels) == (False, False)
+    assert all(m.dense is not None for m in _quantized(loaded.model))
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model ")]
+    assert "no C++ kernels, torch paths (RuntimeError: Error building extension" in line
+
+    engine = LLMEngine(config, loaded)
+    assert engine.stats().cpu_kernels == "off"
+    reference = LLMEngine(_config(tiny_llama_path, quantization="int4", enable_compile=False))
+    assert reference.stats().cpu_kernels == "off"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 2, 7], [3, 3, 8]]
+    assert engine.generate(prompts, params) == reference.generate(prompts, params)

@@ -11,13 +11,8 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.core.sampling_params import GrammarSpec
 from engine.loading.source import ModelSource, load_tokenizer
-from engine.registry.file import (
-    PrefixContract,
-    PrefixSpec,
-    RegistryFileError,
-    load_prefix_file,
-    parse_prefix_text,
-)
+from engine.registry.file import load_prefix_file, parse_prefix_text
+from engine.registry.spec import PrefixContract, PrefixSpec, RegistryFileError
 from engine.text.chat import chat_prompt_ids, text_prompt_ids
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from engine.registry.file import PrefixSpec, RegistryFileError
 from engine.registry.loader import PrefixBudgetError
 from engine.registry.registry import registry_digest
+from engine.registry.spec import PrefixSpec, RegistryFileError
 from engine.text.chat import chat_prompt_ids, text_prompt_ids
 from tests.helpers import run_staggered, tokens_of
 

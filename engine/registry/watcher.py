@@ -1,0 +1,89 @@
+"""The prefixes file on disk: read it whole (parse, validate, render, compile each entry's
+response_format) and poll it for changes.
+
+A writer that is not atomic (an editor saving in place, `cat > file`) leaves a half-written
+file for a moment, often one that is still valid YAML with fewer entries; acting on it would
+drop prefixes until the next poll. So a change is reported only when two polls in a row read
+identical bytes (README: write atomically anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.core.errors import InvalidRequestError
+from engine.registry.file import parse_prefix_bytes
+from engine.registry.spec import PrefixSpec, RegistryFileError
+from engine.structured.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class PrefixFileWatcher:
+    """Engine-thread only. `path` None: no file is configured (a read says so)."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        grammars: GrammarCompiler,
+    ) -> None:
+        self.path = path
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.grammars = grammars
+        # sha-256 of the file as last read, and as read by the last poll
+        self._read_digest: bytes | None = None
+        self._settling_digest: bytes | None = None
+
+    def read(self) -> list[PrefixSpec]:
+        """Every entry of the file, or one RegistryFileError listing all that is wrong. The
+        digest of the bytes read (valid or not, None when unreadable) is remembered, so a
+        poll reports a change only when the file changes again."""
+        if self.path is None:
+            raise RegistryFileError(Path("<none>"), ["no prefix file is configured"])
+        try:
+            content = self.path.read_bytes()
+        except OSError as exc:
+            self._read_digest = self._settling_digest = None
+            raise RegistryFileError(self.path, [f"cannot read the file: {exc}"]) from exc
+        self._read_digest = self._settling_digest = _digest(content)
+        specs = parse_prefix_bytes(content, self.path, self.tokenizer, self.max_model_len)
+        self._compile_contracts(specs, self.path)
+        return specs
+
+    def poll(self) -> bool:
+        """True when the file changed since the last read and the last two polls read the
+        same bytes: time to reload."""
+        if self.path is None:
+            return False
+        try:
+            digest = _digest(self.path.read_bytes())
+        except OSError:
+            digest = None
+        if digest == self._read_digest or digest != self._settling_digest:
+            self._settling_digest = digest
+            return False
+        return True
+
+    def _compile_contracts(self, specs: list[PrefixSpec], path: Path) -> None:
+        """Each entry's response_format must compile now: a bad schema fails the file (old
+        registry kept), not the first request that hits the entry."""
+        problems = []
+        for spec in specs:
+            if spec.contract.grammar is None:
+                continue
+            try:
+                self.grammars.compile(spec.contract.grammar)
+            except InvalidRequestError as exc:
+                problems.append(f"entry '{spec.name}' field 'response_format': {exc.message}")
+        if problems:
+            raise RegistryFileError(path, problems)
+
+
+def _digest(content: bytes) -> bytes:
+    return hashlib.sha256(content).digest()
