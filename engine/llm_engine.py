@@ -60,13 +60,12 @@ class LLMEngine:
         self.kernels = loaded.kernels
         self.checker = RequestChecker(self.tokenizer, self.eos_token_ids, lambda: self.limits)
         self.registry = PrefixRegistry(self.pool)
-        self.cache = KVCacheManager(self.pool, config.enable_auto_prefix_cache)
-        self.scheduler = Scheduler(
-            self.cache,
-            config.max_num_seqs,
-            config.token_budget,
+        self.cache = KVCacheManager(
+            self.pool,
+            config.enable_auto_prefix_cache,
             self.registry if config.enable_prefix_cache else None,
         )
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.token_budget)
         self.runner = ModelRunner(
             loaded.model, self.pool, config.torch_device, loaded.has_cpu_kernels
         )
@@ -374,7 +373,7 @@ class LLMEngine:
         entries `tenant` may see) and what the prefix cache would share with them now, in
         that scope (read only: takes no block)."""
         report = self.registry.explain(token_ids, tenant)
-        if self.scheduler.registry is None or not token_ids:
+        if self.cache.prefixes is None or not token_ids:
             return report
         probe = Sequence(
             "explain",
@@ -385,7 +384,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             tenant=tenant,
         )
-        _, hit = self.scheduler.best_cached(probe)
+        _, hit = self.cache.best_cached(probe)
         if hit is None:
             return report
         return replace(report, num_cached_tokens=hit.num_tokens, cache_source=hit.source)

@@ -6,7 +6,7 @@ registered prefixes).
 What admission does for a fresh prompt before it can share blocks: hash the prompt's blocks in
 its own scope and in the registry scope, find the longest whole registered prefix
 (PrefixIndex), the longest run of registry blocks and of its own scope's cached blocks
-(Scheduler.best_cached). The registry holds N prefixes of 64 to 512 tokens over a BlockPool
+(KVCacheManager.best_cached). The registry holds N prefixes of 64 to 512 tokens over a BlockPool
 of 1-element KV blocks (the lookup never reads KV), so N = 10,000 fits in memory. The old
 registry matched by scanning every entry: its cost is measured beside it for comparison.
 No model is loaded; the figures are CPU time on this machine.
@@ -34,18 +34,19 @@ from engine.kvcache.block_pool import BlockPool, KVCacheSpec
 from engine.kvcache.manager import KVCacheManager
 from engine.registry.registry import PrefixRegistry, RegisteredPrefix
 from engine.registry.spec import PrefixSpec
-from engine.scheduler.scheduler import Scheduler
 from tools.provenance import git_revision
 
 BLOCK = 16
 COUNTS = (1, 100, 10_000)
 
 
-def _registry(num_prefixes: int, rng: random.Random) -> tuple[Scheduler, list[tuple[int, ...]]]:
+def _registry(
+    num_prefixes: int, rng: random.Random
+) -> tuple[KVCacheManager, list[tuple[int, ...]]]:
     lengths = [rng.randrange(64, 513) for _ in range(num_prefixes)]
     num_blocks = sum(-(-n // BLOCK) for n in lengths) + 4096
     spec = KVCacheSpec(1, 1, 1, BLOCK, torch.float32)
-    pool = BlockPool(spec, num_blocks, torch.device("cpu"))
+    pool = BlockPool(spec, num_blocks)
     registry = PrefixRegistry(pool)
     prefixes = {}
     token_lists = []
@@ -57,8 +58,7 @@ def _registry(num_prefixes: int, rng: random.Random) -> tuple[Scheduler, list[tu
         spec_ = PrefixSpec(f"p{index}", "", "text", (), "x", ids)
         prefixes[spec_.name] = RegisteredPrefix(spec_, blocks, torch.zeros(1), BLOCK)
     registry.install(prefixes)
-    cache = KVCacheManager(pool, enable_auto_cache=True)
-    return Scheduler(cache, 8, 2048, registry), token_lists
+    return KVCacheManager(pool, True, registry), token_lists
 
 
 def _linear_match(token_lists: list[tuple[int, ...]], prompt: list[int]) -> int:
@@ -89,13 +89,13 @@ def main() -> int:
     rows = []
     for count in COUNTS:
         rng = random.Random(count)
-        scheduler, token_lists = _registry(count, rng)
+        cache, token_lists = _registry(count, rng)
         hit = list(token_lists[count // 2])
         prompt = hit + [rng.randrange(49_152) for _ in range(args.prompt_tokens - len(hit))]
 
-        def lookup(prompt: list[int] = prompt, scheduler: Scheduler = scheduler) -> None:
+        def lookup(prompt: list[int] = prompt, cache: KVCacheManager = cache) -> None:
             seq = Sequence("bench", list(prompt), len(prompt), SamplingParams(), 0)
-            match, best = scheduler.best_cached(seq)
+            match, best = cache.best_cached(seq)
             assert match is not None and best is not None and best.source == "registry"
 
         rows.append(

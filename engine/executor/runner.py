@@ -15,6 +15,7 @@ from engine.executor.attention import (
     decode_mask,
     prefill_mask,
 )
+from engine.executor.kv_cache import KVCache
 from engine.executor.models import CausalLM
 from engine.executor.sampler import Sampler, SamplingBatch, score_tokens
 from engine.kvcache.block_pool import BlockPool
@@ -37,7 +38,8 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model and binds the pool's per-layer K/V tensors to its attention layers."""
+    """Owns the model and the KV cache's tensors (bound to its attention layers), which the
+    pool's block ids index."""
 
     def __init__(
         self, model: CausalLM, pool: BlockPool, device: torch.device, use_cpu_kernels: bool
@@ -50,15 +52,19 @@ class ModelRunner:
         self.masker: GrammarMasker | None = None  # made when a constrained row first comes
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
+        self.kv_cache = KVCache(pool.spec, pool.num_blocks, device)
         for i, layer in enumerate(model.attention_layers()):
-            layer.k_cache, layer.v_cache = pool.layer_caches(i)
+            layer.k_cache, layer.v_cache = self.kv_cache.layer_caches(i)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the scheduled chunks; sample one token per sequence that reached its end."""
+        self.kv_cache.zero_fresh(self.pool.num_touched)  # before any copy lands in them
+        self._copy_blocks(out, after_forward=False)
         ordered = batch_order(out)
         sampling = [item for item in ordered if item.is_sampling]
         logits = self._logits_rows(ordered, sampling)  # [len(sampling), vocab]
+        self._copy_blocks(out, after_forward=True)
         fills = [(i, item.seq) for i, item in enumerate(sampling) if item.seq.is_prompt_only]
         prefilled = [(seq, logits[i].clone()) for i, seq in fills]
         if fills:
@@ -77,6 +83,11 @@ class ModelRunner:
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
         return StepResult(sampled, prefilled)
+
+    def _copy_blocks(self, out: SchedulerOutput, after_forward: bool) -> None:
+        for copy in out.copies:
+            if copy.after_forward == after_forward:
+                self.kv_cache.copy_block(copy.src, copy.dst)
 
     def _masker(self, vocab_size: int) -> GrammarMasker:
         if self.masker is None:

@@ -47,3 +47,17 @@ def extend_block_hashes(
         block = array("q", token_ids[start : start + block_size]).tobytes()
         parent = hashlib.blake2b(parent + block, digest_size=DIGEST_SIZE).digest()
         hashes.append(parent)
+
+
+# Registry entries are filed by hashes in the shared registry scope, whoever may see them (a
+# lookup filters by visibility); a tenant's entries are also findable in its own scope.
+REGISTRY_SEED = registry_seed()
+
+
+def registry_hashes(
+    token_ids: Sequence[int], block_size: int, seed: BlockHash = REGISTRY_SEED
+) -> list[BlockHash]:
+    """The hashes of every full block of `token_ids` in a registry scope."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, len(token_ids), block_size, seed)
+    return hashes

@@ -1,4 +1,5 @@
-"""The paged KV cache: a pool of fixed-size blocks with reference counts and content hashes.
+"""The paged KV cache's blocks: ids with reference counts, pins and content hashes (the K/V
+tensors themselves are the executor's, engine/executor/kv_cache.py).
 
 Ownership rules: a block is free (ref_cnt 0, in the free queue) or referenced (ref_cnt >= 1).
 Every holder of a block (a running sequence, a registry prefix) owns one reference and gives
@@ -42,28 +43,22 @@ class KVCacheSpec:
 
 
 class BlockPool:
-    """Per-layer K/V tensors `[num_blocks, block_size, num_kv_heads, head_dim]` plus bookkeeping."""
+    """Block ids and their bookkeeping for a KV cache of `num_blocks` blocks shaped by `spec`."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
-        shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # One allocation each for K and V; layer i uses views [i]. torch.empty: untouched pages
-        # of a large CPU pool cost no RAM until written.
-        self.k_cache = torch.empty(shape, dtype=spec.dtype, device=device)
-        self.v_cache = torch.empty(shape, dtype=spec.dtype, device=device)
         self.ref_cnt = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}  # content hash -> the block holding it
         self._hashes: dict[int, list[BlockHash]] = {}  # block -> its hashes (cached blocks)
         self.num_evictions = 0  # cached blocks handed out for new content
-        # Blocks never handed out still hold whatever torch.empty gave us, possibly NaN. Attention
-        # masks unused slots, but a masked NaN value still poisons softmax(scores) @ V (0 * NaN),
-        # so each block is zeroed the first time it is allocated (lazily: RAM stays uncommitted).
-        self._num_zeroed = 0
+        # Fresh blocks are handed out in id order: every block below this was handed out at
+        # least once (the executor zeroes the K/V of those it has not seen, KVCache.zero_fresh).
+        self.num_touched = 0
         self._pinned: dict[int, int] = {}  # block_id -> number of pins
 
     # -- allocation ---------------------------------------------------------------------------
@@ -91,15 +86,8 @@ class BlockPool:
         for block_id in block_ids:
             self.ref_cnt[block_id] = 1
             self._evict(block_id)
-        self._zero_fresh(max(block_ids, default=-1) + 1)
+        self.num_touched = max(self.num_touched, max(block_ids, default=-1) + 1)
         return block_ids
-
-    def _zero_fresh(self, end: int) -> None:
-        """Zero blocks [num_zeroed, end): the free list hands out fresh blocks in id order."""
-        if end > self._num_zeroed:
-            self.k_cache[:, self._num_zeroed : end].zero_()
-            self.v_cache[:, self._num_zeroed : end].zero_()
-            self._num_zeroed = end
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on blocks someone else holds, or on cached free blocks
@@ -166,15 +154,6 @@ class BlockPool:
 
     def is_pinned(self, block_id: int) -> bool:
         return block_id in self._pinned
-
-    # -- data movement --------------------------------------------------------------------------
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's K/V in every layer (copy-on-write of a partially shared block)."""
-        self.k_cache[:, dst].copy_(self.k_cache[:, src])
-        self.v_cache[:, dst].copy_(self.v_cache[:, src])
-
-    def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_cache[layer], self.v_cache[layer]
 
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -1,11 +1,15 @@
-"""KVCacheManager: the one owner of sequences' KV blocks.
+"""KVCacheManager: the one owner of sequences' KV blocks, and the cache's policy.
 
-The scheduler decides who runs; this decides which blocks they use. It hands out blocks for
-new tokens, shares cached ones (one path for registry hits, automatic hits and in-step
-duplicates: full blocks by reference, a partial last block as a private copy), indexes every
-full block a sequence has computed (prompt and output alike, so a chat's next turn finds the
-previous answer) and takes blocks back. Reference counts live in the BlockPool and nowhere
-else; nothing outside this module and the registry changes them.
+The scheduler decides who runs and how many tokens; this decides which blocks they use. It
+finds what a new sequence can start from (`match`: a whole registered prefix, a registered
+prefix's blocks before the prompt diverged, blocks computed earlier in the prompt's own cache
+scope, or an identical prompt admitted in this very step), shares it (`attach`: one path for
+all four, full blocks by reference, a partial last block as a private copy whose timing it
+decides), hands out blocks for new tokens (`allocate_slots`), indexes every full block a
+sequence has computed (prompt and output alike, so a chat's next turn finds the previous
+answer) and takes blocks back. Reference counts live in the BlockPool and nowhere else;
+nothing outside this module and the registry changes them. The K/V data are the executor's:
+block copies go to it as `BlockCopy`s in the scheduler's output.
 
 Automatic prefix caching indexes blocks by a chain of content hashes (engine/block_hash.py),
 as vLLM does, rather than a radix tree over token ids (SGLang): a lookup is one dict probe
@@ -19,11 +23,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from collections.abc import Sequence as Ids
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
+
+import torch
 
 from engine.core.sequence import Sequence
-from engine.kvcache.block_hash import extend_block_hashes, scope_seed
+from engine.kvcache.block_hash import (
+    BlockHash,
+    extend_block_hashes,
+    registry_hashes,
+    registry_seed,
+    scope_seed,
+)
 from engine.kvcache.block_pool import BlockPool, num_blocks_for
 
 # registry: a whole registered prefix; registry-partial: its full blocks before the prompt
@@ -41,16 +54,167 @@ class CacheHit:
     source: HitSource
 
 
-class KVCacheManager:
-    """Engine-thread only, like the pool."""
+class PinnedMatch(Protocol):
+    """A whole pinned prefix a prompt starts with (the registry's match)."""
 
-    def __init__(self, pool: BlockPool, enable_auto_cache: bool) -> None:
+    @property
+    def block_ids(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def last_logits(self) -> torch.Tensor: ...
+
+
+class PinnedPrefixes(Protocol):
+    """The prefix registry, as the cache sees it (the registry is the layer above)."""
+
+    def match(
+        self, token_ids: Ids[int], hashes: Ids[BlockHash] | None, tenant: str | None
+    ) -> PinnedMatch | None: ...
+    def record_lookup(self, match: PinnedMatch | None) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy-on-write of a partially shared last block: `src`'s K/V into `dst`, before this
+    step's forward (a block computed earlier) or after it (a block this forward fills: an
+    in-step duplicate's leader's)."""
+
+    src: int
+    dst: int
+    after_forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatch:
+    """What a new sequence can start from: the hit, and what comes with it."""
+
+    hit: CacheHit
+    pinned: PinnedMatch | None = None  # the registry's match, when the hit is that prefix
+    leader: Sequence | None = None  # an identical prompt admitted in this step
+
+    def exact_logits(self, seq: Sequence) -> torch.Tensor | None:
+        """The stored last logits when the prompt is exactly a registered prefix (no forward)."""
+        if self.pinned is None or self.hit.num_tokens != seq.num_tokens:
+            return None
+        return self.pinned.last_logits
+
+
+# In-step deduplication key: (cache scope, prompt token ids).
+_DedupKey = tuple[str | None, tuple[int, ...]]
+
+
+class KVCacheManager:
+    """Engine-thread only, like the pool. `prefixes`: the registry; None turns every form of
+    reuse off (`--no-prefix-cache`)."""
+
+    def __init__(
+        self, pool: BlockPool, enable_auto_cache: bool, prefixes: PinnedPrefixes | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_auto_cache = enable_auto_cache
+        self.prefixes = prefixes
         self.num_auto_hits = 0
         self.num_auto_hit_tokens = 0
         self.num_partial_registry_hits = 0  # prompts that diverged from a registered prefix
+        self._leaders: dict[_DedupKey, Sequence] = {}  # this step's prefilled fresh prompts
+
+    # -- matching: what a new sequence starts from ---------------------------------------------
+    def begin_step(self) -> None:
+        """A new schedule: prompts admitted in earlier steps are found by their blocks' hashes."""
+        self._leaders.clear()
+
+    def match(self, seq: Sequence) -> CacheMatch | None:
+        """The longest computed start `seq` can share, taking nothing. An identical prompt
+        admitted in this step first (prefilled once); else the longest of a whole registered
+        prefix (preferred on a tie: an exact one needs no forward), a registered prefix's
+        blocks before the prompt diverged, and the prompt's own scope. A request that scores
+        its prompt shares nothing: every position must be computed."""
+        if not self.can_reuse(seq) or seq.num_computed_tokens > 0:
+            return None
+        key = self._dedup_key(seq)
+        leader = self._leaders.get(key) if key is not None else None
+        if leader is not None:
+            return CacheMatch(
+                CacheHit(leader.block_table, leader.num_tokens, "batch"), None, leader
+            )
+        pinned, hit = self.best_cached(seq)
+        if hit is None:
+            return None
+        return CacheMatch(hit, pinned if hit.source == "registry" else None)
+
+    def can_reuse(self, seq: Sequence) -> bool:
+        return self.prefixes is not None and seq.params.prompt_logprobs is None
+
+    def best_cached(self, seq: Sequence) -> tuple[PinnedMatch | None, CacheHit | None]:
+        """The registry's match of `seq` and the longest cached start it could share (see
+        `match`); read only, so the admin API's explain can ask too."""
+        assert self.prefixes is not None
+        if seq.registry_chains is None:
+            seeds = [registry_seed()] + ([registry_seed(seq.tenant)] if seq.tenant else [])
+            seq.registry_chains = [
+                registry_hashes(seq.token_ids, self.block_size, seed) for seed in seeds
+            ]
+        pinned = self.prefixes.match(seq.token_ids, seq.registry_chains[0], seq.tenant)
+        candidates = [
+            CacheHit(pinned.block_ids, pinned.num_tokens, "registry") if pinned else None,
+            *(
+                self.find_run(chain, seq.num_tokens, "registry-partial")
+                for chain in seq.registry_chains
+            ),
+            self.find_cached(seq),
+        ]
+        hit = max(
+            (c for c in candidates if c is not None), key=lambda c: c.num_tokens, default=None
+        )
+        return pinned, hit
+
+    def attach(self, seq: Sequence, match: CacheMatch, copies: list[BlockCopy]) -> bool:
+        """Give `seq` the match's blocks (see `share`), appending the tail block's copy to
+        `copies`; False, and nothing taken, when the pool cannot hold that copy."""
+        if not self.can_share(match.hit):
+            return False
+        tail = self.share(seq, match.hit)
+        if tail is not None:  # the leader computes its tail in this step's forward
+            copies.append(BlockCopy(*tail, after_forward=match.leader is not None))
+        if match.leader is not None:
+            seq.num_shared_blocks = match.leader.num_shared_blocks  # the registry part
+            # Report what the leader got from the caches, not the leader's own prefill: the
+            # duplicate's usage must read as if it had been admitted alone (no side channel).
+            seq.num_cached_tokens = match.leader.num_cached_tokens
+        else:
+            seq.num_shared_blocks = self._num_pinned_leading(seq.block_table)
+        return True
+
+    def record_lookup(self, match: CacheMatch | None) -> None:
+        """A fresh request was admitted: count its registry lookup (hit or not)."""
+        if self.prefixes is not None:
+            self.prefixes.record_lookup(match.pinned if match is not None else None)
+
+    def note_admitted(self, seq: Sequence, num_new: int) -> None:
+        """`seq` prefills its whole prompt in this step: later identical prompts share it."""
+        key = self._dedup_key(seq)
+        if key is not None and num_new == seq.num_uncomputed_tokens and num_new > 0:
+            self._leaders[key] = seq
+
+    def _dedup_key(self, seq: Sequence) -> _DedupKey | None:
+        """Only fresh prompts of requests that may share dedup, within one cache scope."""
+        if not self.can_reuse(seq) or seq.num_computed_tokens or seq.num_output_tokens:
+            return None
+        if seq.is_prompt_only:
+            return None
+        return seq.cache_salt, tuple(seq.token_ids)
+
+    def _num_pinned_leading(self, block_ids: list[int]) -> int:
+        """Leading blocks that belong to a registry prefix: decodes sharing them are attended
+        as a cascade group (engine/executor/attention.py)."""
+        count = 0
+        for block_id in block_ids:
+            if not self.pool.is_pinned(block_id):
+                break
+            count += 1
+        return count
 
     # -- lookups --------------------------------------------------------------------------------
     def find_cached(self, seq: Sequence) -> CacheHit | None:
@@ -116,21 +280,20 @@ class KVCacheManager:
         seq.block_table.append(tail)
         return hit.block_ids[num_full], tail
 
-    def copy_block(self, src: int, dst: int) -> None:
-        self.pool.copy_block(src, dst)
-
     # -- new tokens -----------------------------------------------------------------------------
-    def reserve(self, seq: Sequence, num_new: int) -> bool:
-        """Blocks for `num_new` more tokens of `seq` (evicting cached free blocks if needed);
-        False, and nothing taken, when the pool cannot provide them."""
+    def allocate_slots(self, seq: Sequence, num_new: int) -> list[int] | None:
+        """Blocks for `num_new` more tokens of `seq` (evicting cached free blocks if needed):
+        the blocks added to its table (often none), or None, and nothing taken, when the pool
+        cannot provide them."""
         needed = num_blocks_for(seq.num_computed_tokens + num_new, self.block_size)
         missing = needed - len(seq.block_table)
         if missing <= 0:
-            return True
+            return []
         if not self.pool.can_allocate(missing):
-            return False
-        seq.block_table.extend(self.pool.allocate(missing))
-        return True
+            return None
+        new_blocks = self.pool.allocate(missing)
+        seq.block_table.extend(new_blocks)
+        return new_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
         return self.pool.can_allocate(num_blocks)

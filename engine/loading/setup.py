@@ -211,7 +211,7 @@ def _make_pool(config: EngineConfig, model: CausalLM, max_model_len: int) -> Blo
             f"max_model_len sequence ({max_model_len}); raise --kv-cache-memory or lower "
             "--max-model-len"
         )
-    pool = BlockPool(spec, num_blocks, config.torch_device)
+    pool = BlockPool(spec, num_blocks)
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %.1f KB/token)",
         num_blocks,

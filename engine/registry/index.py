@@ -13,21 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
-from engine.kvcache.block_hash import BlockHash, extend_block_hashes, registry_seed
+from engine.kvcache.block_hash import REGISTRY_SEED, BlockHash, registry_hashes
 
 E = TypeVar("E")
-# Entries are filed by hashes in the shared registry scope, whoever may see them (a lookup
-# filters by visibility; the index shares no KV).
-REGISTRY_SEED = registry_seed()
-
-
-def registry_hashes(
-    token_ids: Sequence[int], block_size: int, seed: BlockHash = REGISTRY_SEED
-) -> list[BlockHash]:
-    """The hashes of every full block of `token_ids` in a registry scope."""
-    hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, len(token_ids), block_size, seed)
-    return hashes
 
 
 class PrefixIndex(Generic[E]):

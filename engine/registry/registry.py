@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kvcache.block_hash import BlockHash, registry_seed
+from engine.kvcache.block_hash import BlockHash, registry_hashes, registry_seed
 from engine.kvcache.block_pool import BlockPool
-from engine.registry.index import PrefixIndex, registry_hashes
+from engine.kvcache.manager import PinnedMatch
+from engine.registry.index import PrefixIndex
 from engine.registry.spec import PrefixSpec
 
 
@@ -68,11 +69,21 @@ class RegisteredPrefix:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
+    """A whole registered prefix a prompt starts with (the cache manager's PinnedMatch)."""
+
     prefix: RegisteredPrefix
 
     @property
     def num_tokens(self) -> int:
         return self.prefix.num_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.prefix.block_ids
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        return self.prefix.last_logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +166,13 @@ class PrefixRegistry:
             token_ids[at] if at < len(token_ids) else None,
         )
 
-    def record_lookup(self, match: PrefixMatch | None) -> None:
-        """Count a request's lookup (prefix fills are not counted)."""
+    def record_lookup(self, match: PinnedMatch | None) -> None:
+        """Count a request's lookup (prefix fills are not counted); `match`: what `match`
+        returned, when the request was served from it."""
         self.stats.num_lookups += 1
         if match is None:
             return
+        assert isinstance(match, PrefixMatch)
         prefix = match.prefix
         prefix.stats.num_hits += 1
         prefix.stats.num_cached_tokens += match.num_tokens

@@ -135,7 +135,7 @@ class PagedHarness:
         spec = KVCacheSpec(
             len(layers), self.model.num_kv_heads, self.model.head_dim, BLOCK_SIZE, dtype
         )
-        self.pool = BlockPool(spec, 128, torch.device("cpu"))
+        self.pool = BlockPool(spec, 128)
         self.runner = ModelRunner(self.model, self.pool, torch.device("cpu"), use_cpu_kernels)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
@@ -149,6 +149,7 @@ class PagedHarness:
             needed = num_blocks_for(seq.num_computed_tokens + n, BLOCK_SIZE)
             seq.block_table += self.pool.allocate(needed - len(seq.block_table))
         ordered = batch_order(SchedulerOutput([ScheduledSequence(s, n) for s, n in chunks]))
+        self.runner.kv_cache.zero_fresh(self.pool.num_touched)  # as ModelRunner.execute does
         with torch.inference_mode():
             logits = self.model.compute_logits(self.model(self.runner.build_batch(ordered)))
         row = 0

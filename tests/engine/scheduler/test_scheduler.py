@@ -17,7 +17,7 @@ from engine.scheduler.scheduler import Scheduler, SchedulerOutput
 
 def _scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
-    pool = BlockPool(spec, num_blocks, torch.device("cpu"))
+    pool = BlockPool(spec, num_blocks)
     return Scheduler(KVCacheManager(pool, enable_auto_cache=False), max_num_seqs, budget)
 
 
