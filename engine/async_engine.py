@@ -3,7 +3,10 @@
 asyncio code talks to it in two directions only:
 - commands (add, abort, any callable) go into a thread-safe queue and wake the loop;
 - each request's outputs come back through its own asyncio.Queue, fed with
-  `loop.call_soon_threadsafe`, so the event loop never blocks on torch.
+  `loop.call_soon_threadsafe`, so the event loop never blocks on torch. They carry token ids;
+  `generate()` makes their text on the event loop (`RequestText`: detokenizing, stop strings),
+  so none of that runs between two forward passes. A stop string ends the stream there and
+  aborts the request in the engine.
 Cancelling a `generate()` iterator (client gone, task cancelled) aborts the request in the
 engine, which frees its blocks at the next loop turn.
 
@@ -36,6 +39,7 @@ from engine.registry.registry import MatchReport, ReloadStatus
 from engine.registry.spec import PrefixContract
 from engine.request import EngineRequest
 from engine.stats import EngineStats
+from engine.text.output_processor import RequestText
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,19 +147,22 @@ class AsyncEngine:
         use for it."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
+        text = RequestText(
+            self.tokenizer, request.prompt_token_ids, request.params, self.engine.eos_token_ids
+        )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._submit(lambda: self._add(request_id, request, stream))
-        finished = False
+        is_engine_done = False  # the engine finished it (else: abort it on the way out)
         try:
-            while not finished:
+            while not text.is_finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    is_engine_done = True
                     raise item
-                finished = item.finished
-                yield item
+                is_engine_done = item.finished
+                yield _with_text(text, item, request_id)
         finally:
-            if not finished:  # cancelled or closed early: free the request's blocks
+            if not is_engine_done:  # a stop string, or cancelled / closed early
                 self._submit(lambda: self._abort(request_id, stream))
 
     def abort(self, request_id: str) -> None:
@@ -248,7 +255,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step_tokens()
         except Exception as exc:
             # One bad batch must not kill the server: fail its requests, keep the loop.
             logger.exception("engine step failed; failing the requests in flight")
@@ -293,3 +300,12 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot for metrics and the admin API; safe from any thread."""
         return self.engine.stats()
+
+
+def _with_text(text: RequestText, out: RequestOutput, request_id: str) -> RequestOutput:
+    """The engine's delta with its text; a failure there fails this request alone."""
+    try:
+        return text.process(out)
+    except Exception as exc:
+        logger.exception("post-processing failed for request %s", request_id)
+        raise RequestFailedError(f"post-processing failed: {exc!r}") from exc

@@ -1,6 +1,10 @@
-"""LLMEngine: the synchronous step API over scheduler, runner and detokenizers.
+"""LLMEngine: the synchronous step API over the cache, scheduler and runner.
 
 Not thread-safe: exactly one thread (the AsyncEngine's loop, a test, a benchmark) drives it.
+`step_tokens()` is the engine's own work: one forward, one token per running request, the
+finishes a token decides. Text is the caller's (`engine.text.output_processor`): `step()`
+adds it for synchronous callers; the AsyncEngine makes it on its event loop instead, so no
+request's detokenizing or stop strings sit between two forward passes.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from llguidance import LLMatcher
@@ -33,16 +37,9 @@ from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.scheduler import Scheduler
 from engine.stats import EngineStats, snapshot
 from engine.structured.grammar import GrammarCompiler
-from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.output_processor import RequestText
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _RequestState:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    pending_logprobs: list[SampleLogprobs] | None = None
 
 
 class LLMEngine:
@@ -69,7 +66,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, self.pool, config.torch_device, loaded.has_cpu_kernels
         )
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, Sequence] = {}  # live requests (prefix fills are not)
+        self._texts: dict[str, RequestText] = {}  # step()'s text, per request it has seen
         self._arrivals = itertools.count()
         self.prefixes = PrefixLoader(
             self.registry,
@@ -191,19 +189,23 @@ class LLMEngine:
             tenant=request.tenant,
             matcher=request.grammar.new_matcher() if request.grammar is not None else None,
         )
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
-        )
-        self._requests[request_id] = _RequestState(seq, detok)
+        self._requests[request_id] = seq
         self.scheduler.add(seq)
+        logger.debug(
+            "request %s: %d prompt tokens, max_tokens %s",
+            request_id,
+            seq.num_prompt_tokens,
+            params.max_tokens,
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, None if unknown."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
+        seq = self._requests.pop(request_id, None)
+        self._texts.pop(request_id, None)
+        if seq is None:
             return None
-        self.scheduler.finish(state.seq, "abort")
-        return self._output(state, "", [], "abort")
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [], "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -222,7 +224,38 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, detokenize; return the deltas of this step."""
+        """`step_tokens()` with each delta's text (synchronous callers: tests, the CLI,
+        benchmarks). A stop string finishes its request here, and the engine lets go of it
+        at once."""
+        for request_id, seq in self._requests.items():
+            if request_id not in self._texts:
+                self._texts[request_id] = RequestText(
+                    self.tokenizer, seq.prompt_token_ids, seq.params, self.eos_token_ids
+                )
+        return [self._with_text(out) for out in self.step_tokens()]
+
+    def _with_text(self, out: RequestOutput) -> RequestOutput:
+        text = self._texts.get(out.request_id)
+        if text is None:  # finished or aborted earlier in this step
+            return out
+        try:
+            done = text.process(out)
+        except Exception as exc:  # this request fails alone
+            logger.exception("post-processing failed for request %s", out.request_id)
+            done = self.abort_request(out.request_id) or out
+            done.error = f"post-processing failed: {exc!r}"
+            return done
+        if done.finished:
+            del self._texts[out.request_id]
+            if not out.finished:  # a stop string: the engine stops it now
+                seq = self._requests.pop(out.request_id)
+                self.scheduler.finish(seq, "stop")
+                seq.stop_reason = done.stop_reason
+        return done
+
+    def step_tokens(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; the token-level deltas of this step (no text).
+        The AsyncEngine's thread calls this; the text is made on its event loop."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -253,7 +286,7 @@ class LLMEngine:
         prefixes, prefix fills in flight (KVCacheManager.check_integrity)."""
         self.cache.check_integrity(
             [
-                *(state.seq for state in self._requests.values()),
+                *self._requests.values(),
                 *(p.block_ids for p in self.registry.prefixes.values()),
                 *self.prefixes.block_holders(),
             ]
@@ -272,46 +305,45 @@ class LLMEngine:
             return output
 
     def _append(self, sampled: SampledToken) -> RequestOutput:
+        """The sampled token joins its sequence; the finishes a token decides (a stop or EOS
+        token, a complete grammar, the length) end it here. Stop strings are the text's."""
         seq, token_id = sampled.seq, sampled.token_id
-        state = self._requests[seq.request_id]
         if seq.params.max_tokens == 0:  # the prompt was only to be scored
-            return self._finish(state, "", [], "length", None, None)
+            return self._finish(seq, [], "length", None, None)
         seq.token_ids.append(token_id)
         is_grammar_complete = seq.matcher is not None and _advance(seq.matcher, token_id)
         logprobs = [sampled.logprobs] if sampled.logprobs is not None else None
         finish_reason: str | None
-        stop_reason: str | int | None
+        stop_reason: int | None
         finish_reason, stop_reason = self._stop_by_token(seq, token_id)
-        text = ""
-        if finish_reason is None:  # an EOS or stop token is never turned into text
-            delta = state.detokenizer.step(token_id)
-            text = delta.text
-            if delta.stop_string is not None:
-                finish_reason, stop_reason = "stop", delta.stop_string
         if finish_reason is None and is_grammar_complete:
             finish_reason = "stop"  # the grammar allows nothing more: no step for the EOS
         if finish_reason is None:
             finish_reason = self._stop_by_length(seq)
-        if finish_reason is not None and not isinstance(stop_reason, str):
-            text += state.detokenizer.flush()
         if finish_reason is not None:
-            return self._finish(state, text, [token_id], finish_reason, stop_reason, logprobs)
-        return self._output(state, text, [token_id], None, None, logprobs)
+            return self._finish(seq, [token_id], finish_reason, stop_reason, logprobs)
+        return self._output(seq, [token_id], None, None, logprobs)
 
     def _finish(
         self,
-        state: _RequestState,
-        text: str,
+        seq: Sequence,
         token_ids: list[int],
         finish_reason: str,
-        stop_reason: str | int | None,
+        stop_reason: int | None,
         logprobs: list[SampleLogprobs] | None,
     ) -> RequestOutput:
-        seq = state.seq
         del self._requests[seq.request_id]
         self.scheduler.finish(seq, finish_reason)
         seq.stop_reason = stop_reason
-        return self._output(state, text, token_ids, finish_reason, stop_reason, logprobs)
+        logger.debug(
+            "request %s finished (%s): %d prompt tokens (%d cached), %d generated",
+            seq.request_id,
+            finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            seq.num_output_tokens,
+        )
+        return self._output(seq, token_ids, finish_reason, stop_reason, logprobs)
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         if token_id in seq.params.stop_token_ids:
@@ -330,19 +362,17 @@ class LLMEngine:
 
     def _output(
         self,
-        state: _RequestState,
-        text: str,
+        seq: Sequence,
         token_ids: list[int],
         finish_reason: str | None,
         stop_reason: str | int | None = None,
         logprobs: list[SampleLogprobs] | None = None,
     ) -> RequestOutput:
-        seq = state.seq
         # Prompt logprobs are complete once the prompt is computed: the first output has them.
         is_first = seq.num_output_tokens <= 1 and seq.params.prompt_logprobs is not None
         return RequestOutput(
             request_id=seq.request_id,
-            text=text,
+            text="",
             token_ids=token_ids,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_output_tokens,

@@ -54,9 +54,12 @@ class Job:
     gateway: Gateway
     engine: EngineClient
     ticket: Ticket
-    request_id: str
+    request_id: str  # the API response's id
     requests: list[EngineRequest]  # per choice (several prompts fan out too)
     affinity_key: str | None = None  # the client's prompt_cache_key or user (replica routing)
+    # The HTTP request's x-request-id (the client's own when it sent one): the engine request
+    # of choice i is "{x_request_id}-{i}", so the engine's log lines name what the client sees
+    x_request_id: str | None = None
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     choices: list[Choice] = field(default_factory=list)
@@ -83,8 +86,9 @@ class Job:
             pass
 
     def _streams(self) -> list[AsyncIterator[RequestOutput]]:
+        base = self.x_request_id or self.request_id
         return [
-            self.engine.generate(request, f"{self.request_id}-{i}", self.affinity_key)
+            self.engine.generate(request, f"{base}-{i}", self.affinity_key)
             for i, request in enumerate(self.requests)
         ]
 

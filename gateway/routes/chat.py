@@ -64,6 +64,7 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
         random_id("chatcmpl"),
         fan_out(prepared, body.n),
         body.affinity_key,
+        request.state.request_id,
     )
     if body.stream:
         events = _stream(

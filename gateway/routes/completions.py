@@ -86,7 +86,15 @@ async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> R
     engine = gateway.ready_engine()
     prepared = await gateway.run_blocking(_prepare, engine, body, admitted.caller)
     per_choice = [r for p in prepared for r in fan_out(p, body.n)]  # choice i: prompt i // n
-    job = Job(gateway, engine, admitted.ticket, random_id("cmpl"), per_choice, body.affinity_key)
+    job = Job(
+        gateway,
+        engine,
+        admitted.ticket,
+        random_id("cmpl"),
+        per_choice,
+        body.affinity_key,
+        request.state.request_id,
+    )
     echoes = _echoes(body, engine.tokenizer) if body.echo else None
     output = _Output(gateway.model_name, body.logprobs is not None, echoes, gateway.tokenizer)
     if body.stream:

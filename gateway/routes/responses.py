@@ -84,7 +84,15 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         _prepare, engine, body, history, gateway.config.default_max_tokens, caller
     )
     draft = _draft(body, gateway.model_name)
-    job = Job(gateway, engine, admitted.ticket, draft.id, [prepared], body.affinity_key)
+    job = Job(
+        gateway,
+        engine,
+        admitted.ticket,
+        draft.id,
+        [prepared],
+        body.affinity_key,
+        request.state.request_id,
+    )
     run = ResponseRun(job, draft, body, history, caller.tenant_name)
     if body.stream:
         return TicketedStream(_stream(run, gateway), admitted.ticket)

@@ -720,3 +720,44 @@ def test_a_broken_loop_fails_requests_in_flight_then_refuses_new_ones(
     llm = engine.engine
     llm.check_integrity()
     assert llm.pool.num_free_blocks == llm.pool.num_blocks
+
+
+# -- text is the front end's ----------------------------------------------------------------
+def test_text_is_made_off_the_engine_thread(
+    engine: AsyncEngine, prompt_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detokenizing and stop strings run where the stream is read, never between two forward
+    passes on the engine thread."""
+    threads: set[str] = set()
+    detokenize = IncrementalDetokenizer.step
+
+    def record(self: IncrementalDetokenizer, token_id: int) -> DetokenizerDelta:
+        threads.add(threading.current_thread().name)
+        return detokenize(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step", record)
+    outputs = run(collect(engine, prompt_ids[:6], greedy(4)))
+    assert len(_tokens(outputs)) == 4
+    assert threads == {threading.current_thread().name}
+    assert ENGINE_THREAD not in threads
+
+
+def test_a_stop_string_ends_the_stream_and_the_engine_lets_go_of_the_request(
+    engine: AsyncEngine, prompt_ids: list[int], tiny_tokenizer: PreTrainedTokenizerFast
+) -> None:
+    full = run(collect(engine, prompt_ids[:6], greedy(12)))
+    text = "".join(o.text for o in full)
+    pieces = [o.text for o in full if o.text.strip()]
+    stop = pieces[len(pieces) // 2]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+
+    async def scenario() -> list[RequestOutput]:
+        outputs = await collect(engine, prompt_ids[:6], params)
+        await assert_idle(engine)  # aborted in the engine, blocks back in the pool
+        return outputs
+
+    outputs = run(scenario())
+    assert "".join(o.text for o in outputs) == text[: text.index(stop)]
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop)
+    assert _tokens(outputs) == _tokens(full)[: len(outputs)]
+    assert len(outputs) < len(full)

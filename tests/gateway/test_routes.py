@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -500,3 +501,21 @@ def test_suffix_without_a_fill_in_the_middle_format_is_400(client: TestClient) -
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("suffix", "unsupported_value")
     assert error["message"].startswith("suffix needs a model with a fill-in-the-middle format")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", {**CHAT, "n": 2}), ("/v1/completions", {**COMPLETION, "n": 2})],
+)
+def test_the_client_s_request_id_names_its_engine_requests(
+    client: TestClient, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any]
+) -> None:
+    """What a client sends as x-request-id is what the engine's log lines say: choice i is
+    engine request "<x-request-id>-<i>"."""
+    with caplog.at_level(logging.DEBUG, logger="engine.llm_engine"):
+        response = client.post(path, json=body, headers={"x-request-id": "trace-7f3a"})
+    assert response.status_code == 200
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine.llm_engine"]
+    named = {m.split(":")[0].split(" finished")[0] for m in messages if m.startswith("request ")}
+    assert named == {"request trace-7f3a-0", "request trace-7f3a-1"}
+    assert sum(" finished (length)" in m for m in messages) == 2
