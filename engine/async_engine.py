@@ -39,7 +39,7 @@ from engine.registry.registry import MatchReport, ReloadStatus
 from engine.registry.spec import PrefixContract
 from engine.request import EngineRequest
 from engine.stats import EngineStats
-from engine.text.output_processor import RequestText
+from engine.text.detokenizer import RequestText
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Not thread-safe: exactly one thread (the AsyncEngine's loop, a test, a benchmark) drives it.
 `step_tokens()` is the engine's own work: one forward, one token per running request, the
-finishes a token decides. Text is the caller's (`engine.text.output_processor`): `step()`
+finishes a token decides. Text is the caller's (`engine.text.detokenizer.RequestText`): `step()`
 adds it for synchronous callers; the AsyncEngine makes it on its event loop instead, so no
 request's detokenizing or stop strings sit between two forward passes.
 """
@@ -37,7 +37,7 @@ from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.scheduler import Scheduler
 from engine.stats import EngineStats, snapshot
 from engine.structured.grammar import GrammarCompiler
-from engine.text.output_processor import RequestText
+from engine.text.detokenizer import RequestText
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 
 from gateway import errors
+from gateway.engine_client import EngineClient
 from gateway.protocol import GenerationBase, json_type_name
 from gateway.state import Gateway
 from gateway.tenants import Caller
@@ -47,11 +48,13 @@ _DISCARD_FACTOR = 8
 
 @dataclass(frozen=True, slots=True)
 class Admitted(Generic[Generation]):
-    """An admitted generation request: validated body, its open ticket, and who sent it."""
+    """An admitted generation request: validated body, its open ticket, who sent it, and the
+    ready engine it goes to (asked for once, before the body was read)."""
 
     body: Generation
     ticket: Ticket
     caller: Caller
+    engine: EngineClient
 
 
 async def admit(request: Request, body_type: type[Generation]) -> Admitted[Generation]:
@@ -61,7 +64,7 @@ async def admit(request: Request, body_type: type[Generation]) -> Admitted[Gener
     caller = gateway.check_auth(request)
     ticket = gateway.open_ticket()
     try:
-        gateway.ready_engine()
+        engine = gateway.ready_engine()
         body = await read_model(request, body_type)
         gateway.check_model(body.model)
         _check_num_prompts(body.num_prompts, gateway.config.max_prompts)
@@ -69,7 +72,7 @@ async def admit(request: Request, body_type: type[Generation]) -> Admitted[Gener
     except BaseException:
         ticket.close()
         raise
-    return Admitted(body, ticket, caller)
+    return Admitted(body, ticket, caller, engine)
 
 
 def _check_num_prompts(num_prompts: int, max_prompts: int) -> None:

@@ -22,17 +22,17 @@ class KVCache:
         self.spec = spec
         self.k_cache = torch.empty(shape, dtype=spec.dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=spec.dtype, device=device)
-        self._num_zeroed = 0
+        self.num_zeroed = 0
 
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache[layer], self.v_cache[layer]
 
     def zero_fresh(self, num_touched: int) -> None:
         """Zero blocks [already zeroed, num_touched): those handed out since the last call."""
-        if num_touched > self._num_zeroed:
-            self.k_cache[:, self._num_zeroed : num_touched].zero_()
-            self.v_cache[:, self._num_zeroed : num_touched].zero_()
-            self._num_zeroed = num_touched
+        if num_touched > self.num_zeroed:
+            self.k_cache[:, self.num_zeroed : num_touched].zero_()
+            self.v_cache[:, self.num_zeroed : num_touched].zero_()
+            self.num_zeroed = num_touched
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a partially shared block)."""

@@ -59,7 +59,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the scheduled chunks; sample one token per sequence that reached its end."""
-        self.kv_cache.zero_fresh(self.pool.num_touched)  # before any copy lands in them
+        if self.pool.num_touched > self.kv_cache.num_zeroed:  # before any copy lands in them
+            self.kv_cache.zero_fresh(self.pool.num_touched)
         self._copy_blocks(out, after_forward=False)
         ordered = batch_order(out)
         sampling = [item for item in ordered if item.is_sampling]

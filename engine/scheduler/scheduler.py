@@ -150,6 +150,8 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         self.cache.begin_step()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

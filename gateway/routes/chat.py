@@ -53,7 +53,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
-    engine = gateway.ready_engine()
+    engine = admitted.engine
     prepared = await gateway.run_blocking(
         prepare_chat, engine, body, gateway.config.default_max_tokens, admitted.caller
     )
@@ -156,9 +156,9 @@ async def _stream(
     """Content deltas as they come; with tools, text that turns out to be calls is held
     (gateway/tool_stream.py) and sent as tool-call deltas when its choice ends, each call
     whole."""
-    tokenizer = job.gateway.tokenizer
+    tokenizer = job.engine.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
-    texts = [ToolCallText.of(uses_tools) for _ in job.choices]
+    texts = [ToolCallText.of(True) for _ in job.choices] if uses_tools else None
 
     def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
         return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])
@@ -167,13 +167,13 @@ async def _stream(
         yield delta(choice.index, DeltaMessage(role="assistant", content=""))
     async for choice, out in job.run():
         index = choice.index
-        text = texts[index].feed(out.text)
+        text = texts[index].feed(out.text) if texts is not None else out.text
         logprobs = chat_logprobs(tokenizer, out.logprobs or []) if want_logprobs else None
         if text or logprobs is not None:
             yield delta(index, DeltaMessage(content=text), logprobs=logprobs)
         if out.finished:
             reason = api_finish_reason(out.finish_reason)
-            content, calls = texts[index].finish()
+            content, calls = texts[index].finish() if texts is not None else ("", [])
             if content:
                 yield delta(index, DeltaMessage(content=content))
             if calls:

@@ -83,7 +83,7 @@ async def create_completion(request: Request) -> Response:
 
 async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
-    engine = gateway.ready_engine()
+    engine = admitted.engine
     prepared = await gateway.run_blocking(_prepare, engine, body, admitted.caller)
     per_choice = [r for p in prepared for r in fan_out(p, body.n)]  # choice i: prompt i // n
     job = Job(

@@ -71,7 +71,7 @@ async def stored_response(request: Request) -> Response:
 
 async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
-    engine = gateway.ready_engine()
+    engine = admitted.engine
     caller = admitted.caller
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:

@@ -7,7 +7,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from engine import RequestOutput, SamplingParams
-from engine.text.output_processor import RequestText
+from engine.text.detokenizer import RequestText
 
 PROMPT = "Tell me about the fox."
 
