@@ -1,10 +1,17 @@
-"""Engine logprobs -> the OpenAI shapes (chat: per-token objects; completions: parallel lists)."""
+"""Engine logprobs -> the OpenAI shapes (chat: per-token objects; completions: parallel lists).
+
+A streamed token with `top_logprobs: 20` names 21 tokens; decoding each with the tokenizer on
+the event loop, token after token, stream after stream, is what `TokenPieces` avoids: every
+token's text and bytes are decoded once per tokenizer, in the worker pool when the engine
+comes up (`Gateway.start`), and looked up after that.
+"""
 
 from __future__ import annotations
 
 import codecs
 import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from engine import SampleLogprobs
@@ -16,19 +23,51 @@ from gateway.protocol import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class TokenPieces:
+    """Every token id's logprob text and bytes, for one tokenizer (ids past its length, which
+    a model's padded vocabulary can sample, are decoded when asked)."""
+
+    pieces: list[str]
+    raw: list[bytes]
+
+
+@functools.lru_cache(maxsize=4)
+def token_pieces(tokenizer: Any) -> TokenPieces:
+    """Built once per tokenizer (~0.5 s for a 49k vocabulary): call it off the event loop."""
+    ids = range(len(tokenizer))
+    return TokenPieces(
+        [_decode_piece(tokenizer, i) for i in ids], [_bytes(tokenizer, i) for i in ids]
+    )
+
+
 def _piece(tokenizer: Any, token_id: int) -> str:
-    """The token as text; a token holding part of a multi-byte character is written as its
-    bytes, OpenAI style ("bytes:\\xe6\\x97"), so distinct tokens never share a key."""
-    text = str(tokenizer.decode([token_id]))
-    if "\ufffd" not in text:
-        return text
-    raw = token_bytes(tokenizer, token_id)
-    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    table = token_pieces(tokenizer)
+    return (
+        table.pieces[token_id]
+        if token_id < len(table.pieces)
+        else _decode_piece(tokenizer, token_id)
+    )
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The exact bytes a token stands for (byte-level BPE, SentencePiece byte fallback, or
     plain text), which clients join to rebuild text that tokens split mid-character."""
+    table = token_pieces(tokenizer)
+    return table.raw[token_id] if token_id < len(table.raw) else _bytes(tokenizer, token_id)
+
+
+def _decode_piece(tokenizer: Any, token_id: int) -> str:
+    """The token as text; a token holding part of a multi-byte character is written as its
+    bytes, OpenAI style ("bytes:\\xe6\\x97"), so distinct tokens never share a key."""
+    text = str(tokenizer.decode([token_id]))
+    if "\ufffd" not in text:
+        return text
+    raw = _bytes(tokenizer, token_id)
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _bytes(tokenizer: Any, token_id: int) -> bytes:
     token = tokenizer.convert_ids_to_tokens(token_id)
     fallback = _BYTE_FALLBACK.fullmatch(token)
     if fallback:

@@ -21,6 +21,7 @@ from engine import AsyncEngine, EngineStats
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ReplicaHealth, ReplicaSetView
+from gateway.logprobs import token_pieces
 from gateway.metrics import GatewayMetrics
 from gateway.response_store import ResponseStore
 from gateway.tenants import Caller, KeyRing
@@ -63,8 +64,10 @@ class Gateway:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the engine (model + registry prefill) off the event loop."""
+        """Load the engine (model + registry prefill) off the event loop, and decode the
+        logprob texts of its vocabulary there too (not per streamed token on the loop)."""
         if self.engine is not None:
+            await self.run_blocking(token_pieces, self.engine.tokenizer)
             return
         engine = self._connect()
         try:
@@ -73,6 +76,7 @@ class Gateway:
             logger.exception("engine failed to start")
             self.load_error = str(exc)
             raise
+        await self.run_blocking(token_pieces, engine.tokenizer)
         self.engine = engine
         self.metrics.model_name = self.model_name
         logger.info(

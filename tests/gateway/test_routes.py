@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -519,3 +520,32 @@ def test_the_client_s_request_id_names_its_engine_requests(
     named = {m.split(":")[0].split(" finished")[0] for m in messages if m.startswith("request ")}
     assert named == {"request trace-7f3a-0", "request trace-7f3a-1"}
     assert sum(" finished (length)" in m for m in messages) == 2
+
+
+def test_logprob_token_texts_are_decoded_once_at_start_off_the_event_loop(
+    engine_config: EngineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Top logprobs name 21 tokens per streamed token: their texts come from a table the
+    worker pool decoded when the app started, never from the tokenizer on the event loop."""
+    from gateway import logprobs
+
+    threads: list[str] = []
+    decode = logprobs._decode_piece
+
+    def record(tokenizer: Any, token_id: int) -> str:
+        threads.append(threading.current_thread().name)
+        return decode(tokenizer, token_id)
+
+    monkeypatch.setattr(logprobs, "_decode_piece", record)
+    logprobs.token_pieces.cache_clear()
+    engine = AsyncEngine(engine_config, engine=LLMEngine(engine_config))
+    app = create_app(GatewayConfig(engine=engine_config), engine=engine)
+    with TestClient(app) as client:
+        at_start = set(threads)
+        threads.clear()
+        body = {**CHAT, "logprobs": True, "top_logprobs": 5, "stream": True}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200 and '"top_logprobs"' in response.text
+    logprobs.token_pieces.cache_clear()  # the table holds this test's tokenizer
+    assert len(at_start) == 1 and next(iter(at_start)).startswith("prefixgate-tokenize")
+    assert threads == []
