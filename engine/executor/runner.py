@@ -15,6 +15,7 @@ from engine.executor.attention import (
     decode_mask,
     prefill_mask,
 )
+from engine.executor.input_batch import InputBatch
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import CausalLM
 from engine.executor.sampler import Sampler, SamplingBatch, score_tokens
@@ -53,12 +54,15 @@ class ModelRunner:
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
         self.kv_cache = KVCache(pool.spec, pool.num_blocks, device)
+        self.input_batch = InputBatch()
         for i, layer in enumerate(model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache.layer_caches(i)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the scheduled chunks; sample one token per sequence that reached its end."""
+        if out.released_ids:
+            self.input_batch.release(out.released_ids)
         if self.pool.num_touched > self.kv_cache.num_zeroed:  # before any copy lands in them
             self.kv_cache.zero_fresh(self.pool.num_touched)
         self._copy_blocks(out, after_forward=False)
@@ -143,16 +147,17 @@ class ModelRunner:
             token_start += n
 
     def build_batch(self, ordered: list[ScheduledSequence]) -> ForwardBatch:
-        """Flatten the step's chunks (in `batch_order`) into the tensors the model reads."""
+        """Flatten the step's chunks (in `batch_order`) into the tensors the model reads:
+        prefill spans from their token lists, decodes from their rows of the input batch."""
         prefills = [s for s in ordered if s.num_new_tokens > 1]
-        decodes = ordered[len(prefills) :]
+        decodes = [item.seq for item in ordered[len(prefills) :]]
         block_size = self.pool.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
         spans: list[PrefillSpan] = []
-        for item in ordered:
+        for item in prefills:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             token_start = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
@@ -164,16 +169,31 @@ class ModelRunner:
             )
             if item.is_sampling:
                 logits_indices.append(token_start + n - 1)
-            if n > 1:
-                spans.append(self._span(seq, token_start, n))
-        num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
+            spans.append(self._span(seq, token_start, n))
+        num_prefill_tokens = len(input_ids)
+        rows = self.input_batch.rows(decodes) if decodes else []
+        decode_positions = [seq.num_computed_tokens for seq in decodes]
+        input_ids += [seq.token_ids[p] for seq, p in zip(decodes, decode_positions, strict=True)]
+        logits_indices += [
+            num_prefill_tokens + i
+            for i, item in enumerate(ordered[len(prefills) :])
+            if item.is_sampling
+        ]
+        row_ids = torch.tensor(rows, dtype=torch.long)
+        decode_pos = torch.tensor(decode_positions, dtype=torch.long)
+        tables = self.input_batch.block_tables
+        decode_slots = tables[row_ids, decode_pos // block_size] * block_size + (
+            decode_pos % block_size
+        )  # [num_decodes]
         return ForwardBatch(
             input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
+            positions=self._tensor(positions + decode_positions),
+            slot_mapping=torch.cat([torch.tensor(slots, dtype=torch.long), decode_slots]).to(
+                self.device
+            ),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
-            decode_groups=self._decode_groups([d.seq for d in decodes]),
+            decode_groups=self._decode_groups(decodes, row_ids),
             logits_indices=self._tensor(logits_indices),
             use_cpu_kernels=self.use_cpu_kernels,
         )
@@ -192,9 +212,9 @@ class ModelRunner:
             mask=mask,
         )
 
-    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+    def _decode_groups(self, seqs: list[Sequence], row_ids: torch.Tensor) -> list[DecodeGroup]:
         """Decodes sharing a registry prefix's blocks form a cascade group (2+ members);
-        everything else is one plain group."""
+        everything else is one plain group. `row_ids`: each decode's input-batch row."""
         by_prefix: dict[tuple[int, ...], list[int]] = {}
         for row, seq in enumerate(seqs):
             key = tuple(seq.block_table[: seq.num_shared_blocks])
@@ -202,17 +222,21 @@ class ModelRunner:
         plain = by_prefix.pop((), [])
         for key in [k for k, rows in by_prefix.items() if len(rows) == 1]:
             plain += by_prefix.pop(key)
-        groups = [self._group(seqs, sorted(plain), 0)] if plain else []
-        groups += [self._group(seqs, rows, len(key)) for key, rows in by_prefix.items()]
+        groups = [self._group(seqs, row_ids, sorted(plain), 0)] if plain else []
+        groups += [self._group(seqs, row_ids, rows, len(key)) for key, rows in by_prefix.items()]
         return groups
 
-    def _group(self, seqs: list[Sequence], rows: list[int], num_shared: int) -> DecodeGroup:
+    def _group(
+        self, seqs: list[Sequence], row_ids: torch.Tensor, rows: list[int], num_shared: int
+    ) -> DecodeGroup:
         block_size = self.pool.block_size
-        tables = [seqs[r].block_table[num_shared:] for r in rows]
         lens = [seqs[r].num_computed_tokens + 1 - num_shared * block_size for r in rows]
         max_blocks = -(-max(lens) // block_size)
-        # Pad with block 0: padded key slots are masked out (or never read), whatever they hold.
-        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+        # Each row's blocks after the shared prefix, then whatever its row holds past them:
+        # key slots beyond a row's context length are masked out (or never read).
+        columns = slice(num_shared, num_shared + max_blocks)
+        group_rows = row_ids if len(rows) == len(seqs) else row_ids[rows]
+        tables = self.input_batch.block_tables[group_rows, columns]
         context_lens = self._tensor(lens)
         mask = None
         if not self.use_cpu_kernels:
@@ -220,7 +244,7 @@ class ModelRunner:
         return DecodeGroup(
             rows=self._tensor(rows),
             prefix_blocks=self._prefix_blocks(seqs[rows[0]].block_table[:num_shared]),
-            block_tables=self._tensor(padded),  # [G, max_blocks]
+            block_tables=tables.to(self.device),  # [G, max_blocks]
             context_lens=context_lens,
             mask=mask,
         )

@@ -285,10 +285,10 @@ class KVCacheManager:
         """Blocks for `num_new` more tokens of `seq` (evicting cached free blocks if needed):
         the blocks added to its table (often none), or None, and nothing taken, when the pool
         cannot provide them."""
-        needed = num_blocks_for(seq.num_computed_tokens + num_new, self.block_size)
-        missing = needed - len(seq.block_table)
-        if missing <= 0:
-            return []
+        num_tokens = seq.num_computed_tokens + num_new
+        if num_tokens <= len(seq.block_table) * self.block_size:
+            return []  # its blocks have room (most decode steps)
+        missing = num_blocks_for(num_tokens, self.block_size) - len(seq.block_table)
         if not self.pool.can_allocate(missing):
             return None
         new_blocks = self.pool.allocate(missing)

@@ -64,6 +64,9 @@ class SchedulerOutput:
     # Copies of partially shared tail blocks, before or after this step's forward (the
     # executor owns the K/V data and runs them)
     copies: list[BlockCopy] = field(default_factory=list)
+    # Sequences that left the running set since the last step (finished, aborted, handed
+    # over, preempted): the executor forgets their rows
+    released_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -87,6 +90,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._released_ids: list[str] = []  # for the next SchedulerOutput
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,6 +117,7 @@ class Scheduler:
 
     def detach(self, seq: Sequence) -> None:
         """Remove a sequence from the queues; its blocks stay with the caller (a new owner)."""
+        self._released_ids.append(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -138,6 +143,8 @@ class Scheduler:
             budget -= num_new
         if not out.preempted:
             self._admit_waiting(out, budget)
+        if not out.is_empty:  # an empty output runs nothing: the ids wait for the next one
+            out.released_ids, self._released_ids = self._released_ids, []
         return out
 
     def on_step_done(self, out: SchedulerOutput) -> None:
@@ -225,6 +232,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self._released_ids.append(seq.request_id)
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0

@@ -255,3 +255,18 @@ def test_duplicates_with_different_cache_salts_are_not_shared(
     # Two prefills (one per salt); the third request shared tenant a's.
     assert engine.runner.num_forward_tokens - start == 2 * len(prompt)
     _assert_all_free(engine)
+
+
+def test_the_input_batch_gives_back_the_rows_of_finished_requests(tiny_llama_path: Path) -> None:
+    """A finished request's block-table row is released by the next step that runs, however
+    long the engine was idle in between: many requests never grow the table."""
+    engine = tiny_engine(tiny_llama_path)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    batch = engine.runner.input_batch
+    num_rows = batch.block_tables.shape[0]
+    for round_ in range(3):
+        engine.generate([[1 + i, 2, 3 + round_] for i in range(num_rows)], params)
+        assert engine.step() == []  # idle: nothing runs, nothing is released yet
+    engine.generate([[7, 7, 7]], params)
+    assert len(batch._row_of) == 1  # only the last request's row, until the next step
+    assert batch.block_tables.shape[0] == num_rows
