@@ -1,9 +1,11 @@
 """InputBatch: the decoding sequences' block tables, kept between steps.
 
-Every step used to rebuild each decoding sequence's block table (padded to the longest) and
-slot from Python lists. Here each decoding sequence owns a row of one preallocated table, as
-in vLLM v1's InputBatch / BlockTable: a row is written whole once, then gains only the blocks
-its sequence gained, and a step reads its rows' tables as one tensor index instead of lists.
+Every step used to rebuild each decoding sequence's block table, padded to the longest, from
+Python lists (150 us a step at batch 32 on a 2-core EPYC). Here each decoding sequence owns a
+row of one preallocated table, as in vLLM v1's InputBatch / BlockTable: a row is written
+whole once, then gains only the blocks its sequence gained, and a decode group's tables are
+one index of its rows (18 us at batch 32). Slots stay a Python list: one tensor from a list
+beats a vectorized gather at these batch sizes on CPU (10 vs 37 us at batch 32).
 A row is given back when its sequence finishes or is preempted (`release`, from the
 scheduler's output); a recomputed or re-admitted sequence is written whole again.
 
