@@ -346,11 +346,10 @@ class LLMEngine:
         return self._output(seq, token_ids, finish_reason, stop_reason, logprobs)
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
-        if token_id in seq.params.stop_token_ids:
-            return "stop", token_id
-        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-            return "stop", None
-        return None, None
+        """("stop", the stop token id, or None for EOS) when `token_id` ends `seq`."""
+        if not seq.params.is_stop_token(token_id, self.eos_token_ids):
+            return None, None
+        return "stop", token_id if token_id in seq.params.stop_token_ids else None
 
     def _stop_by_length(self, seq: Sequence) -> str | None:
         max_tokens = seq.params.max_tokens

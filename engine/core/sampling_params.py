@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -123,6 +123,13 @@ class SamplingParams:
             "stop_token_ids must be non-negative integers",
             "stop_token_ids",
         )
+
+    def is_stop_token(self, token_id: int, eos_token_ids: Collection[int]) -> bool:
+        """A token the request ends on without showing it: a stop token, or EOS unless
+        ignored. The engine finishes on it; the text side turns it into no text."""
+        if token_id in self.stop_token_ids:
+            return True
+        return token_id in eos_token_ids and not self.ignore_eos
 
     @property
     def is_greedy(self) -> bool:

@@ -208,7 +208,9 @@ class RequestText:
             return out
         text, finish_reason, stop_reason = "", out.finish_reason, out.stop_reason
         for token_id in out.token_ids:
-            if finish_reason is not None and self._is_stop_token(token_id):
+            if finish_reason is not None and self.params.is_stop_token(
+                token_id, self.eos_token_ids
+            ):
                 break
             delta = self.detokenizer.step(token_id)
             text += delta.text
@@ -219,12 +221,6 @@ class RequestText:
             text += self.detokenizer.flush()
         self.is_finished = finish_reason is not None
         return replace(out, text=text, finish_reason=finish_reason, stop_reason=stop_reason)
-
-    def _is_stop_token(self, token_id: int) -> bool:
-        """What the engine finishes on without showing it (LLMEngine._stop_by_token)."""
-        if token_id in self.params.stop_token_ids:
-            return True
-        return token_id in self.eos_token_ids and not self.params.ignore_eos
 
 
 def _context_ids(prompt_token_ids: Sequence[int], skipped_ids: frozenset[int]) -> list[int]:
