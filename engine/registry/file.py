@@ -43,11 +43,15 @@ def load_prefix_file(
     path: Path, tokenizer: PreTrainedTokenizerBase, max_model_len: int
 ) -> list[PrefixSpec]:
     """Read, validate and render the prefixes file at `path`; see `parse_prefix_text`."""
+    return parse_prefix_bytes(read_prefix_file(path), path, tokenizer, max_model_len)
+
+
+def read_prefix_file(path: Path) -> bytes:
+    """The file's bytes, or a RegistryFileError saying why they cannot be read."""
     try:
-        content = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise RegistryFileError(path, [f"cannot read the file: {exc}"]) from exc
-    return parse_prefix_bytes(content, path, tokenizer, max_model_len)
 
 
 def parse_prefix_bytes(

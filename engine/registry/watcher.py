@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.core.errors import InvalidRequestError
-from engine.registry.file import parse_prefix_bytes
+from engine.registry.file import parse_prefix_bytes, read_prefix_file
 from engine.registry.spec import PrefixSpec, RegistryFileError
 from engine.structured.grammar import GrammarCompiler
 
@@ -47,10 +47,10 @@ class PrefixFileWatcher:
         if self.path is None:
             raise RegistryFileError(Path("<none>"), ["no prefix file is configured"])
         try:
-            content = self.path.read_bytes()
-        except OSError as exc:
+            content = read_prefix_file(self.path)
+        except RegistryFileError:
             self._read_digest = self._settling_digest = None
-            raise RegistryFileError(self.path, [f"cannot read the file: {exc}"]) from exc
+            raise
         self._read_digest = self._settling_digest = _digest(content)
         specs = parse_prefix_bytes(content, self.path, self.tokenizer, self.max_model_len)
         self._compile_contracts(specs, self.path)

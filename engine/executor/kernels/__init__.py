@@ -92,25 +92,13 @@ def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
 
     A failed build is logged as a warning and reported, not raised: the engine then serves
     on its torch paths."""
-    from torch.utils.cpp_extension import load
-
-    key = kernel_cache_key()
-    build_dir = cache_dir / "kernels" / key
+    build_dir = cache_dir / "kernels" / kernel_cache_key()
     started = time.perf_counter()
-    _put_ninja_on_path()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
             logger.info("compiling the CPU kernels once into %s (about 30 s)", build_dir)
-        load(
-            name=f"prefixgate_kernels_{key}",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=compile_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        compile_and_load(cache_dir)
     except (OSError, RuntimeError, ImportError) as exc:
         build = KernelBuild(kernel_target(), False, _one_line(exc))
         logger.warning(
@@ -124,6 +112,24 @@ def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
         "CPU kernels ready (%s) in %.1f s", " ".join(compile_flags()), time.perf_counter() - started
     )
     return KernelBuild(kernel_target(), True)
+
+
+def compile_and_load(cache_dir: Path, verbose: bool = False) -> None:
+    """The build itself (torch.utils.cpp_extension: ninja, then the .so loaded); raises
+    what the compiler or the loader raised. `verbose`: the compiler's output on stdout."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    key = kernel_cache_key()
+    load(
+        name=f"prefixgate_kernels_{key}",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=compile_flags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(cache_dir / "kernels" / key),
+        is_python_module=False,
+        verbose=verbose,
+    )
 
 
 def _put_ninja_on_path() -> None:

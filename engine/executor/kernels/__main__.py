@@ -10,13 +10,17 @@ from pathlib import Path
 
 import torch
 
-from engine.executor.kernels import build_cpu_kernels, compile_flags, kernel_cache_key
+from engine.core.config import default_cache_dir
+from engine.executor.kernels import (
+    build_cpu_kernels,
+    compile_and_load,
+    compile_flags,
+    kernel_cache_key,
+)
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from engine.core.config import default_cache_dir  # the server's own cache dir
-
     cache_dir: Path = default_cache_dir()
     print(
         f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
@@ -32,22 +36,9 @@ def main() -> int:
 
 
 def _show_compiler_output(cache_dir: Path) -> None:
-    """Rebuild verbosely so the compiler's own messages reach the terminal."""
-    from torch.utils.cpp_extension import load
-
-    from engine.executor.kernels import SOURCES
-
-    key = kernel_cache_key()
+    """Build again, verbosely, so the compiler's own messages reach the terminal."""
     try:
-        load(
-            name=f"prefixgate_kernels_{key}",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=compile_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(cache_dir / "kernels" / key),
-            is_python_module=False,
-            verbose=True,
-        )
+        compile_and_load(cache_dir, verbose=True)
     except (OSError, RuntimeError, ImportError) as exc:
         print(exc, file=sys.stderr)
 
