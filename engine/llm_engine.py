@@ -248,9 +248,7 @@ class LLMEngine:
         if done.finished:
             del self._texts[out.request_id]
             if not out.finished:  # a stop string: the engine stops it now
-                seq = self._requests.pop(out.request_id)
-                self.scheduler.finish(seq, "stop")
-                seq.stop_reason = done.stop_reason
+                self._release(self._requests[out.request_id], "stop", done.stop_reason)
         return done
 
     def step_tokens(self) -> list[RequestOutput]:
@@ -332,6 +330,11 @@ class LLMEngine:
         stop_reason: int | None,
         logprobs: list[SampleLogprobs] | None,
     ) -> RequestOutput:
+        self._release(seq, finish_reason, stop_reason)
+        return self._output(seq, token_ids, finish_reason, stop_reason, logprobs)
+
+    def _release(self, seq: Sequence, finish_reason: str, stop_reason: str | int | None) -> None:
+        """A request ends: out of the engine, its blocks back to the cache."""
         del self._requests[seq.request_id]
         self.scheduler.finish(seq, finish_reason)
         seq.stop_reason = stop_reason
@@ -343,7 +346,6 @@ class LLMEngine:
             seq.num_cached_tokens,
             seq.num_output_tokens,
         )
-        return self._output(seq, token_ids, finish_reason, stop_reason, logprobs)
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         """("stop", the stop token id, or None for EOS) when `token_id` ends `seq`."""
