@@ -48,6 +48,7 @@ class Gateway:
         self.load_error: str | None = None
         self.created = int(time.time())
         self.waiting = WaitingQueue(config.max_waiting)
+        self.cpu_kernels: str | None = None  # the engine's kernel target, once it started
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
@@ -67,7 +68,7 @@ class Gateway:
         """Load the engine (model + registry prefill) off the event loop, and decode the
         logprob texts of its vocabulary there too (not per streamed token on the loop)."""
         if self.engine is not None:
-            await self.run_blocking(token_pieces, self.engine.tokenizer)
+            await self._facts_of(self.engine)
             return
         engine = self._connect()
         try:
@@ -76,7 +77,7 @@ class Gateway:
             logger.exception("engine failed to start")
             self.load_error = str(exc)
             raise
-        await self.run_blocking(token_pieces, engine.tokenizer)
+        await self._facts_of(engine)
         self.engine = engine
         self.metrics.model_name = self.model_name
         logger.info(
@@ -148,12 +149,12 @@ class Gateway:
             return self.config.served_model_name
         return self.engine.model_name if self.engine is not None else "loading"
 
-    @property
-    def cpu_kernels(self) -> str | None:
-        """The engine's C++ CPU kernel target, or "off"; None before the engine is up."""
-        if self.engine is None or not self.engine.is_running:
-            return None
-        return self.engine.stats().cpu_kernels
+    async def _facts_of(self, engine: EngineClient) -> None:
+        """What a started engine will not change, read once: the C++ kernels' target for
+        /health, the logprob texts of its vocabulary (in the worker pool, not per streamed
+        token on the loop)."""
+        self.cpu_kernels = engine.stats().cpu_kernels
+        await self.run_blocking(token_pieces, engine.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
