@@ -174,14 +174,18 @@ class ModelRunner:
             if n > 1:
                 spans.append(self._span(seq, token_start, n))
         num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
-        rows = self.input_batch.rows(decodes) if decodes else []
+        groups = (
+            self._decode_groups(decodes, torch.tensor(self.input_batch.rows(decodes)))
+            if decodes
+            else []
+        )
         return ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
-            decode_groups=self._decode_groups(decodes, torch.tensor(rows, dtype=torch.long)),
+            decode_groups=groups,
             logits_indices=self._tensor(logits_indices),
             use_cpu_kernels=self.use_cpu_kernels,
         )
