@@ -1,8 +1,8 @@
 """Single-stream decode, in-process: the engine's batch-1 step at a given context, next to the
-bandwidth floor of its weight format; and the linear-layer sweep behind `DENSE_ABOVE_ROWS`.
+bandwidth floor of its weight format; and a linear-layer sweep, quantized kernel vs dense GEMM.
 
     .venv/bin/python tools/bench_decode_step.py [--context 1000] [--steps 60] [--out r.json]
-        [--config auto:auto:on --config bfloat16:none:off ...]    # dtype:quantization:compile
+        [--config auto:auto:on:float32 ...]    # dtype:quantization:compile[:kv cache dtype]
     .venv/bin/python tools/bench_decode_step.py --linears          # quantized vs dense by rows
 
 A step here is `LLMEngine.step()` with one running greedy request: scheduling, the forward,
@@ -53,14 +53,9 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Bytes of the linears a batch-1 step reads: codes and scales where the quantized kernel
     runs, the packed or plain weight elsewhere (a dense copy included where it serves)."""
     total = 0
-    modules = list(engine.runner.model.modules())
-    # a dense copy serves batch 1 only where the kernel is off (max_rows 0: `--no-compile`)
-    idle_copies = {id(m.dense) for m in modules if isinstance(m, QuantizedLinear) and m.max_rows}
-    for module in modules:
-        if id(module) in idle_copies:
-            continue  # prefill-sized calls only
-        if isinstance(module, QuantizedLinear):
-            total += module.num_weight_bytes if module.max_rows else 0
+    for module in engine.runner.model.modules():
+        if isinstance(module, QuantizedLinear):  # its dense copy, where kept, is counted below
+            total += module.num_weight_bytes if module.dense is None else 0
         elif isinstance(module, PackedLinear):
             total += module.packed_weight.nbytes
         elif isinstance(module, torch.nn.Linear):
@@ -69,11 +64,12 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
 
 
 def decode_step(config: str, context: int, steps: int) -> dict[str, Any]:
-    dtype, quantization, compiled = config.split(":")
+    dtype, quantization, compiled, *kv = config.split(":")
     engine = LLMEngine(
         EngineConfig(
             dtype=dtype,
             quantization=quantization,
+            kv_cache_dtype=kv[0] if kv else "auto",
             enable_compile=compiled == "on",
             kv_cache_memory=256 << 20,
             max_model_len=max(2048, context + steps + 16),
@@ -98,6 +94,7 @@ def decode_step(config: str, context: int, steps: int) -> dict[str, Any]:
     return {
         "config": config,
         "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
+        "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "decode_kernel": engine.runner.use_cpu_kernels,
         "context": context,
         "step_p50_ms": 1000 * statistics.median(times),
@@ -119,7 +116,7 @@ def linear_sweep(rows: tuple[int, ...], repeats: int = 10) -> list[dict[str, Any
             linear = torch.nn.Linear(k, n, bias=False)
             quantized, weight = quantize_weight(linear.weight.detach(), 4, dtype)
             linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-            layers.append(QuantizedLinear(quantized, None, PackedLinear(linear), max_rows=1 << 30))
+            layers.append((QuantizedLinear(quantized, None, None), PackedLinear(linear)))
     results = []
     for m in rows:
         inputs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
@@ -132,12 +129,15 @@ def linear_sweep(rows: tuple[int, ...], repeats: int = 10) -> list[dict[str, Any
 
 
 def _time_pass(
-    layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor], dense: bool, repeats: int
+    layers: list[tuple[QuantizedLinear, PackedLinear]],
+    inputs: dict[int, torch.Tensor],
+    dense: bool,
+    repeats: int,
 ) -> float:
     def one_pass() -> None:
-        for layer in layers:
-            x = inputs[layer.dense.in_features]
-            layer.dense(x) if dense else layer(x)
+        for quantized, packed in layers:
+            x = inputs[packed.in_features]
+            packed(x) if dense else quantized(x)
 
     one_pass()
     start = time.perf_counter()

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
-from engine.core.cpu import auto_dtype
+from engine.core.cpu import auto_dtype, auto_kv_dtype
 from engine.core.errors import InvalidRequestError
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float16": torch.float16}
+KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
 QUANTIZATIONS = ("auto", "int4", "int8", "none")
 GiB = 1 << 30
 # A step's token budget bounds how long running decodes stall behind prefills, and how many
@@ -52,6 +54,13 @@ class EngineConfig:
         "compute and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 "
         "(AVX512_BF16, AMX), float32 otherwise",
         choices=DTYPE_CHOICES,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage, widened to the compute dtype as attention reads it; auto: bfloat16 "
+        "where compute is bfloat16, else float16 on CPUs with F16C (every AVX2 CPU), else the "
+        "compute dtype. 16 bits read half the bytes per step and hold twice the tokens",
+        choices=KV_DTYPE_CHOICES,
     )
     quantization: str = option(
         "auto",
@@ -95,6 +104,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise InvalidRequestError(f"dtype must be one of {DTYPE_CHOICES}", param="dtype")
+        if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {KV_DTYPE_CHOICES}", param="kv_cache_dtype"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(
                 f"quantization must be one of {QUANTIZATIONS}", param="quantization"
@@ -120,6 +133,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return auto_dtype(self.torch_device)
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """`kv_cache_dtype`, auto resolved for this machine (`engine.core.cpu.auto_kv_dtype`)."""
+        if self.kv_cache_dtype == "auto":
+            return auto_kv_dtype(self.torch_device, self.torch_dtype)
+        return KV_DTYPES[self.kv_cache_dtype]
 
     @property
     def torch_device(self) -> torch.device:

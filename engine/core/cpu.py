@@ -60,3 +60,13 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     if device.type != "cpu" or cpu_features().has_native_bf16:
         return torch.bfloat16
     return torch.float32
+
+
+def auto_kv_dtype(device: torch.device, compute: torch.dtype) -> torch.dtype:
+    """The KV cache's storage: 16 bits where they are cheap to widen. bf16 where compute is
+    bf16; float16 on CPUs with F16C (torch's AVX2 and AVX-512 levels imply it: one
+    instruction widens 8 values), which keeps 3 more mantissa bits than bf16; else the
+    compute dtype."""
+    if compute != torch.float32 or device.type != "cpu":
+        return compute
+    return torch.float16 if cpu_features().capability.startswith("AVX") else compute

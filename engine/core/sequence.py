@@ -55,8 +55,8 @@ class Sequence:
     num_indexed_blocks: int = 0
     # The prompt's hashes in the registry scopes it may search: shared, then its tenant's.
     registry_chains: list[list[bytes]] | None = None
-    # Leading blocks shared with a registry prefix (full blocks only): decodes that share them
-    # attend to them once per step as a group (cascade attention).
+    # Leading blocks shared with a registry prefix (full blocks only): on the torch path,
+    # decodes that share them attend to them once per step as a group (cascade attention).
     num_shared_blocks: int = 0
     # Structured output: which tokens may come next. It has consumed every output token, so a
     # preempted sequence that recomputes its blocks keeps it as it is.

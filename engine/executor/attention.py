@@ -1,19 +1,21 @@
-"""Paged attention in plain torch (SDPA), for CPU and CUDA.
+"""Paged attention: the C++ kernel on CPU, torch (SDPA) where it is not built (CUDA,
+`--no-compile`).
 
 A step's tokens are flattened: first the prefill spans (sequences feeding 2+ new tokens, in
 order), then one token per decoding sequence. New K/V rows are written into the pool through
-`slot_mapping` before attention reads them, so a span's queries see the cached prefix (shared
-prefix blocks included) plus themselves.
+`slot_mapping` before attention reads them.
 
-GQA never repeats K/V: prefill spans use SDPA's `enable_gqa`; decodes fold the `group` query
-heads that share a KV head into the query axis (`[B, kv_heads, group, head_dim]`).
+The kernel (`torch.ops.prefixgate.paged_attention`, engine/executor/kernels/paged_attention.cpp)
+serves every query the same way: a query at position p attends to keys 0..p in fixed
+positional chunks merged in a fixed order, so its result does not depend on whether it came
+in a whole prefill, a suffix after a cache hit, a decode step, a recompute, or beside which
+other sequences. `KernelPlan` is what it reads, built once per forward.
 
-Decodes that share a registry prefix's blocks are attended as a cascade: the shared prefix
-once for the whole group (all the group's queries in one attention call), each sequence's
-private suffix on its own, and the two partial softmaxes merged by their log-sum-exp. Without
-it every sequence re-gathers the same ~1000 prefix tokens at every step. A registry prefix
-filled into consecutive blocks (the usual case: the pool hands out fresh blocks in id order)
-is read in place, without a gather.
+The torch path (`TorchAttention`) is for devices without the kernel: prefill spans through
+SDPA, decodes gathered and masked, and decodes that share a registry prefix's blocks as a
+cascade (the prefix once for the whole group, merged with each private suffix by their
+log-sum-exp). SDPA's reduction order depends on the shapes it is given, so on this path the
+same request can get different bits in different batches (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -46,9 +48,42 @@ class DecodeGroup:
     prefix_blocks: slice | torch.Tensor | None
     block_tables: torch.Tensor  # [G, max_blocks] long: each sequence's blocks after the prefix
     context_lens: torch.Tensor  # [G] long: tokens each sequence attends to after the prefix
-    # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding; None when the paged
-    # decode kernel reads the blocks in place (it needs only `context_lens`)
-    mask: torch.Tensor | None
+    mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding
+
+
+@dataclass(slots=True)
+class KernelPlan:
+    """The kernel's view of a step: each query's sequence row in the block table and the
+    work split `attention_plan` made of them (shared by every layer)."""
+
+    block_tables: torch.Tensor  # [rows, max_blocks] long: the input batch's table
+    seq_rows: torch.Tensor  # [num_tokens] long: each query's row
+    positions: torch.Tensor  # [num_tokens] long
+    items: torch.Tensor  # [num_items, 3] long: (chunk, first member, member count)
+    members: torch.Tensor  # [num_members] long: query indices, tile by tile
+    part_start: torch.Tensor  # [num_tokens + 1] long: each query's first partial result
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: torch.Tensor,
+        seq_rows: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+    ) -> KernelPlan:
+        items, members, part_start = torch.ops.prefixgate.attention_plan(
+            block_tables, seq_rows, positions, block_size
+        )
+        return cls(block_tables, seq_rows, positions, items, members, part_start)
+
+
+@dataclass(slots=True)
+class TorchAttention:
+    """The torch path's view of a step: prefill spans, then decode groups."""
+
+    prefills: list[PrefillSpan]
+    num_prefill_tokens: int
+    decode_groups: list[DecodeGroup]  # every decode row in exactly one group
 
 
 @dataclass(slots=True)
@@ -58,18 +93,14 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] long
     positions: torch.Tensor  # [num_tokens] long
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
-    prefills: list[PrefillSpan]
-    num_prefill_tokens: int
-    decode_groups: list[DecodeGroup]  # every decode row in exactly one group
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
-    # the C++ CPU ops of engine.kernels: decode attention (`paged_decode_attention`) and the
-    # layers' fused norm / SwiGLU / RoPE + K/V store; False: torch ops only
-    use_cpu_kernels: bool = False
+    attention: KernelPlan | TorchAttention
 
     @property
-    def decode_only(self) -> bool:
-        """No prefill span in this step: quantized linears may use their int4 kernel."""
-        return not self.prefills
+    def use_cpu_kernels(self) -> bool:
+        """The C++ CPU ops serve this forward: attention and the layers' fused norm / SwiGLU /
+        RoPE + K/V store (else torch ops only)."""
+        return isinstance(self.attention, KernelPlan)
 
 
 def prefill_mask(
@@ -103,11 +134,11 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] long
 ) -> None:
-    """Write the step's new K/V rows into the pool at their slots, before attention reads
-    them. (Llama's C++ path does this inside its RoPE kernel.)"""
+    """Write the step's new K/V rows into the pool at their slots (in the pool's dtype),
+    before attention reads them. (Llama's C++ path does this inside its RoPE kernel.)"""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -120,28 +151,54 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of the step's queries; their K/V rows are already in the pool (`store_kv`)."""
+    plan = batch.attention
+    if isinstance(plan, KernelPlan):
+        out: torch.Tensor = torch.ops.prefixgate.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            plan.block_tables,
+            plan.seq_rows,
+            plan.positions,
+            plan.items,
+            plan.members,
+            plan.part_start,
+            scale,
+        )
+        return out
+    return _torch_attention(q, k, v, k_cache, v_cache, plan, scale)
+
+
+def _torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: TorchAttention,
+    scale: float,
+) -> torch.Tensor:
     num_kv_heads, head_dim = k_cache.shape[2:]
-    if not batch.prefills and len(batch.decode_groups) == 1:  # every row in one group
-        group = batch.decode_groups[0]
-        return _group_attention(q, k_cache, v_cache, group, scale, batch.use_cpu_kernels)
+    if not plan.prefills and len(plan.decode_groups) == 1:  # every row in one group
+        return _group_attention(q, k_cache, v_cache, plan.decode_groups[0], scale)
     out = torch.empty_like(q)
-    for span in batch.prefills:
+    for span in plan.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)
         if span.num_cached == 0:  # nothing cached: attend to the fresh K/V, no gather
             span_k, span_v = k[rows], v[rows]
         else:
             ctx = span.num_cached + span.num_new_tokens
-            span_k = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx]
-            span_v = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx]
+            span_k = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx].to(q.dtype)
+            span_v = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx].to(q.dtype)
         out[rows] = _span_attention(q[rows], span_k, span_v, span.mask, scale)
-    if batch.decode_groups:
-        start = batch.num_prefill_tokens
+    if plan.decode_groups:
+        start = plan.num_prefill_tokens
         decode_q, decode_out = q[start:], out[start:]
-        for group in batch.decode_groups:
+        for group in plan.decode_groups:
             # one group (the common case) needs no row shuffling
-            group_rows = slice(None) if len(batch.decode_groups) == 1 else group.rows
+            group_rows = slice(None) if len(plan.decode_groups) == 1 else group.rows
             decode_out[group_rows] = _group_attention(
-                decode_q[group_rows], k_cache, v_cache, group, scale, batch.use_cpu_kernels
+                decode_q[group_rows], k_cache, v_cache, group, scale
             )
     return out
 
@@ -179,16 +236,9 @@ def _group_attention(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
-    use_kernel: bool,
 ) -> torch.Tensor:
     if group.prefix_blocks is not None:
-        return _cascade_attention(q, k_cache, v_cache, group, scale, use_kernel)
-    if use_kernel:
-        out_lse: tuple[torch.Tensor, torch.Tensor] = torch.ops.prefixgate.paged_decode_attention(
-            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
-        )
-        return out_lse[0]
-    assert group.mask is not None
+        return _cascade_attention(q, k_cache, v_cache, group, scale)
     return _decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
 
 
@@ -198,31 +248,23 @@ def _cascade_attention(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
-    use_kernel: bool,
 ) -> torch.Tensor:
     assert group.prefix_blocks is not None
     g, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
     # Shared prefix, once: every query row of the group against the same keys.
-    kp = k_cache[group.prefix_blocks].flatten(0, 1).transpose(0, 1)[None]  # [1, kv, P, d]
-    vp = v_cache[group.prefix_blocks].flatten(0, 1).transpose(0, 1)[None]
+    kp = k_cache[group.prefix_blocks].flatten(0, 1).transpose(0, 1)[None].to(q.dtype)
+    vp = v_cache[group.prefix_blocks].flatten(0, 1).transpose(0, 1)[None].to(q.dtype)
     qp = q.view(g, num_kv_heads, per_kv, head_dim).transpose(0, 1)
     qp = qp.reshape(1, num_kv_heads, g * per_kv, head_dim)  # [1, kv, G * per_kv, d]
     o_p, lse_p = attention_with_lse(qp, kp, vp, None, scale)
     o_p = o_p.view(num_kv_heads, g, per_kv, head_dim).transpose(0, 1)  # [G, kv, per_kv, d]
     lse_p = lse_p.view(num_kv_heads, g, per_kv).transpose(0, 1)  # [G, kv, per_kv]
-    # Private suffixes, per sequence: read in place by the kernel, else gathered and masked.
-    if use_kernel:
-        o_s, lse_s = torch.ops.prefixgate.paged_decode_attention(
-            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
-        )
-        o_s = o_s.view(g, num_kv_heads, per_kv, head_dim)
-        lse_s = lse_s.view(g, num_kv_heads, per_kv)
-    else:
-        keys, values = _gather(k_cache, v_cache, group.block_tables)
-        qg = q.view(g, num_kv_heads, per_kv, head_dim)
-        o_s, lse_s = attention_with_lse(qg, keys, values, group.mask, scale)
+    # Private suffixes, per sequence: gathered and masked.
+    keys, values = _gather(k_cache, v_cache, group.block_tables, q.dtype)
+    qg = q.view(g, num_kv_heads, per_kv, head_dim)
+    o_s, lse_s = attention_with_lse(qg, keys, values, group.mask, scale)
     # Merge the two partial softmaxes: the prefix's share of the whole is
     # exp(lse_p) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_p - lse_s).
     w_p = torch.sigmoid(lse_p - lse_s)[..., None]
@@ -240,18 +282,19 @@ def _decode_attention(
 ) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys, values = _gather(k_cache, v_cache, block_tables)
+    keys, values = _gather(k_cache, v_cache, block_tables, q.dtype)
     qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, kv, group, d]
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(b, num_heads, head_dim)
 
 
 def _gather(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's blocks: [B, max_blocks, block_size, kv, d] -> [B, kv, L, d] views."""
-    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    """Each sequence's blocks: [B, max_blocks, block_size, kv, d] -> [B, kv, L, d], in the
+    queries' dtype."""
+    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2).to(dtype)
+    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2).to(dtype)
     return keys, values
 
 

@@ -1,17 +1,19 @@
-"""InputBatch: the decoding sequences' block tables, kept between steps.
+"""InputBatch: the running sequences' block tables, kept between steps.
 
 Every step used to rebuild each decoding sequence's block table, padded to the longest, from
-Python lists (150 us a step at batch 32 on a 2-core EPYC). Here each decoding sequence owns a
+Python lists (150 us a step at batch 32 on a 2-core EPYC). Here each running sequence (a
+prefill's too: the attention kernel reads every query's blocks through this table) owns a
 row of one preallocated table, as in vLLM v1's InputBatch / BlockTable: a row is written
 whole once, then gains only the blocks its sequence gained, and a decode group's tables are
-one index of its rows (18 us at batch 32). Slots stay a Python list: one tensor from a list
-beats a vectorized gather at these batch sizes on CPU (10 vs 37 us at batch 32).
-A row is given back when its sequence finishes or is preempted (`release`, from the
-scheduler's output); a recomputed or re-admitted sequence is written whole again.
+one index of its rows (18 us at batch 32); the kernel reads the table itself. Slots stay a
+Python list: one tensor from a list beats a vectorized gather at these batch sizes on CPU
+(10 vs 37 us at batch 32). A row is given back when its sequence finishes or is preempted
+(`release`, from the scheduler's output); a recomputed or re-admitted sequence is written
+whole again.
 
 Table entries past a row's own blocks hold zeros or an earlier sequence's ids: attention
-never reads them (the paged kernel stops at each row's context length, the torch path masks
-them), and every id in the table names a block that was handed out, so zeroed, at least once.
+never reads them (the kernel stops at each query's position, the torch path masks them), and
+every id in the table names a block that was handed out, so zeroed, at least once.
 """
 
 from __future__ import annotations

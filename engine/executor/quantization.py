@@ -13,11 +13,12 @@ weights dequantized from a Q4_1 / Q8_0 GGUF they give back the file's codes exac
 each group's extremes sit on its grid; d and m are kept in float16, as the GGUF keeps them:
 the embedded model runs on the weights as shipped.
 
-Where the prepacked dense GEMM beats the kernel beyond some row count (bf16 on AVX-512: above
-16 rows), a `QuantizedLinear` also keeps a dense copy of the same (dequantized) weights and
-picks per call by row count (`max_rows`; 0, dense only, until `use_quantized_kernel` switches
-the kernel on where it was built). On AVX2 the kernel beats float32 at every row count, and
-no dense copy is kept (`WeightFormat.dense_copies`).
+One numeric path per layer: where the kernel is built, every call takes it, whatever its row
+count (it computes each output row alone, in the same order whatever M is, so a token's
+result does not depend on the batch it came in). A `QuantizedLinear` keeps a dense copy of the
+same (dequantized) weights only where the kernel is not built, and then runs on it alone.
+On AVX-512 a bf16 dense GEMM was faster above 16 rows (prefill); that switch made a prompt's
+K/V differ between a prefill and a decode, and is gone (docs/benchmarks.md, issue 24).
 """
 
 from __future__ import annotations
@@ -36,18 +37,6 @@ GROUP_SIZE = 32
 TILE_ROWS = 8  # the kernel's tile: weight rows interleaved 4 columns at a time
 BITS = {"int4": 4, "int8": 8}
 
-# Rows up to which the quantized kernel beats the prepacked dense GEMM over SmolLM2's 120
-# layer linears (30 distinct layers, weights not in cache), 2 threads, Zen 4, whole pass in ms
-# (`tools/bench_decode_step.py --linears`, docs/benchmarks.md "Issue 12, third session"):
-#   AVX512 (bf16 dense):  M=1 4.6 vs 15.2, M=8 8.6 vs 15.1, M=16 14.7 vs 17.2, M=32 26.7
-#                         vs 25.9, M=128 99.8 vs 75.7
-#   AVX2   (fp32 dense):  M=1 4.1 vs 30.0, M=16 20.9 vs 50.9, M=128 126 vs 175, M=256 266
-#                         vs 347
-# None: the kernel wins at every row count measured, so no dense copy is kept (on AVX2 the
-# float32 copies were 540 MB of the server's 1.3 GB).
-DENSE_ABOVE_ROWS: dict[str, int | None] = {"AVX512": 16, "AVX2": None}
-DEFAULT_DENSE_ABOVE_ROWS = 16
-EVERY_ROW_COUNT = 1 << 62  # max_rows where no dense copy is kept
 QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 
 
@@ -142,7 +131,7 @@ def pack_weight(
 class WeightFormat:
     """How the linear weights are stored: "int4", "int8" or "none" (the compute dtype), for
     the decoder layers and for the LM head (which most formats keep at 8 bits); and whether a
-    quantized linear also keeps a dense copy for the calls the kernel is slower at."""
+    quantized linear keeps a dense copy to run on (where the kernel is not built)."""
 
     layers: str = "none"
     head: str = "none"
@@ -244,44 +233,21 @@ def relink_dense_biases(model: nn.Module) -> None:
                 module.dense.register_parameter("bias", bias)
 
 
-def dense_above_rows() -> int | None:
-    """Row count above which the dense GEMM is faster, for this CPU's kernels; None where the
-    kernel is faster at every row count (no dense copies needed)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return DENSE_ABOVE_ROWS.get(capability, DEFAULT_DENSE_ABOVE_ROWS)
-
-
-def use_quantized_kernel(model: nn.Module) -> None:
-    """Switch the quantized linears to `quant_matmul` for calls of up to `dense_above_rows()`
-    rows (every call where that is None), once engine.kernels has built it: without it they
-    run on their dense copies."""
-    rows = dense_above_rows()
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.max_rows = rows if rows is not None else EVERY_ROW_COUNT
-
-
 class QuantizedLinear(nn.Module):
-    """A linear layer with group-wise quantized weights: the quantized kernel for calls of up
-    to `max_rows` rows (decode), `dense` (same weights, dequantized; prepacked where it can
-    be) for larger ones (prefill, big decode batches) and while `max_rows` is 0. Without a
-    dense copy every call takes the kernel."""
+    """A linear layer with group-wise quantized weights, on the quantized kernel; on `dense`
+    (the same weights, dequantized; prepacked where it can be) instead where the kernel is not
+    built."""
 
     def __init__(
-        self,
-        quantized: QuantizedWeight,
-        bias: torch.Tensor | None,
-        dense: nn.Module | None,
-        max_rows: int = 0,
+        self, quantized: QuantizedWeight, bias: torch.Tensor | None, dense: nn.Module | None
     ) -> None:
         super().__init__()
         self.quantized = quantized
         self.bias = bias
         self.dense = dense
-        self.max_rows = max_rows
 
-    def forward(self, x: torch.Tensor, allow_quantized: bool = True) -> torch.Tensor:
-        if self.dense is not None and (not allow_quantized or x.shape[0] > self.max_rows):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
             out: torch.Tensor = self.dense(x)
             return out
         q = self.quantized
@@ -295,17 +261,8 @@ class QuantizedLinear(nn.Module):
         return self.quantized.num_bytes
 
 
-def project(linear: nn.Module, x: torch.Tensor, decode_only: bool) -> torch.Tensor:
-    """`linear(x)` inside a decoder layer. A quantized linear with a dense copy takes its
-    quantized kernel only in a step with no prefill span: a prompt's K/V then come from the
-    same (dense) arithmetic whether it is prefilled whole, in chunks or after a cache hit of
-    any length, so an identical request gives identical text (the kernel rounds activations
-    to 8 bits, enough to flip a near-tie). Without dense copies every step takes the kernel,
-    which computes each row alone, the same way whatever the batch: the same holds. The LM
-    head, which sees only sampled rows, always may."""
-    # `.forward`, not `__call__`: no hooks are ever set here, and the module call's bookkeeping
-    # was ~2 us x 120 projections a step.
-    if isinstance(linear, QuantizedLinear):
-        return linear.forward(x, decode_only)
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` inside a decoder layer, through `.forward`: no hooks are ever set here, and
+    the module call's bookkeeping was ~2 us x 120 projections a step."""
     out: torch.Tensor = linear.forward(x)
     return out

@@ -11,7 +11,9 @@ from engine.core.sequence import Sequence
 from engine.executor.attention import (
     DecodeGroup,
     ForwardBatch,
+    KernelPlan,
     PrefillSpan,
+    TorchAttention,
     decode_mask,
     prefill_mask,
 )
@@ -49,6 +51,7 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.use_cpu_kernels = use_cpu_kernels
+        self.compute_dtype = model.dtype
         self.sampler = Sampler()
         self.masker: GrammarMasker | None = None  # made when a constrained row first comes
         self.num_forward_calls = 0
@@ -147,19 +150,15 @@ class ModelRunner:
             token_start += n
 
     def build_batch(self, ordered: list[ScheduledSequence]) -> ForwardBatch:
-        """Flatten the step's chunks (in `batch_order`) into the tensors the model reads;
-        decode groups read their block tables from the decodes' rows of the input batch."""
-        prefills = [s for s in ordered if s.num_new_tokens > 1]
-        decodes = [item.seq for item in ordered[len(prefills) :]]
+        """Flatten the step's chunks (in `batch_order`) into the tensors the model reads.
+        Every sequence's block table comes from its row of the input batch."""
         block_size = self.pool.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        spans: list[PrefillSpan] = []
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            token_start = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
@@ -170,31 +169,45 @@ class ModelRunner:
                 for p in range(start, start + n)
             )
             if item.is_sampling:
-                logits_indices.append(token_start + n - 1)
-            if n > 1:
-                spans.append(self._span(seq, token_start, n))
-        num_prefill_tokens = sum(s.num_new_tokens for s in prefills)
-        groups = (
-            self._decode_groups(decodes, torch.tensor(self.input_batch.rows(decodes)))
-            if decodes
-            else []
-        )
+                logits_indices.append(len(input_ids) - 1)
+        rows = self.input_batch.rows([item.seq for item in ordered])
+        position_tensor = self._tensor(positions)
+        attention: KernelPlan | TorchAttention
+        if self.use_cpu_kernels:
+            seq_rows = [
+                row
+                for item, row in zip(ordered, rows, strict=True)
+                for _ in range(item.num_new_tokens)
+            ]
+            attention = KernelPlan.build(
+                self.input_batch.block_tables, self._tensor(seq_rows), position_tensor, block_size
+            )
+        else:
+            attention = self._torch_attention(ordered, rows)
         return ForwardBatch(
             input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
+            positions=position_tensor,
             slot_mapping=self._tensor(slots),
-            prefills=spans,
-            num_prefill_tokens=num_prefill_tokens,
-            decode_groups=groups,
             logits_indices=self._tensor(logits_indices),
-            use_cpu_kernels=self.use_cpu_kernels,
+            attention=attention,
         )
+
+    def _torch_attention(self, ordered: list[ScheduledSequence], rows: list[int]) -> TorchAttention:
+        """Prefill spans, then the decodes in groups (see engine/executor/attention.py)."""
+        spans, token_start = [], 0
+        num_prefills = sum(1 for item in ordered if item.num_new_tokens > 1)
+        for item in ordered[:num_prefills]:
+            spans.append(self._span(item.seq, token_start, item.num_new_tokens))
+            token_start += item.num_new_tokens
+        decodes = [item.seq for item in ordered[num_prefills:]]
+        groups = self._decode_groups(decodes, torch.tensor(rows[num_prefills:])) if decodes else []
+        return TorchAttention(spans, token_start, groups)
 
     def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
         num_cached = seq.num_computed_tokens
         num_blocks = -(-(num_cached + n) // self.pool.block_size)
         group = self.model.num_heads // self.model.num_kv_heads
-        dtype = self.pool.spec.dtype
+        dtype = self.compute_dtype
         mask = prefill_mask(num_cached, n, group, dtype, self.device) if num_cached else None
         return PrefillSpan(
             token_start=token_start,
@@ -205,8 +218,9 @@ class ModelRunner:
         )
 
     def _decode_groups(self, seqs: list[Sequence], row_ids: torch.Tensor) -> list[DecodeGroup]:
-        """Decodes sharing a registry prefix's blocks form a cascade group (2+ members);
-        everything else is one plain group. `row_ids`: each decode's input-batch row."""
+        """(Torch path.) Decodes sharing a registry prefix's blocks form a cascade group (2+
+        members); everything else is one plain group. `row_ids`: each decode's input-batch
+        row."""
         by_prefix: dict[tuple[int, ...], list[int]] = {}
         for row, seq in enumerate(seqs):
             key = tuple(seq.block_table[: seq.num_shared_blocks])
@@ -230,15 +244,12 @@ class ModelRunner:
         group_rows = row_ids if len(rows) == len(seqs) else row_ids[rows]
         tables = self.input_batch.block_tables[group_rows, columns]
         context_lens = self._tensor(lens)
-        mask = None
-        if not self.use_cpu_kernels:
-            mask = decode_mask(context_lens, max_blocks * block_size, self.pool.spec.dtype)
         return DecodeGroup(
             rows=self._tensor(rows),
             prefix_blocks=self._prefix_blocks(seqs[rows[0]].block_table[:num_shared]),
             block_tables=tables.to(self.device),  # [G, max_blocks]
             context_lens=context_lens,
-            mask=mask,
+            mask=decode_mask(context_lens, max_blocks * block_size, self.compute_dtype),
         )
 
     def _prefix_blocks(self, block_ids: list[int]) -> slice | torch.Tensor | None:

@@ -207,8 +207,8 @@ class KVCacheManager:
         return seq.cache_salt, tuple(seq.token_ids)
 
     def _num_pinned_leading(self, block_ids: list[int]) -> int:
-        """Leading blocks that belong to a registry prefix: decodes sharing them are attended
-        as a cascade group (engine/executor/attention.py)."""
+        """Leading blocks that belong to a registry prefix: on the torch path decodes sharing
+        them are attended as a cascade group (engine/executor/attention.py)."""
         count = 0
         for block_id in block_ids:
             if not self.pool.is_pinned(block_id):

@@ -18,7 +18,7 @@ from engine.core.errors import ModelLoadError
 from engine.core.memory import return_freed_memory
 from engine.executor.kernels import NOT_BUILT, KernelBuild, build_cpu_kernels
 from engine.executor.models import CausalLM
-from engine.executor.quantization import WeightFormat, dense_above_rows, use_quantized_kernel
+from engine.executor.quantization import WeightFormat
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
 from engine.loading import quantized_cache
 from engine.loading.build import (
@@ -107,10 +107,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         time.perf_counter() - start,
     )
     pool = _make_pool(config, model, max_model_len)
-    if kernels_built and weights.is_quantized:
-        assert isinstance(model, torch.nn.Module)
-        use_quantized_kernel(model)
-    elif weights.is_quantized:
+    if weights.is_quantized and weights.dense_copies:
         logger.info("quantized linears run on their dense copies: no CPU kernels")
     return LoadedModel(
         name=source.name,
@@ -166,7 +163,7 @@ def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool
     """`--quantization` resolved: auto keeps a GGUF file's own format on CPU (its 4-bit
     layers and 8-bit head) and a Hugging Face folder's float weights; int4 / int8 quantize
     at load. The quantized kernel is CPU-only: a GPU serves the float weights. Dense copies
-    are kept unless the kernel is built and beats the dense GEMM at every row count."""
+    are kept only where the kernel is not built: every call takes one path."""
     choice = config.quantization
     if config.torch_device.type != "cpu":
         if choice in ("int4", "int8"):
@@ -178,8 +175,7 @@ def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool
         weights = WeightFormat()
     else:
         weights = WeightFormat(layers=choice, head="int8")
-    dense_copies = not (kernels_built and dense_above_rows() is None)
-    return dataclasses.replace(weights, dense_copies=dense_copies)
+    return dataclasses.replace(weights, dense_copies=not kernels_built)
 
 
 def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
@@ -201,7 +197,7 @@ def _make_pool(config: EngineConfig, model: CausalLM, max_model_len: int) -> Blo
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         block_size=config.block_size,
-        dtype=config.torch_dtype,
+        dtype=config.kv_torch_dtype,
     )
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec, max_model_len)
     needed = num_blocks_for(max_model_len, config.block_size)
@@ -213,9 +209,10 @@ def _make_pool(config: EngineConfig, model: CausalLM, max_model_len: int) -> Blo
         )
     pool = BlockPool(spec, num_blocks)
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %.1f KB/token)",
+        "KV cache: %d blocks of %d tokens in %s (%d tokens, %.2f GiB, %.1f KB/token)",
         num_blocks,
         config.block_size,
+        str(spec.dtype).removeprefix("torch."),
         num_blocks * config.block_size,
         num_blocks * spec.bytes_per_block / GiB,
         spec.bytes_per_block / config.block_size / 1024,

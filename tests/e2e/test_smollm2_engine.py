@@ -28,6 +28,7 @@ def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
     settings: dict[str, Any] = {
         "model": str(source.path),
         "dtype": "float32",  # token for token against transformers' float32 generate
+        "kv_cache_dtype": "float32",
         "kv_cache_memory": 256 << 20,
         "max_model_len": 2048,
         "debug_check_integrity": True,

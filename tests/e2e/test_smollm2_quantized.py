@@ -2,9 +2,10 @@
 from the same file, and the compiled decode kernel against the torch path.
 
 Tolerance: the quantized kernel rounds activations to 8 bits per group of 32 (llama.cpp's
-scheme), so logprobs of the same tokens agree to 0.3 nats, and greedy text is identical until
-the float path meets a near-tie (its top two tokens within NEAR_TIE); a divergence anywhere
-else fails. Measured on these prompts (docs/benchmarks.md, issue 12): on AVX-512, 2 of 5
+scheme), so logprobs of the same tokens agree to 0.3 nats (0.35 in bf16: LOGPROB_TOLERANCE),
+and greedy text is identical until the float path meets a near-tie (its top two tokens within
+NEAR_TIE); a divergence anywhere else fails. Measured on these prompts (docs/benchmarks.md,
+issue 12): on AVX-512, 2 of 5
 identical to the end in float32 and 4 of 5 in bf16, the others part at margins of 0.068-0.125
 nats, logprobs before that agree within 0.256; under the AVX2 cap (`ATEN_CPU_CAPABILITY=avx2`,
 every linear on the kernel, bf16 emulated) margins of 0-0.3125 and logprobs within 0.245. A
@@ -28,7 +29,9 @@ from tests.helpers import assert_all_free, run_staggered
 pytestmark = pytest.mark.e2e
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
-LOGPROB_TOLERANCE = 0.3
+# bf16 (emulated on an AVX2-only CPU) rounds every activation to 8 mantissa bits: with the
+# batch-invariant attention kernel its logprobs were measured up to 0.317 apart (issue 24)
+LOGPROB_TOLERANCE = {"float32": 0.3, "bfloat16": 0.35}
 NEAR_TIE = 0.4  # nats between the float path's top two tokens
 
 
@@ -49,14 +52,14 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[SampleLogprob
 
 
 def _assert_same_text_up_to_a_near_tie(
-    want: list[SampleLogprobs], got: list[SampleLogprobs]
+    want: list[SampleLogprobs], got: list[SampleLogprobs], tolerance: float
 ) -> None:
     for a, b in zip(want, got, strict=False):
         if a.token_id != b.token_id:
             margin = a.top[0].logprob - a.top[1].logprob
             assert margin < NEAR_TIE, f"diverged where the float path was sure ({margin:.3f})"
             return
-        assert abs(a.logprob - b.logprob) <= LOGPROB_TOLERANCE, (a.logprob, b.logprob)
+        assert abs(a.logprob - b.logprob) <= tolerance, (a.logprob, b.logprob)
     assert len(want) == len(got)
 
 
@@ -68,14 +71,17 @@ def test_int4_as_shipped_matches_the_float_weights(dtype: str) -> None:
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 30 * 4 + 1
     prompts = question_prompts(float_engine.tokenizer)
     for want, got in zip(_run(float_engine, prompts), _run(int4_engine, prompts), strict=True):
-        _assert_same_text_up_to_a_near_tie(want, got)
+        _assert_same_text_up_to_a_near_tie(want, got, LOGPROB_TOLERANCE[dtype])
 
 
 def test_compiled_decode_kernel_gives_the_torch_paths_tokens() -> None:
-    """Float weights: the quantized kernel's 8-bit activations would drown the two attention
-    paths' float32 rounding differences, and flip the near-ties above."""
-    compiled = _engine(dtype="float32", quantization="none")
-    eager = _engine(dtype="float32", quantization="none", enable_compile=False)
+    """Float weights and float32 KV: the quantized kernel's 8-bit activations (or float16
+    K/V, which the torch path attends to unrounded within a fresh prefill) would drown the two
+    attention paths' float32 rounding differences, and flip the near-ties above."""
+    compiled = _engine(dtype="float32", quantization="none", kv_cache_dtype="float32")
+    eager = _engine(
+        dtype="float32", quantization="none", kv_cache_dtype="float32", enable_compile=False
+    )
     assert compiled.runner.use_cpu_kernels and not eager.runner.use_cpu_kernels
     prompts = question_prompts(compiled.tokenizer)
     tokens = [[lp.token_id for lp in lps] for lps in _run(compiled, prompts)]
@@ -86,9 +92,9 @@ def test_compiled_decode_kernel_gives_the_torch_paths_tokens() -> None:
 def test_a_repeated_request_gives_the_same_text(dtype: str) -> None:
     """The second and third runs hit the automatic prefix cache and prefill only the prompt's
     last partial block. Its first token is a near-tie ("The" -1.88 / "L" -1.97 nats on the
-    float weights in float32; the head's 8-bit activations pick "L"): when that short prefill
-    took the quantized kernel, the repeats answered differently from the first run. Prefill
-    spans always take the dense weights, so they must not."""
+    float weights in float32; the head's 8-bit activations pick "L"): when a short prefill
+    took another numeric path than a whole one, the repeats answered differently from the
+    first run. Every path now computes a token the same way, so they must not."""
     engine = _engine(dtype=dtype)
     [prompt] = question_prompts(engine.tokenizer)[:1]
     params = SamplingParams(temperature=0, max_tokens=16)

@@ -35,7 +35,9 @@ SOURCES = tuple(
 HEADERS = (Path(__file__).with_name("vec.h"),)  # part of the cache key, not compiled alone
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.
-CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+# -ffp-contract=off: no a * b + c fused behind our back, differently in different places (see
+# vec.h's fma8); a query's result must not depend on the code path that computed it.
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # torch's CPU capability -> the target: x86-64-v3 is AVX2 + FMA + F16C, what every AVX2 CPU has
 MARCH = {"AVX512": "-march=native", "AVX2": "-march=x86-64-v3"}
 TARGETS = {"AVX512": "avx512", "AVX2": "avx2"}  # anything else: "portable"

@@ -163,9 +163,21 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// n values into the cache's storage type (rounded to nearest even where it is narrower).
+template <typename T, typename KV>
+void store_row(const T* src, KV* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, KV>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) store8(dst + i, load8(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<KV>(static_cast<float>(src[i]));
+  }
+}
+
 // One token: x * cos + rotate_half(x) * sin for each q and k head, rounded as torch rounds
-// each product and the sum; then the k and v heads copied to the token's cache slot.
-template <typename T>
+// each product and the sum; then the k and v heads stored at the token's cache slot.
+template <typename T, typename KV>
 void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                      int64_t num_heads) {
@@ -175,8 +187,8 @@ void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   T* x = qkv.data_ptr<T>();
   const T* cos_ptr = cos.data_ptr<T>();
   const T* sin_ptr = sin.data_ptr<T>();
-  T* k_ptr = k_cache.data_ptr<T>();
-  T* v_ptr = v_cache.data_ptr<T>();
+  KV* k_ptr = k_cache.data_ptr<KV>();
+  KV* v_ptr = v_cache.data_ptr<KV>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -202,14 +214,30 @@ void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       }
       const int64_t offset = slots[t] * kv_row;  // the cache is [blocks * block_size] rows
       const T* k = x + t * row + num_heads * d;
-      std::copy(k, k + kv_row, k_ptr + offset);
-      std::copy(k + kv_row, k + 2 * kv_row, v_ptr + offset);
+      store_row(k, k_ptr + offset, kv_row);
+      store_row(k + kv_row, v_ptr + offset, kv_row);
     }
   };
   if (n <= kRowsPerTask) {
     rows(0, n);
   } else {
     at::parallel_for(0, n, kRowsPerTask, rows);
+  }
+}
+
+template <typename T>
+void rope_cache_typed(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                      int64_t num_heads) {
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return rope_cache_rows<T, at::Half>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+    case at::kBFloat16:
+      return rope_cache_rows<T, c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+    case at::kFloat:
+      return rope_cache_rows<T, float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+    default:
+      TORCH_CHECK(false, "rope_and_cache: the cache must be float32, bfloat16 or float16");
   }
 }
 
@@ -225,14 +253,15 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   for (const at::Tensor* table : {&cos, &sin})
     TORCH_CHECK(table->is_contiguous() && table->numel() == n * d, "cos/sin: [tokens, 1, d]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&cos, &sin, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "one dtype for qkv, RoPE and cache");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "one dtype for qkv and RoPE");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "one dtype for K and V");
   const at::Tensor slots = slot_mapping.contiguous();
   if (qkv.scalar_type() == at::kBFloat16) {
-    rope_cache_rows<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+    rope_cache_typed<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
   } else {
     TORCH_CHECK(qkv.scalar_type() == at::kFloat, "bfloat16 or float32 only");
-    rope_cache_rows<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+    rope_cache_typed<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
   }
 }
 

@@ -1,11 +1,27 @@
-// Decode attention over the paged KV cache, read in place through each sequence's block
-// table: no gather of the context into a contiguous copy (which cost as much as the attention
-// itself), one pass over K and one over V per chunk of a sequence, every query head of a GQA
-// group served by the same read. float32 accumulation, bf16 or float32 storage; head_dim a
-// multiple of 8.
+// Attention of every query of a step over the paged KV cache, read in place through each
+// sequence's block table: prefill spans, suffixes after a cache hit, decodes, recomputes.
 //
-// Registered as torch.ops.prefixgate.paged_decode_attention; parallel over (sequence, chunk
-// of 128 tokens) on torch's own thread pool. Compiled at run time by engine/kernels/__init__.py.
+// Why one kernel: a query's result must not depend on which path computed it (same request,
+// same answer, whatever else runs or is cached). Here a query at position p attends to keys
+// 0..p in fixed positional chunks of 128 tokens ([0, 128), [128, 256), ...), each chunk's
+// partial softmax computed by the same arithmetic (scores as `dot`, the chunk's max and
+// exponentials, sums and value accumulation in key order), and the chunks merged in chunk
+// order. Nothing in that depends on how many queries, sequences or shared blocks the call
+// holds: those only decide which queries share one read of a chunk's keys (a tile).
+//
+//   attention_plan(block_tables, seq_rows, positions, block_size)
+//       -> (items [I, 3] = (chunk, first member, member count), members [M], part_start [T+1])
+//     Once per forward, shared by every layer: query t (sequence row seq_rows[t], position
+//     positions[t]) needs chunks 0..p / 128; the queries that read the same blocks for a
+//     chunk (one sequence's prefill span; decodes sharing a registry prefix) form tiles of up
+//     to 16. part_start: where each query's per-chunk partial results go.
+//   paged_attention(q, k_cache, v_cache, block_tables, seq_rows, positions, items, members,
+//                   part_start, scale) -> out [T, num_heads, head_dim]
+//     q [T, num_heads, head_dim] float32 or bf16; caches [num_blocks, block_size, kv_heads,
+//     head_dim] float32, bf16 or float16 (widened to float32 on load), head_dim a multiple of
+//     8. GQA: every query head of a KV head is served by the same key row read.
+//
+// Compiled at run time by engine/executor/kernels/__init__.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,208 +32,387 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
+#include <map>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-using prefixgate::dot;
 using prefixgate::exp1;
+using prefixgate::f8;
 
-// A row as float32 (n a multiple of 8): float32 storage is read in place, bf16 widened into
+constexpr int64_t kChunkTokens = 128;  // keys per partial softmax, at fixed positions
+constexpr int64_t kTileQueries = 16;   // queries sharing one read of a chunk
+constexpr int64_t kKeyBlock = 16;      // keys read from L1 by every query head of a tile
+
+// A row as float32 (n a multiple of 8): float32 storage is read in place, 16-bit widened into
 // `buffer`.
 inline const float* float_row(const float* src, float*, int64_t) { return src; }
 
-inline const float* float_row(const c10::BFloat16* src, float* buffer, int64_t n) {
+template <typename S>
+inline const float* float_row(const S* src, float* buffer, int64_t n) {
   for (int64_t d = 0; d < n; d += 8) prefixgate::store8(buffer + d, prefixgate::load8(src + d));
   return buffer;
 }
 
-// Tokens of one work item: a sequence's context is cut into chunks attended separately and
-// merged by their log-sum-exp (split-K, "flash decoding"), so one long sequence keeps every
-// thread busy. A multiple of any block size up to 128.
-constexpr int64_t kChunkTokens = 128;
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& block_tables,
+                                                              const at::Tensor& seq_rows,
+                                                              const at::Tensor& positions,
+                                                              int64_t block_size) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong);
+  TORCH_CHECK(seq_rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong);
+  TORCH_CHECK(seq_rows.numel() == positions.numel() && block_size > 0);
+  const at::Tensor tables = block_tables.contiguous(), rows = seq_rows.contiguous(),
+                   pos = positions.contiguous();
+  const int64_t num_queries = pos.numel(), num_rows = tables.size(0), cols = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  // Blocks each sequence row holds this step: entries past them may be stale.
+  std::vector<int64_t> used(num_rows, 0);
+  for (int64_t t = 0; t < num_queries; ++t) {
+    TORCH_CHECK(row[t] >= 0 && row[t] < num_rows && p[t] >= 0, "bad sequence row or position");
+    used[row[t]] = std::max(used[row[t]], p[t] / block_size + 1);
+  }
+  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(used[r] <= cols, "block table too short");
+  at::Tensor part_start = at::empty({num_queries + 1}, pos.options());
+  int64_t* starts = part_start.data_ptr<int64_t>();
+  starts[0] = 0;
+  // (chunk, the chunk's block ids) -> the queries reading them, in query order
+  std::map<std::vector<int64_t>, std::vector<int64_t>> readers;
+  std::vector<const std::vector<int64_t>*> order;
+  std::vector<int64_t> key;
+  for (int64_t t = 0; t < num_queries; ++t) {
+    const int64_t chunks = p[t] / kChunkTokens + 1;
+    starts[t + 1] = starts[t] + chunks;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = c * kChunkTokens / block_size;
+      const int64_t last = std::min(((c + 1) * kChunkTokens + block_size - 1) / block_size,
+                                    used[row[t]]);
+      key.assign(1, c);
+      key.insert(key.end(), table + row[t] * cols + first, table + row[t] * cols + last);
+      auto [it, fresh] = readers.try_emplace(key);
+      if (fresh) order.push_back(&it->first);
+      it->second.push_back(t);
+    }
+  }
+  std::vector<int64_t> items, members;
+  for (const std::vector<int64_t>* k : order) {
+    const std::vector<int64_t>& queries = readers[*k];
+    for (size_t i = 0; i < queries.size(); i += kTileQueries) {
+      const int64_t count = std::min<int64_t>(kTileQueries, queries.size() - i);
+      items.insert(items.end(), {(*k)[0], static_cast<int64_t>(members.size()), count});
+      members.insert(members.end(), queries.begin() + i, queries.begin() + i + count);
+    }
+  }
+  at::Tensor item_tensor = at::empty({static_cast<int64_t>(items.size() / 3), 3}, pos.options());
+  at::Tensor member_tensor = at::empty({static_cast<int64_t>(members.size())}, pos.options());
+  std::copy(items.begin(), items.end(), item_tensor.data_ptr<int64_t>());
+  std::copy(members.begin(), members.end(), member_tensor.data_ptr<int64_t>());
+  return {item_tensor, member_tensor, part_start};
+}
 
-// HEAD_DIM > 0 fixes the row length at compile time (fully unrolled, vectorized loops);
-// 0 reads it at run time.
-template <typename T, int64_t HEAD_DIM>
-void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-            at::Tensor& out, at::Tensor& lse) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+// A query head's scores against keys 0..len-1 of a chunk (rows[k] + offset), 8 keys at a
+// time: each key's products summed as two FMA chains over head_dim, then its 8 lanes summed
+// as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); the 8 keys' lane sums run side by side
+// (hadd), which is why a key's score does not depend on the keys beside it.
+template <int64_t HEAD_DIM>
+inline void score_keys(const float* __restrict q, const float* const* rows, int64_t offset,
+                       int64_t len, int64_t head_dim_rt, float* __restrict out) {
+  constexpr int64_t kMaxDim = 256;
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
+  f8 qv[kMaxDim / 8];
+  for (int64_t d = 0; d < head_dim; d += 8) qv[d / 8] = prefixgate::load8(q + d);
+  for (int64_t k0 = 0; k0 < len; k0 += 8) {
+    f8 lanes[8];
+    const float* group_rows[8];
+    for (int64_t j = 0; j < 8; ++j) group_rows[j] = rows[k0 + j < len ? k0 + j : 0] + offset;
+    for (int64_t j = 0; j < 8; ++j) {
+      const float* __restrict r = group_rows[j];
+      f8 even{}, odd{};
+      int64_t d = 0;
+      for (; d + 16 <= head_dim; d += 16) {
+        even = prefixgate::fma8(qv[d / 8], prefixgate::load8(r + d), even);
+        odd = prefixgate::fma8(qv[d / 8 + 1], prefixgate::load8(r + d + 8), odd);
+      }
+      if (d < head_dim) even = prefixgate::fma8(qv[d / 8], prefixgate::load8(r + d), even);
+      lanes[j] = even + odd;
+    }
+    const f8 sums = prefixgate::lane_sums8(lanes);
+    const int64_t n = std::min<int64_t>(8, len - k0);
+    for (int64_t j = 0; j < n; ++j) out[k0 + j] = sums[j];
+  }
+}
+
+// max(s[0..len)): exact whatever the order, so eight lanes at a time.
+inline float chunk_max(const float* s, int64_t len) {
+  f8 lanes = f8{} - std::numeric_limits<float>::infinity();
+  int64_t k = 0;
+  for (; k + 8 <= len; k += 8) {
+    const f8 x = prefixgate::load8(s + k);
+    lanes = x > lanes ? x : lanes;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int lane = 0; lane < 8; ++lane) m = std::max(m, lanes[lane]);
+  for (; k < len; ++k) m = std::max(m, s[k]);
+  return m;
+}
+
+// acc += weights[k] * rows[k][offset..] for k < len, FMA by FMA in key order.
+template <int64_t HEAD_DIM>
+inline void weigh_values(const float* __restrict weights, const float* const* rows,
+                         int64_t offset, int64_t len, int64_t head_dim_rt, float* __restrict acc) {
+  constexpr int64_t kMaxDim = 256;
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
+  f8 sums[kMaxDim / 8];
+  for (int64_t d = 0; d < head_dim; d += 8) sums[d / 8] = prefixgate::load8(acc + d);
+  for (int64_t k = 0; k < len; ++k) {
+    const f8 w = f8{} + weights[k];
+    const float* __restrict r = rows[k] + offset;
+    for (int64_t d = 0; d < head_dim; d += 8)
+      sums[d / 8] = prefixgate::fma8(w, prefixgate::load8(r + d), sums[d / 8]);
+  }
+  for (int64_t d = 0; d < head_dim; d += 8) prefixgate::store8(acc + d, sums[d / 8]);
+}
+
+// HEAD_DIM > 0 fixes the row length at compile time (unrolled loops); 0 reads it at run time.
+template <typename T, typename KV, int64_t HEAD_DIM>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_rows,
+            const at::Tensor& positions, const at::Tensor& items, const at::Tensor& members,
+            const at::Tensor& part_start, double scale, at::Tensor& out) {
+  const int64_t num_queries = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t group = num_heads / num_kv_heads, cols = block_tables.size(1);
   const int64_t block_stride = k_cache.stride(0), token_stride = k_cache.stride(1);
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const KV* k_ptr = k_cache.data_ptr<KV>();
+  const KV* v_ptr = v_cache.data_ptr<KV>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* rows = seq_rows.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* item_ptr = items.data_ptr<int64_t>();
+  const int64_t* member_ptr = members.data_ptr<int64_t>();
+  const int64_t* starts = part_start.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
-  float* lse_ptr = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  const int64_t chunk = std::max<int64_t>(block_size, kChunkTokens / block_size * block_size);
-  int64_t max_len = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) max_len = std::max(max_len, lens[i]);
-  const int64_t num_chunks = (max_len + chunk - 1) / chunk;
-  // An item is one chunk of one sequence, all its KV heads: the chunk's token rows (every KV
-  // head side by side) are then read front to back, one sequential stream per pass, which the
-  // hardware prefetcher follows; an item per KV head read a third of each row and stalled.
-  const int64_t num_items = num_seqs * num_chunks;
-  // Per item and query head: the unnormalized output, then the running max and sum.
-  std::vector<float> part_acc(num_items * num_heads * head_dim);
-  std::vector<float> part_max(num_items * num_heads), part_sum(num_items * num_heads);
+  const int64_t num_parts = starts[num_queries];
+  // Per (query, chunk) and query head: the unnormalized output, the chunk's max and sum.
+  // Kept between calls (a 100-token prefill's are ~2 MB: freshly allocated, each layer paid
+  // its page faults); every entry a call reads, it wrote.
+  static thread_local std::vector<float> scratch;
+  const size_t needed = num_parts * num_heads * (head_dim + 2);
+  if (scratch.size() < needed) scratch.resize(needed);
+  float* part_acc = scratch.data();
+  float* part_max = part_acc + num_parts * num_heads * head_dim;
+  float* part_sum = part_max + num_parts * num_heads;
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), row(head_dim), probs(num_heads * chunk);
+  at::parallel_for(0, items.size(0), 1, [&](int64_t begin, int64_t end) {
+    const int64_t q_row = num_heads * head_dim, kv_row = num_kv_heads * head_dim;
+    std::vector<float> qf(kTileQueries * q_row), probs(kTileQueries * num_heads * kChunkTokens);
+    // 16-bit storage: the chunk's K and V rows widened once, for every member and head
+    std::vector<float> widened(std::is_same_v<KV, float> ? 0 : 2 * kChunkTokens * kv_row);
+    const float* key_rows[kChunkTokens];
+    const float* value_rows[kChunkTokens];
+    int64_t len[kTileQueries];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_chunks;
-      const int64_t start = item % num_chunks * chunk;
-      const int64_t len = std::min(chunk, lens[seq] - start);
-      float* acc = part_acc.data() + item * num_heads * head_dim;
-      std::fill(acc, acc + num_heads * head_dim, 0.f);
-      if (len <= 0) {  // past this sequence's end: an empty part
-        std::fill(part_max.begin() + item * num_heads, part_max.begin() + (item + 1) * num_heads,
-                  -std::numeric_limits<float>::infinity());
-        std::fill(part_sum.begin() + item * num_heads, part_sum.begin() + (item + 1) * num_heads,
-                  0.f);
-        continue;
+      const int64_t chunk = item_ptr[3 * item], count = item_ptr[3 * item + 2];
+      const int64_t* tile = member_ptr + item_ptr[3 * item + 1];
+      const int64_t start = chunk * kChunkTokens;
+      int64_t longest = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t t = tile[i];
+        len[i] = std::min(kChunkTokens, pos[t] + 1 - start);
+        longest = std::max(longest, len[i]);
+        const float* src = float_row(q_ptr + t * q_row, qf.data() + i * q_row, q_row);
+        for (int64_t j = 0; j < q_row; ++j) qf[i * q_row + j] = src[j] * fscale;
       }
-      const int64_t* table = tables + seq * max_blocks + start / block_size;
-      const float* q_row = float_row(q_ptr + seq * num_heads * head_dim, qf.data(), qf.size());
-      for (size_t i = 0; i < qf.size(); ++i) qf[i] = q_row[i] * fscale;
-      // Pass 1: every key's score, for every query head. Walked block by block: a division
-      // per token cost more than the arithmetic.
-      for (int64_t b = 0, t = 0; t < len; ++b) {
-        const T* block = k_ptr + table[b] * block_stride;
-        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const float* r = float_row(block + i * token_stride + h * head_dim, row.data(), head_dim);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t head = h * group + g;
-              const float* __restrict qg = qf.data() + head * head_dim;
-              probs[head * chunk + t] = dot(qg, r, head_dim);
-            }
+      // Every tile member reads these blocks for this chunk (the plan's grouping key).
+      const int64_t* table = tables + rows[tile[0]] * cols;
+      for (int64_t k = 0; k < longest; ++k) {
+        const int64_t p = start + k;
+        const int64_t offset = table[p / block_size] * block_stride + p % block_size * token_stride;
+        if constexpr (std::is_same_v<KV, float>) {
+          key_rows[k] = k_ptr + offset;
+          value_rows[k] = v_ptr + offset;
+        } else {
+          float* kf = widened.data() + k * kv_row;
+          float* vf = widened.data() + (kChunkTokens + k) * kv_row;
+          key_rows[k] = float_row(k_ptr + offset, kf, kv_row);
+          value_rows[k] = float_row(v_ptr + offset, vf, kv_row);
+        }
+      }
+      // Scores, a block of keys at a time: its rows stay in L1 while every member's query
+      // heads of their KV head read them (one pass per head streamed them from L2).
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t kb = 0; kb < longest; kb += kKeyBlock) {
+          for (int64_t i = 0; i < count; ++i) {
+            if (kb >= len[i]) continue;
+            const int64_t n = std::min(kKeyBlock, len[i] - kb);
+            for (int64_t head = h * group; head < (h + 1) * group; ++head)
+              score_keys<HEAD_DIM>(qf.data() + i * q_row + head * head_dim, key_rows + kb,
+                                   h * head_dim, n, head_dim,
+                                   probs.data() + (i * num_heads + head) * kChunkTokens + kb);
           }
         }
       }
-      // Softmax numerators per query head, with their max and sum for the merge.
-      for (int64_t head = 0; head < num_heads; ++head) {
-        float* __restrict p = probs.data() + head * chunk;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t]);
-        prefixgate::f8 sums{};
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-          const prefixgate::f8 e = prefixgate::exp8(prefixgate::load8(p + t) - m);
-          prefixgate::store8(p + t, e);
-          sums += e;
+      // Softmax numerators per (member, head), with the chunk's max and sum.
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t part = starts[tile[i]] + chunk;
+        for (int64_t head = 0; head < num_heads; ++head) {
+          float* __restrict s = probs.data() + (i * num_heads + head) * kChunkTokens;
+          float m = chunk_max(s, len[i]);
+          f8 sums{};
+          int64_t k = 0;
+          for (; k + 8 <= len[i]; k += 8) {
+            const f8 e = prefixgate::exp8(prefixgate::load8(s + k) - m);
+            prefixgate::store8(s + k, e);
+            sums += e;
+          }
+          float sum = 0.f;
+          for (; k < len[i]; ++k) {
+            s[k] = exp1(s[k] - m);
+            sum += s[k];
+          }
+          for (int lane = 0; lane < 8; ++lane) sum += sums[lane];
+          part_max[part * num_heads + head] = m;
+          part_sum[part * num_heads + head] = sum;
+          float* acc = part_acc + (part * num_heads + head) * head_dim;
+          std::fill(acc, acc + head_dim, 0.f);
         }
-        float sum = 0.f;
-        for (; t < len; ++t) {
-          p[t] = exp1(p[t] - m);
-          sum += p[t];
-        }
-        for (int i = 0; i < 8; ++i) sum += sums[i];
-        part_max[item * num_heads + head] = m;
-        part_sum[item * num_heads + head] = sum;
       }
-      // Pass 2: the numerator-weighted sum of the values.
-      for (int64_t b = 0, t = 0; t < len; ++b) {
-        const T* block = v_ptr + table[b] * block_stride;
-        for (int64_t i = 0; i < block_size && t < len; ++i, ++t) {
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const float* r = float_row(block + i * token_stride + h * head_dim, row.data(), head_dim);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t head = h * group + g;
-              const float w = probs[head * chunk + t];
-              float* __restrict a = acc + head * head_dim;
-#pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) a[d] += w * r[d];
-            }
+      // The numerator-weighted sum of the values, in key order, blocked as the scores were.
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t kb = 0; kb < longest; kb += kKeyBlock) {
+          for (int64_t i = 0; i < count; ++i) {
+            if (kb >= len[i]) continue;
+            const int64_t n = std::min(kKeyBlock, len[i] - kb);
+            const int64_t part = starts[tile[i]] + chunk;
+            for (int64_t head = h * group; head < (h + 1) * group; ++head)
+              weigh_values<HEAD_DIM>(probs.data() + (i * num_heads + head) * kChunkTokens + kb,
+                                     value_rows + kb, h * head_dim, n, head_dim,
+                                     part_acc + (part * num_heads + head) * head_dim);
           }
         }
       }
     }
   });
 
-  // Merge each (sequence, query head)'s chunks: out = sum_c acc_c e^(m_c - M) / L.
-  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+  // Merge each (query, head)'s chunks in chunk order: out = sum_c acc_c e^(m_c - M) / L.
+  at::parallel_for(0, num_queries * num_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(head_dim);
-    for (int64_t row_id = begin; row_id < end; ++row_id) {
-      const int64_t seq = row_id / num_heads, head = row_id % num_heads;
-      const int64_t first = seq * num_chunks;
+    for (int64_t id = begin; id < end; ++id) {
+      const int64_t t = id / num_heads, head = id % num_heads;
+      const int64_t first = starts[t], chunks = starts[t + 1] - first;
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < num_chunks; ++c)
-        m = std::max(m, part_max[(first + c) * num_heads + head]);
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_max[(first + c) * num_heads + head]);
       float total = 0.f;
       std::fill(merged.begin(), merged.end(), 0.f);
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        const int64_t item = first + c;
-        const float sum = part_sum[item * num_heads + head];
-        if (sum == 0.f) continue;
-        const float w = exp1(part_max[item * num_heads + head] - m);
-        total += sum * w;
-        const float* a = part_acc.data() + (item * num_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t part = (first + c) * num_heads + head;
+        const float w = exp1(part_max[part] - m);
+        total += part_sum[part] * w;
+        const float* a = part_acc + part * head_dim;
+        const f8 w8 = f8{} + w;
+        for (int64_t d = 0; d < head_dim; d += 8)
+          prefixgate::store8(merged.data() + d, prefixgate::fma8(w8, prefixgate::load8(a + d),
+                                                                 prefixgate::load8(merged.data() + d)));
       }
-      T* o = out_ptr + row_id * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(merged[d] / total);
-      lse_ptr[row_id] = m + std::log(total);
+      T* o = out_ptr + id * head_dim;
+      const f8 inverse = f8{} + 1.f / total;
+      for (int64_t d = 0; d < head_dim; d += 8)
+        prefixgate::store8(o + d, prefixgate::load8(merged.data() + d) * inverse);
     }
   });
+}
+
+template <typename T, typename KV>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& pos,
+                       const at::Tensor& items, const at::Tensor& members,
+                       const at::Tensor& starts, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64:
+      return attend<T, KV, 64>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
+                               scale, out);
+    case 128:
+      return attend<T, KV, 128>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
+                                scale, out);
+    default:
+      return attend<T, KV, 0>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
+                              scale, out);
+  }
 }
 
 template <typename T>
-void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                       double scale, at::Tensor& out, at::Tensor& lse) {
-  switch (q.size(2)) {
-    case 64:
-      return decode<T, 64>(q, k_cache, v_cache, block_tables, context_lens, scale, out, lse);
-    case 128:
-      return decode<T, 128>(q, k_cache, v_cache, block_tables, context_lens, scale, out, lse);
+void dispatch_cache_dtype(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& tables,
+                          const at::Tensor& rows, const at::Tensor& pos, const at::Tensor& items,
+                          const at::Tensor& members, const at::Tensor& starts, double scale,
+                          at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return dispatch_head_dim<T, at::Half>(q, k_cache, v_cache, tables, rows, pos, items,
+                                            members, starts, scale, out);
+    case at::kBFloat16:
+      return dispatch_head_dim<T, c10::BFloat16>(q, k_cache, v_cache, tables, rows, pos, items,
+                                                 members, starts, scale, out);
+    case at::kFloat:
+      return dispatch_head_dim<T, float>(q, k_cache, v_cache, tables, rows, pos, items, members,
+                                         starts, scale, out);
     default:
-      return decode<T, 0>(q, k_cache, v_cache, block_tables, context_lens, scale, out, lse);
+      TORCH_CHECK(false, "paged_attention: KV cache must be float32, bfloat16 or float16");
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
-    const at::Tensor& q,             // [num_seqs, num_heads, head_dim]
-    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
-    const at::Tensor& v_cache,       // same
-    const at::Tensor& block_tables,  // [num_seqs, max_blocks] int64
-    const at::Tensor& context_lens,  // [num_seqs] int64, each >= 1
-    double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_rows, const at::Tensor& positions,
+                           const at::Tensor& items, const at::Tensor& members,
+                           const at::Tensor& part_start, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3));
   TORCH_CHECK(k_cache.strides() == v_cache.strides());
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
-  TORCH_CHECK(q.size(2) % 8 == 0, "head_dim must be a multiple of 8");
-  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(),
-                   lens = context_lens.contiguous();
+  TORCH_CHECK(q.size(2) % 8 == 0 && q.size(2) <= 256, "head_dim: a multiple of 8, at most 256");
+  TORCH_CHECK(seq_rows.numel() == q.size(0) && positions.numel() == q.size(0));
+  TORCH_CHECK(part_start.numel() == q.size(0) + 1 && items.dim() == 2 && items.size(1) == 3);
+  for (const at::Tensor* t : {&block_tables, &seq_rows, &positions, &items, &members, &part_start})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "plan tensors: contiguous int64");
+  const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16>(qc, k_cache, v_cache, tables, lens, scale, out, lse);
+    dispatch_cache_dtype<c10::BFloat16>(qc, k_cache, v_cache, block_tables, seq_rows, positions,
+                                        items, members, part_start, scale, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "bfloat16 or float32 only");
-    dispatch_head_dim<float>(qc, k_cache, v_cache, tables, lens, scale, out, lse);
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention: q must be float32 or bfloat16");
+    dispatch_cache_dtype<float>(qc, k_cache, v_cache, block_tables, seq_rows, positions, items,
+                                members, part_start, scale, out);
   }
-  return {out, lse};
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(prefixgate, m) {
   m.def(
-      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> (Tensor, Tensor)");
+      "attention_plan(Tensor block_tables, Tensor seq_rows, Tensor positions, int block_size) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_rows, Tensor positions, Tensor items, Tensor members, Tensor part_start, "
+      "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
+
+TORCH_LIBRARY_IMPL(prefixgate, CompositeExplicitAutograd, m) {
+  m.impl("attention_plan", &attention_plan);
+}

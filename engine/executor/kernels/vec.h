@@ -6,7 +6,13 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
+#if defined(__F16C__) || defined(__FMA__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -42,7 +48,51 @@ inline u8 bf16_bits(f8 v) {
   return v != v ? u8{} + 0x7FC0u : rounded;
 }
 
+// float16 <-> float: one instruction each with F16C (every AVX2 CPU has it), else c10's.
+inline f8 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  f8 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  f8 out;
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+#endif
+}
+
+inline void store8(c10::Half* p, f8 v) {
+#if defined(__F16C__)
+  __m256 in;
+  std::memcpy(&in, &v, sizeof in);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(in, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(v[i]);
+#endif
+}
+
 inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+
+// a * b + c, rounded once, lane by lane. Spelled out: the kernels build with
+// -ffp-contract=off, so no expression is fused in one place and not in another (a result must
+// not depend on which code path, or which vector lane, computed it).
+inline f8 fma8(f8 a, f8 b, f8 c) {
+#if defined(__FMA__)
+  __m256 x, y, z;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  std::memcpy(&z, &c, sizeof z);
+  const __m256 r = _mm256_fmadd_ps(x, y, z);
+  f8 out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+#else
+  f8 out;
+  for (int i = 0; i < 8; ++i) out[i] = std::fma(a[i], b[i], c[i]);
+  return out;
+#endif
+}
 
 inline void store8(c10::BFloat16* p, f8 v) {
   const h8 h = __builtin_convertvector(bf16_bits(v), h8);
@@ -94,22 +144,26 @@ inline f8 exp8(f8 x) {
 
 inline float exp1(float x) { return exp8(f8{} + x)[0]; }
 
-// a . b for n a multiple of 8, summed as a tree: a plain reduction loop adds the lanes one
-// after another (the compiler may not reorder float sums), a 16-add dependency chain per
-// key that was most of the decode kernel's time.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  typedef float f4 __attribute__((vector_size(16)));
-  f8 even{}, odd{};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    even += load8(a + d) * load8(b + d);
-    odd += load8(a + d + 8) * load8(b + d + 8);
-  }
-  if (d < n) even += load8(a + d) * load8(b + d);
-  const f8 s8 = even + odd;
-  const f4 s4 =
-      __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+// Eight vectors' lane sums, [sum(v[0]), ..., sum(v[7])], each summed as
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) whatever the other vectors hold.
+inline f8 lane_sums8(const f8* v) {
+#if defined(__AVX__)
+  __m256 x[8];
+  std::memcpy(x, v, sizeof x);
+  const __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
+  const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                 _mm256_permute2f128_ps(u0, u1, 0x31));
+  f8 out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+#else
+  f8 out;
+  for (int j = 0; j < 8; ++j)
+    out[j] = ((v[j][0] + v[j][1]) + (v[j][2] + v[j][3])) + ((v[j][4] + v[j][5]) + (v[j][6] + v[j][7]));
+  return out;
+#endif
 }
 
 }  // namespace prefixgate

@@ -24,6 +24,7 @@ class CausalLM(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    dtype: torch.dtype  # compute dtype
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

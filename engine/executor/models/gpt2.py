@@ -26,11 +26,11 @@ class GPT2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n, hidden = x.shape
-        qkv = project(self.c_attn, x, batch.decode_only)
+        qkv = project(self.c_attn, x)
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
         store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        return project(self.c_proj, o.reshape(n, hidden), batch.decode_only)
+        return project(self.c_proj, o.reshape(n, hidden))
 
 
 class GPT2MLP(nn.Module):
@@ -41,8 +41,8 @@ class GPT2MLP(nn.Module):
         self.c_proj = nn.Linear(inner, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = F.gelu(project(self.c_fc, x, batch.decode_only), approximate="tanh")
-        return project(self.c_proj, hidden, batch.decode_only)
+        hidden = F.gelu(project(self.c_fc, x), approximate="tanh")
+        return project(self.c_proj, hidden)
 
 
 class GPT2Block(nn.Module):
@@ -61,6 +61,7 @@ class GPT2Block(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     def __init__(self, cfg: Any, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.dtype = dtype  # compute dtype (the KV cache may store another)
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported")
         self.num_heads = cfg.n_head

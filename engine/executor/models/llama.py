@@ -43,10 +43,10 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = project(self.qkv_proj, x, batch.decode_only).view(n, -1, self.head_dim)
+        qkv = project(self.qkv_proj, x).view(n, -1, self.head_dim)
         q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
-        return project(self.o_proj, o.reshape(n, self.q_size), batch.decode_only)
+        return project(self.o_proj, o.reshape(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -56,9 +56,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x, batch.decode_only)
+        gate_up = project(self.gate_up_proj, x)
         act = silu_and_mul(gate_up, batch.use_cpu_kernels)
-        return project(self.down_proj, act, batch.decode_only)
+        return project(self.down_proj, act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,6 +95,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: Any, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.dtype = dtype  # compute dtype (the KV cache may store another)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         has_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.num_heads = cfg.num_attention_heads

@@ -1,7 +1,10 @@
-"""Paged attention kernels against a dense reference: prefill spans, decodes, cascades, and
-the C++ paged decode kernel (engine/kernels) against the same references."""
+"""Paged attention against a dense reference: the C++ kernel (every query of a step, any KV
+storage dtype) and the torch path's prefill spans, decodes and cascades; and the kernel's
+promise, that a query's bits do not depend on what else the call holds."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 from engine.core.config import default_cache_dir
 from engine.executor.attention import (
     DecodeGroup,
+    KernelPlan,
     _cascade_attention,
     _decode_attention,
     _span_attention,
@@ -34,14 +38,12 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), vr.double()).to(q.dtype)
 
 
-@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [[3, 7, 1], [4, 5, 6]], ids=["gathered", "consecutive"])
 def test_cascade_equals_plain_decode_and_dense_reference(
-    dtype: torch.dtype, shared: list[int], use_kernel: bool, request: pytest.FixtureRequest
+    dtype: torch.dtype, shared: list[int]
 ) -> None:
-    if use_kernel:
-        request.getfixturevalue("kernels")
+    """The torch path's cascade (devices without the kernel)."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK, KV, DIM, generator=gen).to(dtype)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK, KV, DIM, generator=gen).to(dtype)
@@ -58,9 +60,9 @@ def test_cascade_equals_plain_decode_and_dense_reference(
         prefix_blocks=slice(shared[0], shared[-1] + 1) if consecutive else torch.tensor(shared),
         block_tables=tables,
         context_lens=torch.tensor(lens),
-        mask=None if use_kernel else decode_mask(torch.tensor(lens), max_blocks * BLOCK, dtype),
+        mask=decode_mask(torch.tensor(lens), max_blocks * BLOCK, dtype),
     )
-    cascade = _cascade_attention(q, k_cache, v_cache, group, scale, use_kernel)
+    cascade = _cascade_attention(q, k_cache, v_cache, group, scale)
     full_tables = torch.tensor([shared + t + [0] * (max_blocks - len(t)) for t in private])
     full_lens = torch.tensor([len(shared) * BLOCK + n for n in lens])
     plain = _decode_attention(
@@ -115,46 +117,161 @@ def test_span_over_cached_context_is_causal_with_offset(dtype: torch.dtype) -> N
         torch.testing.assert_close(out[i], ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("block_size", "head_dim", "lens"),
-    [
-        (4, DIM, [1, 5, 23]),  # head_dim read at run time
-        (16, 64, [1, 256, 257, 700]),  # compiled head_dim; split at 128-token chunks
-        (16, 128, [3, 512, 40]),
-        (32, 64, [1000, 1, 65]),
-    ],
-)
-def test_paged_decode_kernel_matches_dense_reference(
-    dtype: torch.dtype, block_size: int, head_dim: int, lens: list[int]
-) -> None:
-    """Blocks scattered through the pool, read in place; output and log-sum-exp exact to the
-    dtype's precision; padded table entries are never read."""
-    gen = torch.Generator().manual_seed(3)
-    max_blocks = -(-max(lens) // block_size)
+@dataclass
+class Query:
+    seq: int  # which sequence (row of the block table)
+    pos: int  # attends to keys 0..pos
+
+
+def _kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    queries: list[Query],
+    block_size: int,
+) -> torch.Tensor:
+    plan = KernelPlan.build(
+        tables,
+        torch.tensor([x.seq for x in queries]),
+        torch.tensor([x.pos for x in queries]),
+        block_size,
+    )
+    out: torch.Tensor = torch.ops.prefixgate.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        plan.seq_rows,
+        plan.positions,
+        plan.items,
+        plan.members,
+        plan.part_start,
+        q.shape[-1] ** -0.5,
+    )
+    return out
+
+
+def _pool(
+    gen: torch.Generator, lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V caches with each sequence's blocks scattered through the pool, block 0 NaN (a read
+    of a padded table entry would poison the output), and the block tables."""
+    max_blocks = -(-max(lens) // block_size) + 2  # stale entries past each row's blocks
     num_blocks = len(lens) * max_blocks + 1
     k_cache = torch.randn(num_blocks, block_size, KV, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, KV, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0: padding only
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
     tables, start = [], 0
     for n in lens:
         used = -(-n // block_size)
         tables.append(order[start : start + used].tolist() + [0] * (max_blocks - used))
         start += used
-    k_cache[0] = float("nan")  # a padded entry that was read would poison the output
+    k_cache[0] = float("nan")
     v_cache[0] = float("nan")
-    q = torch.randn(len(lens), HEADS, head_dim, generator=gen).to(dtype)
-    scale = head_dim**-0.5
-    out, lse = torch.ops.prefixgate.paged_decode_attention(
-        q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), scale
-    )
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for i, n in enumerate(lens):
-        k = k_cache[tables[i]].flatten(0, 1)[:n].double()  # [n, kv, d]
-        v = v_cache[tables[i]].flatten(0, 1)[:n].double()
+    return k_cache, v_cache, torch.tensor(tables)
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "lens"),
+    [
+        (4, DIM, [1, 5, 23]),  # head_dim read at run time
+        (16, 64, [1, 256, 257, 700]),  # compiled head_dim; several 128-token chunks
+        (16, 128, [3, 512, 40]),
+        (12, 64, [300, 1, 65]),  # chunks that end inside a block
+    ],
+)
+def test_paged_attention_kernel_matches_dense_reference(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, head_dim: int, lens: list[int]
+) -> None:
+    """Each sequence's last 1-20 positions as queries (a prefill span's causal tail, or one
+    decode), blocks read in place, whatever the storage dtype."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables = _pool(gen, lens, block_size, head_dim, kv_dtype)
+    queries = [Query(i, p) for i, n in enumerate(lens) for p in range(max(0, n - 1 - i * 7), n)]
+    q = torch.randn(len(queries), HEADS, head_dim, generator=gen).to(q_dtype)
+    out = _kernel(q, k_cache, v_cache, tables, queries, block_size)
+    tol = 2e-5 if q_dtype == torch.float32 else 2e-2
+    for row, query in enumerate(queries):
+        blocks = tables[query.seq]
+        k = k_cache[blocks].flatten(0, 1)[: query.pos + 1].double()  # [ctx, kv, d]
+        v = v_cache[blocks].flatten(0, 1)[: query.pos + 1].double()
         kr, vr = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
-        scores = torch.einsum("hd,lhd->hl", q[i].double(), kr) * scale
+        scores = torch.einsum("hd,lhd->hl", q[row].double(), kr) * head_dim**-0.5
         ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), vr)
-        torch.testing.assert_close(out[i].double(), ref, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[i].double(), scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[row].double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(kv_dtype: torch.dtype) -> None:
+    """Batch invariance: 300 positions of one sequence computed as one prefill, in chunks of
+    several sizes, one query at a time (decodes), and beside other sequences' queries that
+    share its first 10 blocks (a registry prefix) or not: every query's output is the same,
+    bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, head_dim, n = 16, 64, 300
+    k_cache, v_cache, tables = _pool(gen, [n, n, 200], block_size, head_dim, kv_dtype)
+    tables[1, :10] = tables[0, :10]  # sequence 1 shares sequence 0's first 160 tokens
+    q_all = torch.randn(n, HEADS, head_dim, generator=gen)
+    whole = _kernel(q_all, k_cache, v_cache, tables, [Query(0, p) for p in range(n)], block_size)
+    for chunk in (1, 16, 100, 129):
+        parts = [
+            _kernel(
+                q_all[s : s + chunk],
+                k_cache,
+                v_cache,
+                tables,
+                [Query(0, p) for p in range(s, min(n, s + chunk))],
+                block_size,
+            )
+            for s in range(0, n, chunk)
+        ]
+        assert torch.equal(torch.cat(parts), whole), f"chunks of {chunk}"
+    # beside others: sequence 1 (shared blocks) and 2 decoding, in front of and behind it
+    others = torch.randn(4, HEADS, head_dim, generator=gen)
+    mixed_queries = [
+        Query(1, 250),
+        Query(2, 199),
+        *(Query(0, p) for p in range(n)),
+        Query(1, 170),
+        Query(2, 5),
+    ]
+    mixed = _kernel(
+        torch.cat([others[:2], q_all, others[2:]]),
+        k_cache,
+        v_cache,
+        tables,
+        mixed_queries,
+        block_size,
+    )
+    assert torch.equal(mixed[2 : 2 + n], whole)
+    alone = _kernel(others[:1], k_cache, v_cache, tables, [Query(1, 250)], block_size)
+    assert torch.equal(mixed[0], alone[0])
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_plan_shares_a_chunk_read_between_sequences_with_the_same_blocks() -> None:
+    """Decodes whose first 128 tokens sit in the same blocks read that chunk once, as one
+    tile; the chunk where their blocks part is read per sequence."""
+    block_size = 16
+    shared = list(range(1, 11))  # 160 tokens: chunk 0 whole, chunk 1 partly
+    tables = torch.tensor([[*shared, 20 + i, 30 + i] for i in range(3)])
+    plan = KernelPlan.build(
+        tables, torch.tensor([0, 1, 2]), torch.tensor([190, 170, 180]), block_size
+    )
+    items = [tuple(row) for row in plan.items.tolist()]
+    chunk0 = [it for it in items if it[0] == 0]
+    assert len(chunk0) == 1 and chunk0[0][2] == 3  # one tile of all three
+    assert sorted(it[2] for it in items if it[0] == 1) == [1, 1, 1]
+    assert plan.part_start.tolist() == [0, 2, 4, 6]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.core.config import default_cache_dir
-from engine.executor.attention import ForwardBatch
+from engine.executor.attention import ForwardBatch, KernelPlan, TorchAttention
 from engine.executor.kernels import load_cpu_kernels
 from engine.executor.models.layers import RMSNorm, rope_and_store, silu_and_mul
 
@@ -69,22 +69,26 @@ def test_silu_and_mul_kernel_matches_torch(dtype: torch.dtype, rows: int) -> Non
 
 def _batch(slots: list[int], use_kernels: bool) -> ForwardBatch:
     n = len(slots)
+    none = torch.zeros(0, dtype=torch.long)
+    attention = (
+        KernelPlan(none.view(0, 0), none, none, none.view(0, 3), none, none)  # RoPE reads none
+        if use_kernels
+        else TorchAttention([], 0, [])
+    )
     return ForwardBatch(
         input_ids=torch.zeros(n, dtype=torch.long),
         positions=torch.zeros(n, dtype=torch.long),
         slot_mapping=torch.tensor(slots),
-        prefills=[],
-        num_prefill_tokens=0,
-        decode_groups=[],
-        logits_indices=torch.zeros(0, dtype=torch.long),
-        use_cpu_kernels=use_kernels,
+        logits_indices=none,
+        attention=attention,
     )
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16], ids=["same", "float16-cache"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_rope_and_store_kernel_rotates_and_writes_the_cache_like_torch(
-    dtype: torch.dtype, rows: int
+    dtype: torch.dtype, rows: int, cache_dtype: torch.dtype | None
 ) -> None:
     heads, kv_heads, dim, blocks, block_size = 6, 2, 16, 12, 4
     gen = torch.Generator().manual_seed(5)
@@ -95,7 +99,7 @@ def test_rope_and_store_kernel_rotates_and_writes_the_cache_like_torch(
     slots = torch.randperm(blocks * block_size, generator=gen)[:rows].tolist()
     results = []
     for use_kernel in (False, True):
-        k_cache = torch.zeros(blocks, block_size, kv_heads, dim, dtype=dtype)
+        k_cache = torch.zeros(blocks, block_size, kv_heads, dim, dtype=cache_dtype or dtype)
         v_cache = torch.zeros_like(k_cache)
         q, k, v = rope_and_store(
             qkv.clone(), (cos, sin), k_cache, v_cache, _batch(slots, use_kernel), heads
@@ -107,6 +111,7 @@ def test_rope_and_store_kernel_rotates_and_writes_the_cache_like_torch(
     assert torch.equal(v, qkv[:, heads + kv_heads :])  # v is not rotated
     assert not torch.equal(q, qkv[:, :heads])
     flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
-    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    assert torch.equal(flat_k[slots], k.to(k_cache.dtype))  # rounded to nearest even once
+    assert torch.equal(flat_v[slots], v.to(v_cache.dtype))
     untouched = [s for s in range(blocks * block_size) if s not in slots]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()

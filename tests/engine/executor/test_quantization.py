@@ -22,7 +22,6 @@ from engine.executor.quantization import (
     quantize_int8,
     quantize_linears,
     quantize_weight,
-    use_quantized_kernel,
 )
 
 N, K = 48, 128
@@ -121,7 +120,7 @@ def test_a_quantized_linear_stays_within_the_activation_rounding_of_its_weight(
     quantized, dequantized = quantize_weight(weight, bits)
     step = (weight.max() - weight.min()) / (15 if bits == 4 else 254)
     assert (dequantized - weight).abs().max() <= step  # within one step of the grid
-    layer = QuantizedLinear(quantized, None, nn.Identity(), max_rows=8)
+    layer = QuantizedLinear(quantized, None, None)
     x = torch.randn(3, K, generator=gen)
     exact = x.double() @ dequantized.double().t()
     half_steps = x.reshape(3, -1, GROUP_SIZE).abs().amax(-1).repeat_interleave(GROUP_SIZE, 1) / 254
@@ -147,38 +146,29 @@ def test_a_tall_weight_quantized_in_row_chunks_equals_it_quantized_whole(
     assert torch.equal(chunked_weight.scales, whole_weight.scales)
 
 
-def test_rows_above_max_rows_take_the_dense_copy(
-    kernels: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("engine.executor.quantization.dense_above_rows", lambda: 8)  # as on AVX-512
+def test_with_a_dense_copy_every_call_takes_it() -> None:
+    """Where the kernel is not built, the dense copy (the dequantized weight) serves every
+    row count."""
     gen = torch.Generator().manual_seed(3)
-    linear = nn.Linear(K, N, bias=True)
-    model = nn.Sequential(linear)
+    model = nn.Sequential(nn.Linear(K, N, bias=True))
     quantize_linears(model, WeightFormat(layers="int4"), torch.float32)
     layer = model[0]
-    assert isinstance(layer, QuantizedLinear)
-    small = torch.randn(1, K, generator=gen)
-    assert layer.max_rows == 0 and torch.equal(layer(small), layer.dense(small))  # no kernel yet
-    use_quantized_kernel(model)
-    assert layer.max_rows == 8
-    big = torch.randn(layer.max_rows + 1, K, generator=gen)
-    assert torch.equal(layer(big), layer.dense(big))
-    torch.testing.assert_close(layer(small), layer.dense(small), rtol=0.02, atol=0.02)
-    assert not torch.equal(layer(small), layer.dense(small))  # the kernel's 8-bit activations
-    assert torch.equal(layer(small, allow_quantized=False), layer.dense(small))
+    assert isinstance(layer, QuantizedLinear) and layer.dense is not None
+    for rows in (1, 9, 40):
+        x = torch.randn(rows, K, generator=gen)
+        assert torch.equal(layer(x), layer.dense(x))
 
 
 def test_without_a_dense_copy_every_call_takes_the_kernel_row_by_row(kernels: None) -> None:
-    """Where the kernel beats the dense GEMM at every size (AVX2) no copy is kept: prefill
-    rows take the kernel too, and each row's result does not depend on the rows beside it
-    (so a prompt's K/V do not depend on how it was split)."""
+    """Where the kernel is built no copy is kept: prefill rows take the kernel too, and each
+    row's result does not depend on the rows beside it (so a prompt's K/V do not depend on
+    how it was split or batched)."""
     model = nn.Sequential(nn.Linear(K, N, bias=True))
     quantize_linears(model, WeightFormat(layers="int4", dense_copies=False), torch.float32)
     layer = model[0]
     assert isinstance(layer, QuantizedLinear) and layer.dense is None
-    use_quantized_kernel(model)
     x = torch.randn(37, K, generator=torch.Generator().manual_seed(4))
-    whole = layer(x, allow_quantized=False)  # a prefill step: no copy to fall back on
+    whole = layer(x)
     rows = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(whole, rows)
     assert torch.equal(layer(x[5:16]), whole[5:16])

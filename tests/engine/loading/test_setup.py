@@ -11,7 +11,7 @@ import torch
 from engine import EngineConfig
 from engine.core.config import default_cache_dir
 from engine.executor.kernels import build_cpu_kernels
-from engine.executor.quantization import EVERY_ROW_COUNT, QuantizedLinear, dense_above_rows
+from engine.executor.quantization import QuantizedLinear
 from engine.loading import quantized_cache
 from engine.loading import setup as model_setup
 from engine.loading.setup import load_model
@@ -79,13 +79,11 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     second = load_model(config)
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(second.model)) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down), head
-    rows = dense_above_rows()  # None: the kernel beats the dense GEMM at every size
-    assert {m.max_rows for m in _quantized(second.model)} == {rows or EVERY_ROW_COUNT}
-    assert all((m.dense is None) == (rows is None) for m in _quantized(second.model))
+    assert all(m.dense is None for m in _quantized(second.model))  # one path: the kernel
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for a, b in zip(_quantized(first.model), _quantized(second.model), strict=True):
-            for num_rows in (1, 17):  # the quantized kernel, the dense copy (where kept)
+            for num_rows in (1, 17):
                 x = torch.randn(num_rows, a.quantized.in_features, generator=gen)
                 assert torch.equal(a(x), b(x))
     cached.write_bytes(cached.read_bytes()[:100])  # truncated
@@ -128,7 +126,6 @@ def test_without_the_kernels_quantized_linears_run_on_their_dense_copies(
     monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
     loaded = load_model(_config(tiny_llama_path, quantization="int4", enable_compile=False))
     assert not loaded.has_cpu_kernels
-    assert {m.max_rows for m in _quantized(loaded.model)} == {0}
     assert all(m.dense is not None for m in _quantized(loaded.model))
 
 
