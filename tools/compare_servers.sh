@@ -2,7 +2,8 @@
 # Side-by-side serving comparison on this machine, one server at a time (they share 2 cores):
 # prefixgate with its registry and with --no-prefix-cache, llama.cpp server with its prompt
 # cache on and off, transformers serve with continuous batching.
-#   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode"
+#   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode",
+#                                                  "multiturn"
 # SYSTEMS picks who runs (default "registry nocache llamacpp llamacpp-nocache transformers");
 # DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
 # suffixes prefixgate's result names (to keep two configurations apart); LLAMA_ISA picks the
@@ -39,6 +40,9 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
       decode) $PY tools/bench_serving.py --label "$label" --workload decode-heavy \
              --concurrency 32 --num-requests 64 --max-duration 300 --warmup 2 \
              --out "$OUT/$label-decode.json" "$@" ;;
+      multiturn) $PY tools/bench_serving.py --label "$label" --workload chat-multi-turn \
+             --concurrency 8 --num-requests 48 --max-duration 600 --warmup 2 \
+             --out "$OUT/$label-multiturn.json" "$@" ;;
     esac
   done
 }
