@@ -46,6 +46,15 @@ using prefixgate::f8;
 constexpr int64_t kChunkTokens = 128;  // keys per partial softmax, at fixed positions
 constexpr int64_t kTileQueries = 16;   // queries sharing one read of a chunk
 constexpr int64_t kKeyBlock = 16;      // keys read from L1 by every query head of a tile
+constexpr int64_t kMaxGroup = 64;      // query heads per KV head
+// A chunk's scores and transposed keys per row: 128 plus room for a last block of lanes
+// computed past the chunk (3 x 8 or 4 x 8 keys), never read
+constexpr int64_t kScoreStride = kChunkTokens + 32;
+
+std::vector<float>& key_scratch() {
+  static thread_local std::vector<float> buffer;
+  return buffer;
+}
 
 // A row as float32 (n a multiple of 8): float32 storage is read in place, 16-bit widened into
 // `buffer`.
@@ -114,36 +123,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& 
   return {item_tensor, member_tensor, part_start};
 }
 
-// A query head's scores against keys 0..len-1 of a chunk (rows[k] + offset), 8 keys at a
-// time: each key's products summed as two FMA chains over head_dim, then its 8 lanes summed
-// as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); the 8 keys' lane sums run side by side
-// (hadd), which is why a key's score does not depend on the keys beside it.
-template <int64_t HEAD_DIM>
-inline void score_keys(const float* __restrict q, const float* const* rows, int64_t offset,
-                       int64_t len, int64_t head_dim_rt, float* __restrict out) {
-  constexpr int64_t kMaxDim = 256;
+// Scores of NH query heads (sharing a KV head) against keys 0..n-1, the keys transposed (key
+// k's dim d at keys_t[d * kScoreStride + k]): a key per lane, OCTETS x 8 keys at a time, each
+// score one FMA chain over the dims in order, s = fma(q[d], k[d], s), d = 0, 1, ... The
+// chains of a block share every load; no lane depends on another (a scalar loop of fmaf
+// gives the same bits).
+template <int64_t HEAD_DIM, int NH, int OCTETS>
+inline void score_keys(const float* const* q, const float* keys_t, int64_t n,
+                       int64_t head_dim_rt, float* const* out) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  f8 qv[kMaxDim / 8];
-  for (int64_t d = 0; d < head_dim; d += 8) qv[d / 8] = prefixgate::load8(q + d);
-  for (int64_t k0 = 0; k0 < len; k0 += 8) {
-    f8 lanes[8];
-    const float* group_rows[8];
-    for (int64_t j = 0; j < 8; ++j) group_rows[j] = rows[k0 + j < len ? k0 + j : 0] + offset;
-    for (int64_t j = 0; j < 8; ++j) {
-      const float* __restrict r = group_rows[j];
-      f8 even{}, odd{};
-      int64_t d = 0;
-      for (; d + 16 <= head_dim; d += 16) {
-        even = prefixgate::fma8(qv[d / 8], prefixgate::load8(r + d), even);
-        odd = prefixgate::fma8(qv[d / 8 + 1], prefixgate::load8(r + d + 8), odd);
+  for (int64_t k0 = 0; k0 < n; k0 += 8 * OCTETS) {  // past n: padding lanes, never stored
+    f8 acc[NH][OCTETS];
+    for (int h = 0; h < NH; ++h)
+      for (int j = 0; j < OCTETS; ++j) acc[h][j] = f8{};
+    const float* column = keys_t + k0;
+    for (int64_t d = 0; d < head_dim; ++d, column += kScoreStride) {
+      f8 keys[OCTETS];
+      for (int j = 0; j < OCTETS; ++j) keys[j] = prefixgate::load8(column + 8 * j);
+      for (int h = 0; h < NH; ++h) {
+        const f8 qd = prefixgate::splat8(q[h][d]);
+        for (int j = 0; j < OCTETS; ++j) acc[h][j] = prefixgate::fma8(qd, keys[j], acc[h][j]);
       }
-      if (d < head_dim) even = prefixgate::fma8(qv[d / 8], prefixgate::load8(r + d), even);
-      lanes[j] = even + odd;
     }
-    const f8 sums = prefixgate::lane_sums8(lanes);
-    const int64_t n = std::min<int64_t>(8, len - k0);
-    for (int64_t j = 0; j < n; ++j) out[k0 + j] = sums[j];
+    for (int h = 0; h < NH; ++h)
+      for (int j = 0; j < OCTETS; ++j) prefixgate::store8(out[h] + k0 + 8 * j, acc[h][j]);
   }
+}
+
+// acc[h] += weights[h][k] * rows[k][offset..] for k < n, FMA by FMA in key order, for NH
+// query heads sharing a KV head: PARTS x 8 dims at a time, every value load serving all NH.
+template <int NH, int PARTS>
+inline void weigh_dims(const float* const* weights, const float* const* rows, int64_t offset,
+                       int64_t n, float* const* acc) {
+  f8 sums[NH][PARTS];
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < PARTS; ++j) sums[h][j] = prefixgate::load8(acc[h] + 8 * j);
+  for (int64_t k = 0; k < n; ++k) {
+    const float* __restrict r = rows[k] + offset;
+    f8 values[PARTS];
+    for (int j = 0; j < PARTS; ++j) values[j] = prefixgate::load8(r + 8 * j);
+    for (int h = 0; h < NH; ++h) {
+      const f8 w = prefixgate::splat8(weights[h][k]);
+      for (int j = 0; j < PARTS; ++j) sums[h][j] = prefixgate::fma8(w, values[j], sums[h][j]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < PARTS; ++j) prefixgate::store8(acc[h] + 8 * j, sums[h][j]);
+}
+
+template <int64_t HEAD_DIM, int NH>
+inline void weigh_values(const float* const* weights, const float* const* rows, int64_t offset,
+                         int64_t n, int64_t head_dim_rt, float* const* acc) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
+  int64_t d0 = 0;
+  for (; d0 + 32 <= head_dim; d0 += 32) {
+    float* part[NH];
+    for (int h = 0; h < NH; ++h) part[h] = acc[h] + d0;
+    weigh_dims<NH, 4>(weights, rows, offset + d0, n, part);
+  }
+  for (; d0 < head_dim; d0 += 8) {
+    float* part[NH];
+    for (int h = 0; h < NH; ++h) part[h] = acc[h] + d0;
+    weigh_dims<NH, 1>(weights, rows, offset + d0, n, part);
+  }
+}
+
+// The query heads [first, first + count) of one KV head: three at a time over 24 keys, or
+// two / one over 32 (the chains and their operands fit AVX2's 16 registers).
+template <int64_t HEAD_DIM>
+inline void score_heads(const float* const* q, const float* keys_t, int64_t n, int64_t head_dim,
+                        float* const* out, int64_t count) {
+  int64_t h = 0;
+  for (; h + 3 <= count; h += 3) score_keys<HEAD_DIM, 3, 3>(q + h, keys_t, n, head_dim, out + h);
+  if (count - h == 2) score_keys<HEAD_DIM, 2, 4>(q + h, keys_t, n, head_dim, out + h);
+  if (count - h == 1) score_keys<HEAD_DIM, 1, 4>(q + h, keys_t, n, head_dim, out + h);
+}
+
+template <int64_t HEAD_DIM>
+inline void weigh_heads(const float* const* weights, const float* const* rows, int64_t offset,
+                        int64_t n, int64_t head_dim, float* const* acc, int64_t count) {
+  int64_t h = 0;
+  for (; h + 2 <= count; h += 2)
+    weigh_values<HEAD_DIM, 2>(weights + h, rows, offset, n, head_dim, acc + h);
+  if (h < count) weigh_values<HEAD_DIM, 1>(weights + h, rows, offset, n, head_dim, acc + h);
 }
 
 // max(s[0..len)): exact whatever the order, so eight lanes at a time.
@@ -158,23 +220,6 @@ inline float chunk_max(const float* s, int64_t len) {
   for (int lane = 0; lane < 8; ++lane) m = std::max(m, lanes[lane]);
   for (; k < len; ++k) m = std::max(m, s[k]);
   return m;
-}
-
-// acc += weights[k] * rows[k][offset..] for k < len, FMA by FMA in key order.
-template <int64_t HEAD_DIM>
-inline void weigh_values(const float* __restrict weights, const float* const* rows,
-                         int64_t offset, int64_t len, int64_t head_dim_rt, float* __restrict acc) {
-  constexpr int64_t kMaxDim = 256;
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  f8 sums[kMaxDim / 8];
-  for (int64_t d = 0; d < head_dim; d += 8) sums[d / 8] = prefixgate::load8(acc + d);
-  for (int64_t k = 0; k < len; ++k) {
-    const f8 w = f8{} + weights[k];
-    const float* __restrict r = rows[k] + offset;
-    for (int64_t d = 0; d < head_dim; d += 8)
-      sums[d / 8] = prefixgate::fma8(w, prefixgate::load8(r + d), sums[d / 8]);
-  }
-  for (int64_t d = 0; d < head_dim; d += 8) prefixgate::store8(acc + d, sums[d / 8]);
 }
 
 // HEAD_DIM > 0 fixes the row length at compile time (unrolled loops); 0 reads it at run time.
@@ -203,19 +248,31 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // Per (query, chunk) and query head: the unnormalized output, the chunk's max and sum.
   // Kept between calls (a 100-token prefill's are ~2 MB: freshly allocated, each layer paid
   // its page faults); every entry a call reads, it wrote.
-  static thread_local std::vector<float> scratch;
+  static thread_local std::vector<float> parts;
   const size_t needed = num_parts * num_heads * (head_dim + 2);
-  if (scratch.size() < needed) scratch.resize(needed);
-  float* part_acc = scratch.data();
+  if (parts.size() < needed) parts.resize(needed);
+  float* part_acc = parts.data();
   float* part_max = part_acc + num_parts * num_heads * head_dim;
   float* part_sum = part_max + num_parts * num_heads;
 
   at::parallel_for(0, items.size(0), 1, [&](int64_t begin, int64_t end) {
     const int64_t q_row = num_heads * head_dim, kv_row = num_kv_heads * head_dim;
-    std::vector<float> qf(kTileQueries * q_row), probs(kTileQueries * num_heads * kChunkTokens);
-    // 16-bit storage: the chunk's K and V rows widened once, for every member and head
-    std::vector<float> widened(std::is_same_v<KV, float> ? 0 : 2 * kChunkTokens * kv_row);
-    const float* key_rows[kChunkTokens];
+    // Per-thread scratch, kept between calls (not allocated and zeroed per layer): the
+    // tile's scaled queries, its scores, and for 16-bit storage the chunk's K and V rows
+    // widened once for every member and head.
+    static thread_local std::vector<float> scratch;
+    const size_t probs_size = kTileQueries * num_heads * kScoreStride;
+    const size_t widened_size = std::is_same_v<KV, float> ? 0 : kChunkTokens * kv_row;
+    const size_t keys_size = num_kv_heads * head_dim * kScoreStride;
+    const size_t total = kTileQueries * q_row + probs_size + keys_size + widened_size;
+    if (scratch.size() < total) scratch.resize(total);
+    float* const qf = scratch.data();
+    float* const probs = qf + kTileQueries * q_row;
+    float* const keys_t = probs + probs_size;  // [kv_heads, head_dim, kScoreStride]
+    [[maybe_unused]] float* const widened = keys_t + keys_size;
+    std::vector<float>& key_buffer = key_scratch();
+    if (key_buffer.size() < static_cast<size_t>(8 * kv_row)) key_buffer.resize(8 * kv_row);
+    float* const widened_keys = key_buffer.data();
     const float* value_rows[kChunkTokens];
     int64_t len[kTileQueries];
     for (int64_t item = begin; item < end; ++item) {
@@ -227,43 +284,57 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t t = tile[i];
         len[i] = std::min(kChunkTokens, pos[t] + 1 - start);
         longest = std::max(longest, len[i]);
-        const float* src = float_row(q_ptr + t * q_row, qf.data() + i * q_row, q_row);
+        const float* src = float_row(q_ptr + t * q_row, qf + i * q_row, q_row);
         for (int64_t j = 0; j < q_row; ++j) qf[i * q_row + j] = src[j] * fscale;
       }
       // Every tile member reads these blocks for this chunk (the plan's grouping key).
       const int64_t* table = tables + rows[tile[0]] * cols;
+      // Keys transposed (a key per lane: [kv_head][dim][key]), 8 keys at a time; values as
+      // rows (widened once where stored in 16 bits).
+      for (int64_t k0 = 0; k0 < longest; k0 += 8) {
+        const float* group_keys[8];
+        for (int64_t j = 0; j < 8; ++j) {
+          const int64_t p = start + std::min(k0 + j, longest - 1);  // pad: repeat a key
+          const int64_t offset =
+              table[p / block_size] * block_stride + p % block_size * token_stride;
+          group_keys[j] = float_row(k_ptr + offset, widened_keys + j * kv_row, kv_row);
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          for (int64_t d = 0; d < head_dim; d += 8) {
+            const float* src[8];
+            for (int j = 0; j < 8; ++j) src[j] = group_keys[j] + h * head_dim + d;
+            prefixgate::transpose8(src, keys_t + (h * head_dim + d) * kScoreStride + k0,
+                                   kScoreStride);
+          }
+      }
       for (int64_t k = 0; k < longest; ++k) {
         const int64_t p = start + k;
         const int64_t offset = table[p / block_size] * block_stride + p % block_size * token_stride;
         if constexpr (std::is_same_v<KV, float>) {
-          key_rows[k] = k_ptr + offset;
           value_rows[k] = v_ptr + offset;
         } else {
-          float* kf = widened.data() + k * kv_row;
-          float* vf = widened.data() + (kChunkTokens + k) * kv_row;
-          key_rows[k] = float_row(k_ptr + offset, kf, kv_row);
-          value_rows[k] = float_row(v_ptr + offset, vf, kv_row);
+          value_rows[k] = float_row(v_ptr + offset, widened + k * kv_row, kv_row);
         }
       }
-      // Scores, a block of keys at a time: its rows stay in L1 while every member's query
-      // heads of their KV head read them (one pass per head streamed them from L2).
+      // Scores: every member's query heads of a KV head against the transposed keys.
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        for (int64_t kb = 0; kb < longest; kb += kKeyBlock) {
-          for (int64_t i = 0; i < count; ++i) {
-            if (kb >= len[i]) continue;
-            const int64_t n = std::min(kKeyBlock, len[i] - kb);
-            for (int64_t head = h * group; head < (h + 1) * group; ++head)
-              score_keys<HEAD_DIM>(qf.data() + i * q_row + head * head_dim, key_rows + kb,
-                                   h * head_dim, n, head_dim,
-                                   probs.data() + (i * num_heads + head) * kChunkTokens + kb);
+        for (int64_t i = 0; i < count; ++i) {
+          const float* q_heads[kMaxGroup];
+          float* out[kMaxGroup];
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t head = h * group + g;
+            q_heads[g] = qf + i * q_row + head * head_dim;
+            out[g] = probs + (i * num_heads + head) * kScoreStride;
           }
+          score_heads<HEAD_DIM>(q_heads, keys_t + h * head_dim * kScoreStride, len[i],
+                                head_dim, out, group);
         }
       }
       // Softmax numerators per (member, head), with the chunk's max and sum.
       for (int64_t i = 0; i < count; ++i) {
         const int64_t part = starts[tile[i]] + chunk;
         for (int64_t head = 0; head < num_heads; ++head) {
-          float* __restrict s = probs.data() + (i * num_heads + head) * kChunkTokens;
+          float* __restrict s = probs + (i * num_heads + head) * kScoreStride;
           float m = chunk_max(s, len[i]);
           f8 sums{};
           int64_t k = 0;
@@ -289,12 +360,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t kb = 0; kb < longest; kb += kKeyBlock) {
           for (int64_t i = 0; i < count; ++i) {
             if (kb >= len[i]) continue;
-            const int64_t n = std::min(kKeyBlock, len[i] - kb);
             const int64_t part = starts[tile[i]] + chunk;
-            for (int64_t head = h * group; head < (h + 1) * group; ++head)
-              weigh_values<HEAD_DIM>(probs.data() + (i * num_heads + head) * kChunkTokens + kb,
-                                     value_rows + kb, h * head_dim, n, head_dim,
-                                     part_acc + (part * num_heads + head) * head_dim);
+            const float* weights[kMaxGroup];
+            float* acc[kMaxGroup];
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t head = h * group + g;
+              weights[g] = probs + (i * num_heads + head) * kScoreStride + kb;
+              acc[g] = part_acc + (part * num_heads + head) * head_dim;
+            }
+            weigh_heads<HEAD_DIM>(weights, value_rows + kb, h * head_dim,
+                                  std::min(kKeyBlock, len[i] - kb), head_dim, acc, group);
           }
         }
       }
@@ -303,28 +378,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
   // Merge each (query, head)'s chunks in chunk order: out = sum_c acc_c e^(m_c - M) / L.
   at::parallel_for(0, num_queries * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(head_dim);
+    float merged[256];
     for (int64_t id = begin; id < end; ++id) {
       const int64_t t = id / num_heads, head = id % num_heads;
       const int64_t first = starts[t], chunks = starts[t + 1] - first;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_max[(first + c) * num_heads + head]);
       float total = 0.f;
-      std::fill(merged.begin(), merged.end(), 0.f);
+      std::fill(merged, merged + head_dim, 0.f);
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t part = (first + c) * num_heads + head;
         const float w = exp1(part_max[part] - m);
         total += part_sum[part] * w;
         const float* a = part_acc + part * head_dim;
-        const f8 w8 = f8{} + w;
+        const f8 w8 = prefixgate::splat8(w);
         for (int64_t d = 0; d < head_dim; d += 8)
-          prefixgate::store8(merged.data() + d, prefixgate::fma8(w8, prefixgate::load8(a + d),
-                                                                 prefixgate::load8(merged.data() + d)));
+          prefixgate::store8(merged + d, prefixgate::fma8(w8, prefixgate::load8(a + d),
+                                                                 prefixgate::load8(merged + d)));
       }
       T* o = out_ptr + id * head_dim;
-      const f8 inverse = f8{} + 1.f / total;
+      const f8 inverse = prefixgate::splat8(1.f / total);
       for (int64_t d = 0; d < head_dim; d += 8)
-        prefixgate::store8(o + d, prefixgate::load8(merged.data() + d) * inverse);
+        prefixgate::store8(o + d, prefixgate::load8(merged + d) * inverse);
     }
   });
 }
@@ -378,6 +453,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3));
   TORCH_CHECK(k_cache.strides() == v_cache.strides());
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup, "at most 64 query heads per KV head");
   TORCH_CHECK(q.size(2) % 8 == 0 && q.size(2) <= 256, "head_dim: a multiple of 8, at most 256");
   TORCH_CHECK(seq_rows.numel() == q.size(0) && positions.numel() == q.size(0));
   TORCH_CHECK(part_start.numel() == q.size(0) + 1 && items.dim() == 2 && items.size(1) == 3);

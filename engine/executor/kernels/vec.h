@@ -25,6 +25,9 @@ typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 8;
 
+// x in every lane (`f8{} + x` is an addition the compiler may not drop: 0 + -0 is +0).
+inline f8 splat8(float x) { return f8{x, x, x, x, x, x, x, x}; }
+
 inline f8 load8(const float* p) {
   f8 v;
   std::memcpy(&v, p, sizeof v);
@@ -142,27 +145,32 @@ inline f8 exp8(f8 x) {
   return p;
 }
 
-inline float exp1(float x) { return exp8(f8{} + x)[0]; }
+inline float exp1(float x) { return exp8(splat8(x))[0]; }
 
-// Eight vectors' lane sums, [sum(v[0]), ..., sum(v[7])], each summed as
-// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) whatever the other vectors hold.
-inline f8 lane_sums8(const f8* v) {
+// dst[i * stride + j] = src[j][i] for i, j < 8: eight rows of 8 floats as eight columns.
+inline void transpose8(const float* const* src, float* dst, int64_t stride) {
 #if defined(__AVX__)
-  __m256 x[8];
-  std::memcpy(x, v, sizeof x);
-  const __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
-  const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                 _mm256_permute2f128_ps(u0, u1, 0x31));
-  f8 out;
-  std::memcpy(&out, &r, sizeof out);
-  return out;
+  __m256 r[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src[j]);
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst + 0 * stride, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * stride, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * stride, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * stride, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * stride, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * stride, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * stride, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * stride, _mm256_permute2f128_ps(u3, u7, 0x31));
 #else
-  f8 out;
-  for (int j = 0; j < 8; ++j)
-    out[j] = ((v[j][0] + v[j][1]) + (v[j][2] + v[j][3])) + ((v[j][4] + v[j][5]) + (v[j][6] + v[j][7]));
-  return out;
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) dst[i * stride + j] = src[j][i];
 #endif
 }
 
