@@ -10,6 +10,7 @@ from typing import Any
 import openai
 import pytest
 
+from engine import LLMEngine, chat_prompt_ids
 from engine.loading.source import ModelSource
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
 
@@ -34,6 +35,14 @@ QUESTIONS = [
     "Explain gravity in one sentence to a child who is five years old and likes dinosaurs.",
     "Hi",
 ]
+
+
+def registry_chat(engine: LLMEngine, name: str, question: str) -> list[int]:
+    """Registry entry `name`'s messages continued by one user turn, rendered for the model:
+    a prompt that hits the entry."""
+    [spec] = [s for s in engine.prefixes.specs if s.name == name]
+    history = [{"role": role, "content": content} for role, content in spec.messages]
+    return chat_prompt_ids(engine.tokenizer, [*history, {"role": "user", "content": question}])
 
 
 def question_prompts(tokenizer: Any) -> list[list[int]]:

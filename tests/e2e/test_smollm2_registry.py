@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids, text_prompt_ids
 from engine.loading.source import ModelSource
+from tests.e2e.conftest import registry_chat
 from tests.helpers import run_staggered, tokens_of
 
 pytestmark = pytest.mark.e2e
@@ -56,8 +57,7 @@ def cases(registry_engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]
     specs = {s.name: s for s in registry_engine.prefixes.specs}
 
     def chat(name: str, question: str) -> list[int]:
-        history = [{"role": role, "content": content} for role, content in specs[name].messages]
-        return chat_prompt_ids(tok, [*history, {"role": "user", "content": question}])
+        return registry_chat(registry_engine, name, question)
 
     doc = specs["doc-qa"]
     return {

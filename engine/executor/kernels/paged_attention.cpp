@@ -4,10 +4,12 @@
 // Why one kernel: a query's result must not depend on which path computed it (same request,
 // same answer, whatever else runs or is cached). Here a query at position p attends to keys
 // 0..p in fixed positional chunks of 128 tokens ([0, 128), [128, 256), ...), each chunk's
-// partial softmax computed by the same arithmetic (scores as `dot`, the chunk's max and
-// exponentials, sums and value accumulation in key order), and the chunks merged in chunk
-// order. Nothing in that depends on how many queries, sequences or shared blocks the call
-// holds: those only decide which queries share one read of a chunk's keys (a tile).
+// partial softmax computed by the same arithmetic (each score one FMA chain over the dims in
+// order, a key per vector lane, against the chunk's keys transposed once per work item; the
+// chunk's max, exponentials and sums; value accumulation FMA by FMA in key order), and the
+// chunks merged in chunk order. Nothing in that depends on how many queries, sequences or
+// shared blocks the call holds: those only decide which queries share one read of a chunk's
+// keys (a tile) and how the loops are blocked.
 //
 //   attention_plan(block_tables, seq_rows, positions, block_size)
 //       -> (items [I, 3] = (chunk, first member, member count), members [M], part_start [T+1])
@@ -19,7 +21,7 @@
 //                   part_start, scale) -> out [T, num_heads, head_dim]
 //     q [T, num_heads, head_dim] float32 or bf16; caches [num_blocks, block_size, kv_heads,
 //     head_dim] float32, bf16 or float16 (widened to float32 on load), head_dim a multiple of
-//     8. GQA: every query head of a KV head is served by the same key row read.
+//     8, at most 256. GQA: the query heads of a KV head are blocked together over each read.
 //
 // Compiled at run time by engine/executor/kernels/__init__.py.
 
@@ -45,7 +47,7 @@ using prefixgate::f8;
 
 constexpr int64_t kChunkTokens = 128;  // keys per partial softmax, at fixed positions
 constexpr int64_t kTileQueries = 16;   // queries sharing one read of a chunk
-constexpr int64_t kKeyBlock = 16;      // keys read from L1 by every query head of a tile
+constexpr int64_t kKeyBlock = 16;      // value rows read from L1 by every query head of a tile
 constexpr int64_t kMaxGroup = 64;      // query heads per KV head
 // A chunk's scores and transposed keys per row: 128 plus room for a last block of lanes
 // computed past the chunk (3 x 8 or 4 x 8 keys), never read
@@ -355,7 +357,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           std::fill(acc, acc + head_dim, 0.f);
         }
       }
-      // The numerator-weighted sum of the values, in key order, blocked as the scores were.
+      // The numerator-weighted sum of the values, in key order, 16 value rows at a time for
+      // every member (they stay in L1 meanwhile).
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         for (int64_t kb = 0; kb < longest; kb += kKeyBlock) {
           for (int64_t i = 0; i < count; ++i) {
