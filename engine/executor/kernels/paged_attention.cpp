@@ -53,10 +53,6 @@ constexpr int64_t kMaxGroup = 64;      // query heads per KV head
 // computed past the chunk (3 x 8 or 4 x 8 keys), never read
 constexpr int64_t kScoreStride = kChunkTokens + 32;
 
-std::vector<float>& key_scratch() {
-  static thread_local std::vector<float> buffer;
-  return buffer;
-}
 
 // A row as float32 (n a multiple of 8): float32 storage is read in place, 16-bit widened into
 // `buffer`.
@@ -266,15 +262,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     const size_t probs_size = kTileQueries * num_heads * kScoreStride;
     const size_t widened_size = std::is_same_v<KV, float> ? 0 : kChunkTokens * kv_row;
     const size_t keys_size = num_kv_heads * head_dim * kScoreStride;
-    const size_t total = kTileQueries * q_row + probs_size + keys_size + widened_size;
+    const size_t total = kTileQueries * q_row + probs_size + keys_size + 8 * kv_row + widened_size;
     if (scratch.size() < total) scratch.resize(total);
     float* const qf = scratch.data();
     float* const probs = qf + kTileQueries * q_row;
     float* const keys_t = probs + probs_size;  // [kv_heads, head_dim, kScoreStride]
-    [[maybe_unused]] float* const widened = keys_t + keys_size;
-    std::vector<float>& key_buffer = key_scratch();
-    if (key_buffer.size() < static_cast<size_t>(8 * kv_row)) key_buffer.resize(8 * kv_row);
-    float* const widened_keys = key_buffer.data();
+    float* const widened_keys = keys_t + keys_size;  // 8 key rows on their way to keys_t
+    [[maybe_unused]] float* const widened = widened_keys + 8 * kv_row;
     const float* value_rows[kChunkTokens];
     int64_t len[kTileQueries];
     for (int64_t item = begin; item < end; ++item) {
