@@ -51,13 +51,20 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loading = asyncio.create_task(load())
+        # A model to load: listen at once (/health says 503 until it is up). A ready engine
+        # (tests): read its facts first, so no request arrives before its token table.
+        loading: asyncio.Task[None] | None = None
+        if gateway.engine is None:
+            loading = asyncio.create_task(load())
+        else:
+            await load()
         try:
             yield
         finally:
-            loading.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loading
+            if loading is not None:
+                loading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loading
             gateway.shutdown()
 
     def counted(route: str, handler: Handler) -> Handler:
