@@ -20,6 +20,7 @@ from engine.executor.attention import (
 from engine.executor.input_batch import InputBatch
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import CausalLM
+from engine.executor.penalty_counts import PenaltyCounts
 from engine.executor.sampler import Sampler, SamplingBatch, score_tokens
 from engine.kvcache.block_pool import BlockPool
 from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
@@ -58,6 +59,7 @@ class ModelRunner:
         self.num_forward_tokens = 0
         self.kv_cache = KVCache(pool.spec, pool.num_blocks, device)
         self.input_batch = InputBatch()
+        self.penalty_counts = PenaltyCounts()
         for i, layer in enumerate(model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache.layer_caches(i)
 
@@ -66,6 +68,7 @@ class ModelRunner:
         """Run the scheduled chunks; sample one token per sequence that reached its end."""
         if out.released_ids:
             self.input_batch.release(out.released_ids)
+            self.penalty_counts.release(out.released_ids)
         if self.pool.num_touched > self.kv_cache.num_zeroed:  # before any copy lands in them
             self.kv_cache.zero_fresh(self.pool.num_touched)
         self._copy_blocks(out, after_forward=False)
@@ -85,7 +88,14 @@ class ModelRunner:
         matchers = [seq.matcher for seq in seqs]
         if any(m is not None for m in matchers):
             self._masker(logits.shape[1]).apply(logits, matchers)
-        result = self.sampler(logits, _sampling_batch(seqs))
+        penalized = [seq for seq in seqs if seq.params.has_penalties]
+        counts = (
+            self.penalty_counts.counts(penalized, logits.shape[1], logits.device)
+            if penalized
+            else None
+        )
+        batch = SamplingBatch([s.params for s in seqs], [s.generator for s in seqs], counts)
+        result = self.sampler(logits, batch)
         sampled = [
             SampledToken(seq, tok, lp)
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
@@ -145,7 +155,9 @@ class ModelRunner:
                     rows = hidden[token_start + first - start : token_start + last - start]
                     targets = seq.token_ids[first + 1 : last + 1]
                     seq.prompt_logprobs += score_tokens(
-                        self.model.compute_logits(rows), targets, seq.params.prompt_logprobs
+                        self.model.compute_logits(rows),
+                        targets,
+                        seq.params.prompt_logprobs,
                     )
             token_start += n
 
@@ -180,7 +192,10 @@ class ModelRunner:
                 for _ in range(item.num_new_tokens)
             ]
             attention = KernelPlan.build(
-                self.input_batch.block_tables, self._tensor(seq_rows), position_tensor, block_size
+                self.input_batch.block_tables,
+                self._tensor(seq_rows),
+                position_tensor,
+                block_size,
             )
         else:
             attention = self._torch_attention(ordered, rows)
@@ -233,7 +248,11 @@ class ModelRunner:
         return groups
 
     def _group(
-        self, seqs: list[Sequence], row_ids: torch.Tensor, rows: list[int], num_shared: int
+        self,
+        seqs: list[Sequence],
+        row_ids: torch.Tensor,
+        rows: list[int],
+        num_shared: int,
     ) -> DecodeGroup:
         block_size = self.pool.block_size
         lens = [seqs[r].num_computed_tokens + 1 - num_shared * block_size for r in rows]
@@ -272,17 +291,3 @@ def batch_order(out: SchedulerOutput) -> list[ScheduledSequence]:
     for item in out.scheduled:
         by_kind[0 if item.num_new_tokens > 1 else 1 if item.num_new_tokens == 1 else 2].append(item)
     return [*by_kind[0], *by_kind[1], *by_kind[2]]
-
-
-def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
-    needs_history = [s.params.has_penalties for s in seqs]
-    return SamplingBatch(
-        params=[s.params for s in seqs],
-        generators=[s.generator for s in seqs],
-        prompt_token_ids=[
-            s.prompt_token_ids if h else [] for s, h in zip(seqs, needs_history, strict=True)
-        ],
-        output_token_ids=[
-            s.output_token_ids if h else [] for s, h in zip(seqs, needs_history, strict=True)
-        ],
-    )

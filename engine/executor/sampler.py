@@ -16,6 +16,7 @@ import torch
 
 from engine.core.outputs import SampleLogprobs, TokenLogprob
 from engine.core.sampling_params import SamplingParams
+from engine.executor.penalty_counts import TokenCounts
 
 
 @dataclass(slots=True)
@@ -24,14 +25,14 @@ class SamplingBatch:
 
     `generators[i]` is the row's own generator when its request has a seed, else None. The
     caller keeps a seeded request's generator across steps, so its stream of draws depends on
-    nothing but the seed. `prompt_token_ids` feed the repetition penalty only (HF applies it to
-    prompt + output); `output_token_ids` feed all three penalties.
+    nothing but the seed. `counts` holds one row per row whose params have penalties, in
+    order (None when none has): the repetition penalty reads which ids the prompt or the
+    output holds, frequency and presence the output's counts.
     """
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
+    counts: TokenCounts | None = None
 
 
 @dataclass(slots=True)
@@ -77,28 +78,22 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
     if not rows:
         return logits
+    assert batch.counts is not None and batch.counts.output.shape[0] == len(rows)
     index = _index(rows, logits.device)
     penalized = _penalize_rows(
-        logits.index_select(0, index),
-        [batch.params[i] for i in rows],
-        [batch.prompt_token_ids[i] for i in rows],
-        [batch.output_token_ids[i] for i in rows],
+        logits.index_select(0, index), [batch.params[i] for i in rows], batch.counts
     )
     return logits.index_copy(0, index, penalized)
 
 
 def _penalize_rows(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    logits: torch.Tensor, params: list[SamplingParams], counts: TokenCounts
 ) -> torch.Tensor:
     # logits: [num_penalized, vocab_size], a copy we own
-    vocab_size, device = logits.shape[1], logits.device
-    output_counts = _token_counts(output_token_ids, vocab_size, device)  # [n, vocab_size]
+    device, output_counts = logits.device, counts.output  # [n, vocab_size]
     if any(p.repetition_penalty != 1.0 for p in params):
         penalty = _column([p.repetition_penalty for p in params], device)  # [n, 1]
-        is_seen = (output_counts > 0) | (_token_counts(prompt_token_ids, vocab_size, device) > 0)
+        is_seen = counts.seen  # prompt or output, as HF applies it
         # HF: shrink toward zero from either side, so a seen token always becomes less likely.
         scaled = torch.where(logits < 0, logits * penalty, logits / penalty)
         logits = torch.where(is_seen, scaled, logits)
@@ -108,20 +103,6 @@ def _penalize_rows(
         presence = _column([p.presence_penalty for p in params], device)
         logits = logits - presence * (output_counts > 0)
     return logits
-
-
-def _token_counts(
-    token_ids: list[list[int]], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """How often each vocab id occurs per row, as float32 `[num_rows, vocab_size]`."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
-    # Padding (and, as in HF, any id past the logits' vocab) lands in a spare last column.
-    index = torch.tensor(padded, dtype=torch.long, device=device)  # [num_rows, width]
-    index.clamp_(max=vocab_size)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
-    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
-    return counts[:, :vocab_size]
 
 
 def _choose_tokens(
@@ -137,7 +118,9 @@ def _choose_tokens(
         return _sample(logits, params, generators)
     index = _index(rows, logits.device)
     sampled = _sample(
-        logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows]
+        logits.index_select(0, index),
+        [params[i] for i in rows],
+        [generators[i] for i in rows],
     )
     return logits.argmax(dim=-1).index_copy(0, index, sampled)
 

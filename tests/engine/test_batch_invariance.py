@@ -24,7 +24,18 @@ Answer = tuple[tuple[int, ...], tuple[SampleLogprobs, ...]]
 
 
 def _params(i: int) -> SamplingParams:
-    """Even requests greedy, odd ones seeded at temperature 0.9."""
+    """Even requests greedy (every other one with all three penalties, whose counts are kept
+    between steps), odd ones seeded at temperature 0.9."""
+    if i % 4 == 2:
+        return SamplingParams(
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            logprobs=2,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+        )
     if i % 2 == 0:
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
     return SamplingParams(

@@ -10,6 +10,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from engine.core.outputs import SampleLogprobs, TokenLogprob
 from engine.core.sampling_params import SamplingParams
+from engine.executor.penalty_counts import TokenCounts
 from engine.executor.sampler import (
     Sampler,
     SamplerOutput,
@@ -32,14 +33,19 @@ def _batch(
     generators: list[torch.Generator | None] | None = None,
     prompt_token_ids: list[list[int]] | None = None,
     output_token_ids: list[list[int]] | None = None,
+    vocab_size: int = 0,
 ) -> SamplingBatch:
+    """Penalty counts made from scratch from the rows' token lists (`vocab_size` ids)."""
     n = len(params)
-    return SamplingBatch(
-        params=params,
-        generators=generators if generators is not None else [None] * n,
-        prompt_token_ids=prompt_token_ids if prompt_token_ids is not None else [[] for _ in params],
-        output_token_ids=output_token_ids if output_token_ids is not None else [[] for _ in params],
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    prompts = prompt_token_ids if prompt_token_ids is not None else [[] for _ in params]
+    outputs = output_token_ids if output_token_ids is not None else [[] for _ in params]
+    counts = (
+        TokenCounts.of([prompts[i] for i in rows], [outputs[i] for i in rows], vocab_size, CPU)
+        if rows
+        else None
     )
+    return SamplingBatch(params, generators if generators is not None else [None] * n, counts)
 
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -97,7 +103,9 @@ def _seeded_run(extra_rows: int, num_steps: int = 20) -> list[int]:
         logits = _logits(1 + extra_rows, 16, seed=step)
         logits[0] = _logits(1, 16, seed=1000 + step)[0]  # row 0 sees the same logits every run
         outputs = [[step % 16]] * len(params)
-        out = _sample(logits, _batch(params, generators, output_token_ids=outputs))
+        out = _sample(
+            logits, _batch(params, generators, output_token_ids=outputs, vocab_size=logits.shape[1])
+        )
         tokens.append(out.token_ids[0])
     return tokens
 
@@ -166,7 +174,7 @@ def test_repetition_penalty_matches_hf() -> None:
     )
     prompt_token_ids, output_token_ids = [[0, 2, 2], [3, 9]], [[5], [1, 3, 0]]
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.7)]
-    batch = _batch(params, None, prompt_token_ids, output_token_ids)
+    batch = _batch(params, None, prompt_token_ids, output_token_ids, vocab_size=logits.shape[1])
     ours = apply_penalties(logits, batch)
     for row in range(2):
         ids = torch.tensor([prompt_token_ids[row] + output_token_ids[row]])
@@ -177,7 +185,7 @@ def test_repetition_penalty_matches_hf() -> None:
 def test_repetition_penalty_changes_the_argmax() -> None:
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
     params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
-    out = _sample(logits, _batch([params], None, [[0]], [[]]))
+    out = _sample(logits, _batch([params], None, [[0]], [[]], vocab_size=logits.shape[1]))
     assert out.token_ids == [1]  # 2.0 / 1.2 = 1.667 < 1.9
     hf = RepetitionPenaltyLogitsProcessor(1.2)(torch.tensor([[0]]), logits.clone())
     assert out.token_ids == hf.argmax(dim=-1).tolist()
@@ -190,7 +198,7 @@ def test_presence_and_frequency_penalties_exact_values() -> None:
         SamplingParams(),
     ]
     # The prompt is ignored by OpenAI penalties; the second row has none.
-    batch = _batch(params, None, [[0, 0], [0]], [[1, 1, 3], [1, 1, 3]])
+    batch = _batch(params, None, [[0, 0], [0]], [[1, 1, 3], [1, 1, 3]], vocab_size=logits.shape[1])
     expected = torch.tensor(
         [[1.0, 2.0 - 1.0 - 0.25, 3.0, 4.0 - 0.5 - 0.25, 0.5, -1.0], [1.0, 2.0, 3.0, 4.0, 0.5, -1.0]]
     )
@@ -200,11 +208,17 @@ def test_presence_and_frequency_penalties_exact_values() -> None:
 def test_frequency_penalty_changes_the_greedy_token() -> None:
     logits = torch.tensor([[3.0, 3.5]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=0.5)]
-    assert _sample(logits, _batch(params, None, [[]], [[1, 1]])).token_ids == [0]
+    assert _sample(
+        logits, _batch(params, None, [[]], [[1, 1]], vocab_size=logits.shape[1])
+    ).token_ids == [0]
     params = [SamplingParams(temperature=0.0, presence_penalty=0.6)]
-    assert _sample(logits, _batch(params, None, [[]], [[1, 1]])).token_ids == [0]
+    assert _sample(
+        logits, _batch(params, None, [[]], [[1, 1]], vocab_size=logits.shape[1])
+    ).token_ids == [0]
     params = [SamplingParams(temperature=0.0, presence_penalty=0.4)]
-    assert _sample(logits, _batch(params, None, [[]], [[1, 1]])).token_ids == [1]
+    assert _sample(
+        logits, _batch(params, None, [[]], [[1, 1]], vocab_size=logits.shape[1])
+    ).token_ids == [1]
 
 
 def _check_logprobs(entry: SampleLogprobs | None, raw: torch.Tensor, token_id: int, k: int) -> None:
@@ -228,7 +242,9 @@ def test_logprobs_come_from_raw_logits() -> None:
         SamplingParams(temperature=1.5, top_k=4, repetition_penalty=1.5, logprobs=20),
     ]
     generators: list[torch.Generator | None] = [None, make_generator(1, CPU), None, None]
-    out = _sample(logits, _batch(params, generators, [[1, 2]] * 4, [[3]] * 4))
+    out = _sample(
+        logits, _batch(params, generators, [[1, 2]] * 4, [[3]] * 4, vocab_size=logits.shape[1])
+    )
     assert out.logprobs[2] is None
     for row, k in [(0, 5), (1, 0), (3, 20)]:
         _check_logprobs(out.logprobs[row], logits[row], out.token_ids[row], k)
@@ -256,7 +272,10 @@ def test_callers_logits_are_unchanged(dtype: torch.dtype) -> None:
         SamplingParams(temperature=1.0, logprobs=1),
     ]
     generators: list[torch.Generator | None] = [None, None, make_generator(3, CPU), None]
-    _sample(logits, _batch(params, generators, [[1, 2, 3]] * 4, [[4, 4, 5]] * 4))
+    _sample(
+        logits,
+        _batch(params, generators, [[1, 2, 3]] * 4, [[4, 4, 5]] * 4, vocab_size=logits.shape[1]),
+    )
     assert torch.equal(logits, before)
 
 
@@ -279,7 +298,7 @@ def test_mixed_batch() -> None:
         None,
     ]
     outputs = [[], [], [], [], [], [int(logits[5].argmax())]]
-    out = _sample(logits, _batch(params, generators, [[]] * 6, outputs))
+    out = _sample(logits, _batch(params, generators, [[]] * 6, outputs, vocab_size=logits.shape[1]))
     assert len(out.token_ids) == len(out.logprobs) == 6
     assert all(0 <= t < 24 for t in out.token_ids)
     argmax = logits.argmax(dim=-1).tolist()
