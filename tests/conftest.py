@@ -28,7 +28,20 @@ from transformers import (
 
 from engine.core.config import default_cache_dir
 from engine.loading.source import ModelSource, resolve_model
+from tests import kernel_variants
 from tests.helpers import TINY_LLAMA_SHAPE
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The other instruction sets' kernel builds start now, in the background, when their
+    test is selected (tests/kernel_variants.py says why)."""
+    if any(kernel_variants.SELECTING_TEST in item.name for item in session.items):
+        kernel_variants.start_builds(kernel_variants.other_variants())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    kernel_variants.stop_builds()
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (

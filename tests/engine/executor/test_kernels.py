@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.executor import kernels
+from tests import kernel_variants
 
 
 @pytest.mark.parametrize(
@@ -72,28 +73,32 @@ def test_ninja_from_the_python_package_is_found_without_an_activated_environment
 
 
 # The kernels' numeric tests (int4/int8 matmul, paged decode attention, the layer ops) run
-# in-process against the build for this machine; the other instruction sets are built and
-# checked here, each in a process of its own (one build's ops per process).
-VARIANTS = {"avx2": ("AVX2", "-march=x86-64-v3"), "default": ("DEFAULT", None)}
+# in-process against the build for this machine; the other instruction sets are built (in the
+# background from the start of the session: tests/kernel_variants.py) and checked here, each
+# in a process of its own (one build's ops per process).
 KERNEL_TESTS = ("test_quantization.py", "test_attention.py", "test_layers.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", sorted(VARIANTS))
+@pytest.mark.parametrize("capability", sorted(kernel_variants.VARIANTS))
 def test_other_instruction_set_builds_pass_the_kernel_tests(capability: str) -> None:
-    import os
     import subprocess
     import sys
 
-    torch_capability, march = VARIANTS[capability]
+    torch_capability, march = kernel_variants.VARIANTS[capability]
     if torch.backends.cpu.get_cpu_capability() == torch_capability:
         pytest.skip(f"{capability} is this machine's own build, tested in-process")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    env = kernel_variants.variant_env(capability)
     probe = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
     )
     target = "avx2" if capability == "avx2" else "portable"
     assert probe.stdout.split() == [target, march or "no-march"]
+    build = kernel_variants.build_of(capability)
+    if build is not None:  # started at collection; the kernel tests would build it otherwise
+        returncode, log = build.wait(timeout=900)
+        assert returncode == 0, log[-4000:]
+        assert f"ok: C++ kernels ({target}" in log
     here = Path(__file__).parent
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]

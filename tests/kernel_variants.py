@@ -1,0 +1,77 @@
+"""The C++ kernels of the other instruction sets, built in the background while the suite runs.
+
+tests/engine/executor/test_kernels.py builds the kernels for each instruction set this
+machine is not (AVX2 on an AVX-512 CPU, the portable scalar code everywhere) and runs the
+kernel tests against each. One build takes ~65 s of both cores of a 2-core CPU, most of the
+suite leaves a core idle, and the build needs nothing from the tests: so when that test is
+selected, its builds start as soon as collection ends, at the lowest CPU priority (they take
+idle time, not the tests' time), into the cache the test then finds them in.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# instruction set (ATEN_CPU_CAPABILITY) -> (torch's capability name, the -march it builds with)
+VARIANTS = {"avx2": ("AVX2", "-march=x86-64-v3"), "default": ("DEFAULT", None)}
+SELECTING_TEST = "test_other_instruction_set_builds_pass_the_kernel_tests"
+
+
+@dataclass
+class VariantBuild:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """The build's exit status and its output."""
+        returncode = self.process.wait(timeout)
+        return returncode, self.log.read_text(errors="replace")
+
+
+_builds: dict[str, VariantBuild] = {}
+
+
+def other_variants() -> list[str]:
+    host = torch.backends.cpu.get_cpu_capability()
+    return [name for name, (capability, _) in VARIANTS.items() if capability != host]
+
+
+def variant_env(capability: str) -> dict[str, str]:
+    return {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+
+
+def start_builds(capabilities: list[str]) -> None:
+    """`python -m engine.executor.kernels` per capability at nice 19, output to a log file."""
+    log_dir = Path(tempfile.mkdtemp(prefix="prefixgate-kernel-builds-"))
+    for capability in capabilities:
+        if capability in _builds:
+            continue
+        log = log_dir / f"{capability}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                ["nice", "-n", "19", sys.executable, "-m", "engine.executor.kernels"],
+                env=variant_env(capability),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        _builds[capability] = VariantBuild(process, log)
+
+
+def build_of(capability: str) -> VariantBuild | None:
+    return _builds.get(capability)
+
+
+def stop_builds() -> None:
+    """At the end of the session: no build outlives it."""
+    for build in _builds.values():
+        if build.process.poll() is None:
+            build.process.kill()
+            build.process.wait()
+    _builds.clear()
