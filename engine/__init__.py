@@ -31,6 +31,7 @@ from engine.registry.registry import (
 from engine.registry.spec import PrefixContract, PrefixSpec, RegistryFileError
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
+from engine.scheduler.pacing import HistogramCounts
 from engine.stats import EngineStats, PrefixInfo
 from engine.text.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.text.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
@@ -47,6 +48,7 @@ __all__ = [
     "EngineStats",
     "EngineUnavailableError",
     "GrammarSpec",
+    "HistogramCounts",
     "InvalidRequestError",
     "LLMEngine",
     "MatchReport",

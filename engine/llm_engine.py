@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -62,7 +63,9 @@ class LLMEngine:
             config.enable_auto_prefix_cache,
             self.registry if config.enable_prefix_cache else None,
         )
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.token_budget)
+        self.scheduler = Scheduler(
+            self.cache, config.max_num_seqs, config.token_budget, config.max_itl
+        )
         self.runner = ModelRunner(
             loaded.model, self.pool, config.torch_device, loaded.has_cpu_kernels
         )
@@ -257,7 +260,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        started = time.perf_counter()
         result = self.runner.execute(out)
+        if out.num_batched_tokens:  # a forward ran: what it cost teaches pacing (pacing.py)
+            self.scheduler.pacing.observe(
+                out.num_batched_tokens,
+                out.num_attention_keys,
+                out.num_prefill_tokens,
+                out.num_prefill_tokens < out.num_batched_tokens,
+                time.perf_counter() - started,
+            )
         self.scheduler.on_step_done(out)
         self.num_steps += 1
         for seq, logits in result.prefilled:

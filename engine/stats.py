@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from engine.kvcache.manager import KVCacheManager
 from engine.registry.registry import PrefixRegistry
 from engine.registry.spec import PrefixContract
+from engine.scheduler.pacing import HistogramCounts
 from engine.scheduler.scheduler import Scheduler
 
 
@@ -54,6 +55,10 @@ class EngineStats:
     is_reload_pending: bool
     # The C++ CPU kernels' target ("avx512", "avx2", "portable"), or "off": the torch paths
     cpu_kernels: str = "off"
+    # Pacing's choices (engine/scheduler/pacing.py): prompt tokens per step, and the seconds
+    # of each step that carried decodes
+    prefill_tokens_per_step: HistogramCounts | None = None
+    decode_step_seconds: HistogramCounts | None = None
 
     @property
     def kv_cache_usage_ratio(self) -> float:
@@ -106,4 +111,6 @@ def snapshot(
         last_reload_error=reload.error,
         is_reload_pending=is_reload_pending,
         cpu_kernels=cpu_kernels,
+        prefill_tokens_per_step=scheduler.pacing.prefill_tokens.frozen(),
+        decode_step_seconds=scheduler.pacing.decode_step_seconds.frozen(),
     )

@@ -27,11 +27,12 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
 
-from engine import EngineStats
+from engine import EngineStats, HistogramCounts
 
 # Buckets sized for a CPU engine: prefill of a long prompt takes seconds, a decode step tens of
 # milliseconds, a long completion minutes.
@@ -195,6 +196,7 @@ class _EngineCollector:
 
     def _families(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
         yield from self._load(snap, s)
+        yield from self._pacing(snap, s)
         yield from self._kv_cache(snap, s)
         yield from self._prefixes(snap, s)
         yield from self._reload(snap, s)
@@ -215,6 +217,22 @@ class _EngineCollector:
             "Requests preempted (blocks freed, recomputed later) for lack of KV blocks.",
             snap.num_preemptions,
         )
+
+    def _pacing(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        if snap.prefill_tokens_per_step is not None:
+            yield s.histogram(
+                "prefixgate_step_prefill_tokens",
+                "Prompt tokens computed per engine step (chunks sized by --max-itl-ms beside "
+                "running decodes).",
+                snap.prefill_tokens_per_step,
+            )
+        if snap.decode_step_seconds is not None:
+            yield s.histogram(
+                "prefixgate_decode_step_seconds",
+                "Wall time of each engine step that carried decodes: the wait every running "
+                "stream saw for that token.",
+                snap.decode_step_seconds,
+            )
 
     def _kv_cache(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
         yield s.gauge(
@@ -333,8 +351,25 @@ class _Series:
         family.add_metric(self.values(), value)
         return family
 
+    def histogram(
+        self, name: str, documentation: str, counts: HistogramCounts
+    ) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, documentation, labels=self.labels)
+        buckets = [
+            (_bound(b), float(n)) for b, n in zip(counts.buckets, counts.counts, strict=True)
+        ]
+        family.add_metric(
+            self.values(), [*buckets, ("+Inf", float(counts.num))], sum_value=counts.total
+        )
+        return family
+
     def counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
         # The library appends `_total`: `name` must not end with it.
         family = CounterMetricFamily(name, documentation, labels=self.labels)
         family.add_metric(self.values(), value)
         return family
+
+
+def _bound(bucket: float) -> str:
+    """A bucket's `le` label as prometheus_client writes its own ("16.0", "0.05")."""
+    return str(float(bucket))

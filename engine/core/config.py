@@ -80,6 +80,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None, "token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA"
     )
+    max_itl_ms: float = option(
+        150.0,
+        "target time between a stream's tokens while prompts are prefilled: a step that "
+        "carries decodes gets only the prompt tokens that fit in it, at least a block (from a "
+        "cost model of this machine's steps); 0: a fixed token budget",
+    )
     max_model_len: int | None = option(None, "context length (default: the model's own)")
     enable_prefix_cache: bool = option(
         True, "reuse computed KV blocks at all (registered prefixes and automatic caching)"
@@ -116,6 +122,11 @@ class EngineConfig:
             raise InvalidRequestError("device must be cpu or cuda[:N]", param="device")
         _positive(self.block_size, "block_size")
         _positive(self.max_num_seqs, "max_num_seqs")
+        if not (isinstance(self.max_itl_ms, int | float) and 0 <= self.max_itl_ms < float("inf")):
+            raise InvalidRequestError(
+                f"max_itl_ms must be a number >= 0 (0: off), got {self.max_itl_ms!r}",
+                param="max_itl_ms",
+            )
         for name in (
             "max_num_batched_tokens",
             "num_kv_blocks",
@@ -149,6 +160,11 @@ class EngineConfig:
     def token_budget(self) -> int:
         """Tokens one step may compute: `max_num_batched_tokens` or the device's default."""
         return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET[self.torch_device.type]
+
+    @property
+    def max_itl(self) -> float | None:
+        """Pacing's target in seconds, None when off."""
+        return self.max_itl_ms / 1000 if self.max_itl_ms > 0 else None
 
 
 def _positive(value: int, name: str) -> None:

@@ -36,6 +36,7 @@ import torch
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.kvcache.block_pool import num_blocks_for
 from engine.kvcache.manager import BlockCopy, KVCacheManager
+from engine.scheduler.pacing import Pacing, attention_keys
 
 
 @dataclass(slots=True)
@@ -73,6 +74,18 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of chunks longer than one (prompts, recomputes)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+
+    @property
+    def num_attention_keys(self) -> int:
+        """Keys the step's queries read (valid until `on_step_done` advances the counts)."""
+        return sum(
+            attention_keys(s.seq.num_computed_tokens, s.num_new_tokens) for s in self.scheduled
+        )
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -81,12 +94,19 @@ class Scheduler:
     """Owns the waiting and running queues and every sequence's KV blocks."""
 
     def __init__(
-        self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_itl: float | None = None,
     ) -> None:
         self.cache = cache
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prompt chunks beside running decodes are sized to keep them within `max_itl`
+        # seconds a step, at least a block of prompt per step (pacing.py)
+        self.pacing = Pacing(max_itl, min_prefill_tokens=self.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -127,22 +147,26 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        step = _StepRoom(
+            self.max_num_batched_tokens,
+            self.pacing.time_left(len(decodes), sum(s.num_tokens for s in decodes)),
+        )
         # Decodes first (oldest first), then unfinished prefills: see the module docstring.
         for seq in sorted(
             self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_index)
         ):
-            if budget == 0:
+            if step.tokens == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve_or_preempt(seq, num_new, out):
+            num_new = self._chunk(seq, step)
+            if num_new == 0 or not self._reserve_or_preempt(seq, num_new, out):
                 continue
             out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            self._take(seq, num_new, step)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, step)
         if not out.is_empty:  # an empty output runs nothing: the ids wait for the next one
             out.released_ids, self._released_ids = self._released_ids, []
         return out
@@ -156,23 +180,38 @@ class Scheduler:
             self.cache.index_computed(item.seq)
 
     # -- internals ------------------------------------------------------------------------------
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _chunk(self, seq: Sequence, step: _StepRoom) -> int:
+        """New tokens `seq` may feed this step: its next token, or a prompt chunk within
+        the step's token budget and pacing's time."""
+        num_new = min(seq.num_uncomputed_tokens, step.tokens)
+        if num_new <= 1:
+            return num_new
+        return self.pacing.chunk(step.seconds, seq.num_computed_tokens, num_new, step.prefilled)
+
+    def _take(self, seq: Sequence, num_new: int, step: _StepRoom) -> None:
+        """Count a scheduled chunk (before `seq.num_computed_tokens` advances)."""
+        step.tokens -= num_new
+        if num_new > 1:
+            step.seconds = self.pacing.spent(step.seconds, seq.num_computed_tokens, num_new)
+            step.prefilled += num_new
+
+    def _admit_waiting(self, out: SchedulerOutput, step: _StepRoom) -> None:
         if not self.waiting:
             return
         self.cache.begin_step()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            item = self._admit_one(seq, budget, out)
+            item = self._admit_one(seq, step, out)
             if item is None:
                 break  # head of line waits for budget or blocks: no overtaking, no starvation
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(item)
-            budget -= item.num_new_tokens
+            self._take(seq, item.num_new_tokens, step)
 
     def _admit_one(
-        self, seq: Sequence, budget: int, out: SchedulerOutput
+        self, seq: Sequence, step: _StepRoom, out: SchedulerOutput
     ) -> ScheduledSequence | None:
         match = self.cache.match(seq)
         copies: list[BlockCopy] = []
@@ -187,7 +226,7 @@ class Scheduler:
             and seq.num_preemptions == 0
         )
         attached = match is not None and self.cache.attach(seq, match, copies)
-        num_new = min(seq.num_uncomputed_tokens, budget)
+        num_new = self._chunk(seq, step)
         if (
             (num_new == 0 and seq.num_uncomputed_tokens > 0)
             or not self._has_room_to_recompute(seq)
@@ -240,3 +279,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+@dataclass(slots=True)
+class _StepRoom:
+    """What is left of one step as the scheduler fills it."""
+
+    tokens: int  # of the token budget
+    seconds: float | None  # of pacing's time for prompt chunks (None: no limit)
+    prefilled: int = 0  # prompt tokens scheduled so far

@@ -87,6 +87,7 @@ def test_every_answer_is_the_lone_answer_whatever_else_runs(tiny_llama_path: Pat
         {},  # the default 64-token steps, automatic cache on
         {"max_num_batched_tokens": 7},
         {"max_num_batched_tokens": 128},
+        {"max_itl_ms": 1e-3},  # pacing: a block of prompt per step beside decodes
         {"num_kv_blocks": 100, "max_model_len": 300},  # ~1.5 longest requests: preemption
     ):
         engine = _engine(tiny_llama_path, kv, **overrides)
@@ -102,3 +103,5 @@ def test_every_answer_is_the_lone_answer_whatever_else_runs(tiny_llama_path: Pat
             assert not differ, f"{overrides}: {differ} differ from their lone answers"
         if "num_kv_blocks" in overrides:
             assert engine.scheduler.num_preemptions > 0
+        if "max_itl_ms" in overrides:
+            assert engine.scheduler.pacing.num_cut_chunks > 0

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineStats, PrefixInfo
+from engine import EngineStats, HistogramCounts, PrefixInfo
 from gateway.metrics import (
     E2E_BUCKETS,
     TPOT_BUCKETS,
@@ -26,6 +26,8 @@ M = f'model_name="{MODEL}"'
 
 ENGINE_FAMILIES = {
     "prefixgate_num_requests_running",
+    "prefixgate_step_prefill_tokens",
+    "prefixgate_decode_step_seconds",
     "prefixgate_num_requests_waiting",
     "prefixgate_num_preemptions",
     "prefixgate_kv_blocks_total",
@@ -94,6 +96,8 @@ SNAP = EngineStats(
     last_reload_error=None,
     is_reload_pending=False,
     cpu_kernels="avx2",
+    prefill_tokens_per_step=HistogramCounts((16, 128), (3, 5), 400.0, 6),
+    decode_step_seconds=HistogramCounts((0.05, 0.15), (2, 7), 0.9, 8),
 )
 
 
@@ -167,6 +171,18 @@ def test_render_content_type_is_prometheus_text_0_0_4() -> None:
         f'prefixgate_prefix_registry_info{{digest="0123456789abcdef",{M}}} 1.0',
         f"prefixgate_prefix_registry_last_reload_success{{{M}}} 1.0",
         f"prefixgate_prefix_registry_last_reload_timestamp_seconds{{{M}}} 1.7000000005e+09",
+        "# TYPE prefixgate_step_prefill_tokens histogram",
+        f'prefixgate_step_prefill_tokens_bucket{{le="16.0",{M}}} 3.0',
+        f'prefixgate_step_prefill_tokens_bucket{{le="128.0",{M}}} 5.0',
+        f'prefixgate_step_prefill_tokens_bucket{{le="+Inf",{M}}} 6.0',
+        f"prefixgate_step_prefill_tokens_count{{{M}}} 6.0",
+        f"prefixgate_step_prefill_tokens_sum{{{M}}} 400.0",
+        "# TYPE prefixgate_decode_step_seconds histogram",
+        f'prefixgate_decode_step_seconds_bucket{{le="0.05",{M}}} 2.0',
+        f'prefixgate_decode_step_seconds_bucket{{le="0.15",{M}}} 7.0',
+        f'prefixgate_decode_step_seconds_bucket{{le="+Inf",{M}}} 8.0',
+        f"prefixgate_decode_step_seconds_count{{{M}}} 8.0",
+        f"prefixgate_decode_step_seconds_sum{{{M}}} 0.9",
     ],
 )
 def test_engine_metrics_exact_lines(line: str) -> None:
@@ -193,6 +209,8 @@ def test_families_and_types() -> None:
         "prefixgate_prefix_cached_tokens",
     }
     histograms = {
+        "prefixgate_step_prefill_tokens",
+        "prefixgate_decode_step_seconds",
         "prefixgate_time_to_first_token_seconds",
         "prefixgate_time_per_output_token_seconds",
         "prefixgate_e2e_request_latency_seconds",

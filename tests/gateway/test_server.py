@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -793,6 +794,35 @@ def test_health_and_metrics(tiny: Server) -> None:
     assert (
         f'prefixgate_cache_config_info{{block_size="4",cpu_kernels="{kernel_target()}",'
         f'model_name="{MODEL}",num_blocks="512"}} 1.0' in metrics.text.splitlines()
+    )
+
+
+def test_metrics_count_the_steps_pacing_shaped(sdk: openai.OpenAI, tiny: Server) -> None:
+    """Every forward is one observation of prompt tokens per step; every step that carried
+    decodes one of decode step seconds."""
+    before = _wait_idle(tiny)
+    sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"hello there {uuid.uuid4().hex}"}],  # uncached
+        max_tokens=6,
+        extra_body={"ignore_eos": True},  # six tokens: five decode steps
+    )
+    after = _wait_idle(tiny)
+    steps = (
+        after["prefixgate_step_prefill_tokens_count"]
+        - before["prefixgate_step_prefill_tokens_count"]
+    )
+    decode_steps = (
+        after["prefixgate_decode_step_seconds_count"]
+        - before["prefixgate_decode_step_seconds_count"]
+    )
+    prompt = (
+        after["prefixgate_step_prefill_tokens_sum"] - before["prefixgate_step_prefill_tokens_sum"]
+    )
+    assert decode_steps >= 5 and steps >= decode_steps + 1  # the prompt's step(s), then decodes
+    assert prompt > 1
+    assert (
+        after["prefixgate_decode_step_seconds_sum"] > before["prefixgate_decode_step_seconds_sum"]
     )
 
 
