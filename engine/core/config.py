@@ -81,10 +81,10 @@ class EngineConfig:
         None, "token budget of one step (chunked prefill); default 128 on CPU, 2048 on CUDA"
     )
     max_itl_ms: float = option(
-        150.0,
-        "target time between a stream's tokens while prompts are prefilled: a step that "
-        "carries decodes gets only the prompt tokens that fit in it, at least a block (from a "
-        "cost model of this machine's steps); 0: a fixed token budget",
+        0.0,
+        "pacing: target time between a stream's tokens while prompts are prefilled; a step "
+        "that carries decodes gets only the prompt tokens that fit in it, at least a block "
+        "(from a cost model of this machine's steps). 0 (default): the fixed token budget",
     )
     max_model_len: int | None = option(None, "context length (default: the model's own)")
     enable_prefix_cache: bool = option(
