@@ -53,7 +53,12 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;      // weight rows per tile: one float lane each
 constexpr int64_t kSteps = 8;     // 4-column steps per group
-constexpr int kRowBlock = 2;      // activation rows per pass over a tile's group
+// Activation rows per pass over a tile's group: 4-bit codes unpack into 8 registers, which
+// leaves room for 4 rows' accumulators (the unpacking is shared by more rows); 8-bit codes
+// keep a second, unsigned copy in 8 more, so 2 rows. Each row's arithmetic is the same
+// whichever block it falls in.
+template <int BITS>
+constexpr int kRowBlock = BITS == 4 ? 4 : 2;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of a tile's stream
 constexpr int64_t kGroupsPerTask = 512;   // activation groups quantized per parallel task
 
@@ -246,8 +251,14 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
       const at::Half* scale_ptr = scales + t * tile_scales;
       T* tile_out = out + t * kTile;
       int64_t i = 0;
-      for (; i + kRowBlock <= rows; i += kRowBlock)
-        tile_dot<BITS, kRowBlock>(tile_codes, scale_ptr, act, i, k, tile_out + i * n, n);
+      for (; i + kRowBlock<BITS> <= rows; i += kRowBlock<BITS>)
+        tile_dot<BITS, kRowBlock<BITS>>(tile_codes, scale_ptr, act, i, k, tile_out + i * n, n);
+      if constexpr (kRowBlock<BITS> > 2) {
+        if (i + 2 <= rows) {
+          tile_dot<BITS, 2>(tile_codes, scale_ptr, act, i, k, tile_out + i * n, n);
+          i += 2;
+        }
+      }
       if (i < rows) tile_dot<BITS, 1>(tile_codes, scale_ptr, act, i, k, tile_out + i * n, n);
     }
   });

@@ -84,7 +84,8 @@ def _reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])  # the kernel serves activation rows two at a time
+# The kernel serves 4-bit rows four at a time, then two, then one; 8-bit rows two at a time.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
     kernels: None, bits: int, rows: int, dtype: torch.dtype
