@@ -262,14 +262,8 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         result = self.runner.execute(out)
-        if out.num_batched_tokens:  # a forward ran: what it cost teaches pacing (pacing.py)
-            self.scheduler.pacing.observe(
-                out.num_batched_tokens,
-                out.num_attention_keys,
-                out.num_prefill_tokens,
-                out.num_prefill_tokens < out.num_batched_tokens,
-                time.perf_counter() - started,
-            )
+        if out.num_batched_tokens:  # a forward ran: its time (engine/scheduler/pacing.py)
+            self.scheduler.record_step(out, time.perf_counter() - started)
         self.scheduler.on_step_done(out)
         self.num_steps += 1
         for seq, logits in result.prefilled:

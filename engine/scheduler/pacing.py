@@ -133,6 +133,11 @@ class Pacing:
     )
     num_cut_chunks: int = 0  # prompt chunks made shorter than the token budget allowed
 
+    @property
+    def is_on(self) -> bool:
+        """A target is set: the cost model is fitted and chunks are sized by it."""
+        return self.max_itl is not None
+
     def time_left(self, num_decodes: int, decode_keys: int) -> float | None:
         """Seconds the step's prompt chunks may take after its decodes; None: no limit (no
         target, a model not fitted yet, or no decode to keep waiting)."""
@@ -164,11 +169,8 @@ class Pacing:
             return None
         return time_left - self.cost.marginal(num_new, attention_keys(start, num_new))
 
-    def observe(
-        self, tokens: int, keys: int, num_prefill_tokens: int, has_decodes: bool, seconds: float
-    ) -> None:
-        """One step's forward, timed: fit the model, count the choice."""
-        self.cost.observe(tokens, keys, seconds)
+    def count(self, num_prefill_tokens: int, has_decodes: bool, seconds: float) -> None:
+        """One step's forward, timed, for /metrics (whether pacing is on or not)."""
         self.prefill_tokens.observe(num_prefill_tokens)
         if has_decodes:
             self.decode_step_seconds.observe(seconds)

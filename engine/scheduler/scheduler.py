@@ -147,11 +147,7 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        step = _StepRoom(
-            self.max_num_batched_tokens,
-            self.pacing.time_left(len(decodes), sum(s.num_tokens for s in decodes)),
-        )
+        step = _StepRoom(self.max_num_batched_tokens, self._pacing_time())
         # Decodes first (oldest first), then unfinished prefills: see the module docstring.
         for seq in sorted(
             self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_index)
@@ -171,6 +167,14 @@ class Scheduler:
             out.released_ids, self._released_ids = self._released_ids, []
         return out
 
+    def record_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A forward's wall time, before `on_step_done`: counted for /metrics, and what
+        pacing's cost model learns from when pacing is on."""
+        num_prefill = out.num_prefill_tokens
+        self.pacing.count(num_prefill, num_prefill < out.num_batched_tokens, seconds)
+        if self.pacing.is_on:
+            self.pacing.cost.observe(out.num_batched_tokens, out.num_attention_keys, seconds)
+
     def on_step_done(self, out: SchedulerOutput) -> None:
         """After the forward: advance computed-token counts and index the blocks that are
         now full and computed."""
@@ -180,6 +184,13 @@ class Scheduler:
             self.cache.index_computed(item.seq)
 
     # -- internals ------------------------------------------------------------------------------
+    def _pacing_time(self) -> float | None:
+        """Seconds this step's prompt chunks may take (None: no limit, and nothing counted)."""
+        if not self.pacing.is_on:
+            return None
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        return self.pacing.time_left(len(decodes), sum(s.num_tokens for s in decodes))
+
     def _chunk(self, seq: Sequence, step: _StepRoom) -> int:
         """New tokens `seq` may feed this step: its next token, or a prompt chunk within
         the step's token budget and pacing's time."""
