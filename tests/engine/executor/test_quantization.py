@@ -4,6 +4,8 @@ the kernel and the dense copy."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from engine.executor.quantization import (
     QUANTIZE_ROWS,
     TILE_ROWS,
     QuantizedLinear,
+    QuantizedWeight,
     WeightFormat,
     pack_weight,
     quantize_int4,
@@ -84,8 +87,9 @@ def _reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# The kernel serves 4-bit rows four at a time, then two, then one; 8-bit rows two at a time.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
+# The kernel serves 4-bit rows five at a time, then the rest in one block; 8-bit rows two at a
+# time; weight tiles two at a time, an odd one alone.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
     kernels: None, bits: int, rows: int, dtype: torch.dtype
@@ -107,6 +111,90 @@ def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
     want = _reference(x, codes, d.float(), m.float())
     rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16 output: one rounding
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
+
+
+def _integer_problem(
+    bits: int, n: int, k: int, rows: int, seed: int
+) -> tuple[torch.Tensor, QuantizedWeight, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Activations, codes and scales drawn as integers and scaled by powers of two: the same
+    values on every build of torch (its normal sampler has per-instruction-set paths). Returns
+    the activations, the packed weight and its (codes, d, m)."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (0, 16) if bits == 4 else (-127, 128)
+    codes = torch.randint(low, high, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen)
+    d = (torch.randint(1, 2000, (n, k // GROUP_SIZE), generator=gen).float() / 2**17).half()
+    m = (torch.randint(-3000, 3000, (n, k // GROUP_SIZE), generator=gen).float() / 2**16).half()
+    if bits == 8:
+        m = torch.zeros_like(m)
+    x = torch.randint(-4096, 4096, (rows, k), generator=gen).float() / 1024
+    return x, pack_weight(codes, d, m, bits), (codes, d, m)
+
+
+def _digest(t: torch.Tensor) -> str:
+    bits = t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+    return hashlib.sha256(bits.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# What the kernel computed for _integer_problem(bits, 296, 448, 512, seed=bits) before it
+# became a register-blocked GEMM (git 35eea45: one tile and up to four rows at a time, the
+# AVX2 build). The GEMM, and every build (AVX2; AVX-512 with VNNI; the portable loop), must
+# give these bits: a token's logits do not depend on the machine's instruction set or on the
+# kernel's blocking.
+PINNED_DIGESTS = {
+    (4, torch.float32): "97afd334ce48a027",
+    (4, torch.bfloat16): "fb7ea02c3d3a83f5",
+    (8, torch.float32): "db48d479611758af",
+    (8, torch.bfloat16): "7471c967a0561033",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_build_gives_the_bits_the_kernel_gave_before_blocking(
+    kernels: None, bits: int, dtype: torch.dtype
+) -> None:
+    x, weight, _ = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
+    out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
+    assert _digest(out) == PINNED_DIGESTS[(bits, dtype)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
+    kernels: None, bits: int
+) -> None:
+    """Rows go in register blocks of several and in chunks that fit L1 (170 rows of K = 96):
+    every count from 1 to 512 crosses a different mix of blocks, tails and chunk ends, and
+    none may change a row's bits (the tiles: two blocks of two and an odd one)."""
+    x, weight, _ = _integer_problem(bits, 8 * 5, 3 * 32, 512, seed=20 + bits)
+    whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    alone = torch.cat(
+        [
+            torch.ops.prefixgate.quant_matmul(x[i : i + 1], weight.codes, weight.scales, bits)
+            for i in range(len(x))
+        ]
+    )
+    assert torch.equal(whole, alone)
+    for rows in range(1, len(x) + 1):
+        got = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
+        assert torch.equal(got, whole[:rows]), f"{rows} rows"
+    for start in (1, 3, 7, 169, 171):  # blocks that begin off a block or chunk boundary
+        got = torch.ops.prefixgate.quant_matmul(x[start:], weight.codes, weight.scales, bits)
+        assert torch.equal(got, whole[start:]), f"from row {start}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (16, 32), (24, 64), (8, 1536), (40, 288)])
+def test_ragged_shapes_give_each_row_its_own_bits_and_the_schemes_value(
+    kernels: None, bits: int, n: int, k: int
+) -> None:
+    """One tile, one block of two, a block and an odd tile, one group, a long K."""
+    x, weight, (codes, d, m) = _integer_problem(bits, n, k, 13, seed=n + k + bits)
+    whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    for i in range(len(x)):
+        row = torch.ops.prefixgate.quant_matmul(x[i : i + 1], weight.codes, weight.scales, bits)
+        assert torch.equal(row, whole[i : i + 1])
+    want = _reference(x, codes, d.float(), m.float())
+    torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
