@@ -169,20 +169,23 @@ inline void weigh_dims(const float* const* weights, const float* const* rows, in
     for (int j = 0; j < PARTS; ++j) prefixgate::store8(acc[h] + 8 * j, sums[h][j]);
 }
 
-template <int64_t HEAD_DIM, int NH>
+// The NQ accumulators of acc (each HEAD_DIM long) against the same n value rows: 16 dims at
+// a time, so NQ = 6 keeps 12 FMA chains (the latency of 2 FMAs a cycle) with the 2 value
+// vectors and one weight in AVX2's 16 registers.
+template <int64_t HEAD_DIM, int NQ>
 inline void weigh_values(const float* const* weights, const float* const* rows, int64_t offset,
                          int64_t n, int64_t head_dim_rt, float* const* acc) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
   int64_t d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32) {
-    float* part[NH];
-    for (int h = 0; h < NH; ++h) part[h] = acc[h] + d0;
-    weigh_dims<NH, 4>(weights, rows, offset + d0, n, part);
+  for (; d0 + 16 <= head_dim; d0 += 16) {
+    float* part[NQ];
+    for (int h = 0; h < NQ; ++h) part[h] = acc[h] + d0;
+    weigh_dims<NQ, 2>(weights, rows, offset + d0, n, part);
   }
   for (; d0 < head_dim; d0 += 8) {
-    float* part[NH];
-    for (int h = 0; h < NH; ++h) part[h] = acc[h] + d0;
-    weigh_dims<NH, 1>(weights, rows, offset + d0, n, part);
+    float* part[NQ];
+    for (int h = 0; h < NQ; ++h) part[h] = acc[h] + d0;
+    weigh_dims<NQ, 1>(weights, rows, offset + d0, n, part);
   }
 }
 
@@ -197,13 +200,26 @@ inline void score_heads(const float* const* q, const float* keys_t, int64_t n, i
   if (count - h == 1) score_keys<HEAD_DIM, 1, 4>(q + h, keys_t, n, head_dim, out + h);
 }
 
+// `count` (weights, accumulator) pairs (query heads of several tile members) over the same
+// n value rows, six at a time: which pairs share a pass changes no accumulator's order.
 template <int64_t HEAD_DIM>
 inline void weigh_heads(const float* const* weights, const float* const* rows, int64_t offset,
                         int64_t n, int64_t head_dim, float* const* acc, int64_t count) {
   int64_t h = 0;
-  for (; h + 2 <= count; h += 2)
-    weigh_values<HEAD_DIM, 2>(weights + h, rows, offset, n, head_dim, acc + h);
-  if (h < count) weigh_values<HEAD_DIM, 1>(weights + h, rows, offset, n, head_dim, acc + h);
+  for (; h + 6 <= count; h += 6)
+    weigh_values<HEAD_DIM, 6>(weights + h, rows, offset, n, head_dim, acc + h);
+  const auto rest = [&](auto size) {
+    weigh_values<HEAD_DIM, decltype(size)::value>(weights + h, rows, offset, n, head_dim,
+                                                  acc + h);
+  };
+  switch (count - h) {
+    case 5: rest(std::integral_constant<int, 5>{}); break;
+    case 4: rest(std::integral_constant<int, 4>{}); break;
+    case 3: rest(std::integral_constant<int, 3>{}); break;
+    case 2: rest(std::integral_constant<int, 2>{}); break;
+    case 1: rest(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
 }
 
 // max(s[0..len)): exact whatever the order, so eight lanes at a time.
@@ -271,6 +287,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     [[maybe_unused]] float* const widened = widened_keys + 8 * kv_row;
     const float* value_rows[kChunkTokens];
     int64_t len[kTileQueries];
+    const float* pv_weights[kTileQueries * kMaxGroup];
+    float* pv_acc[kTileQueries * kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item_ptr[3 * item], count = item_ptr[3 * item + 2];
       const int64_t* tile = member_ptr + item_ptr[3 * item + 1];
@@ -334,6 +352,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float m = chunk_max(s, len[i]);
           f8 sums{};
           int64_t k = 0;
+          for (; k + 32 <= len[i]; k += 32) {  // four vectors in flight (vec.h: exp8n)
+            f8 e[4];
+            for (int j = 0; j < 4; ++j) e[j] = prefixgate::load8(s + k + 8 * j) - m;
+            prefixgate::exp8n(e);
+            for (int j = 0; j < 4; ++j) {
+              prefixgate::store8(s + k + 8 * j, e[j]);
+              sums += e[j];
+            }
+          }
           for (; k + 8 <= len[i]; k += 8) {
             const f8 e = prefixgate::exp8(prefixgate::load8(s + k) - m);
             prefixgate::store8(s + k, e);
@@ -352,21 +379,25 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       }
       // The numerator-weighted sum of the values, in key order, 16 value rows at a time for
-      // every member (they stay in L1 meanwhile).
+      // every member (they stay in L1 meanwhile); the query heads of the members that read
+      // as many of the 16 (all but the diagonal chunk's) share each pass over them.
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         for (int64_t kb = 0; kb < longest; kb += kKeyBlock) {
-          for (int64_t i = 0; i < count; ++i) {
-            if (kb >= len[i]) continue;
-            const int64_t part = starts[tile[i]] + chunk;
-            const float* weights[kMaxGroup];
-            float* acc[kMaxGroup];
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t head = h * group + g;
-              weights[g] = probs + (i * num_heads + head) * kScoreStride + kb;
-              acc[g] = part_acc + (part * num_heads + head) * head_dim;
+          for (int64_t i = 0; i < count;) {
+            const int64_t n = std::min(kKeyBlock, len[i] - kb);
+            int64_t pairs = 0;
+            for (; i < count && std::min(kKeyBlock, len[i] - kb) == n; ++i) {
+              if (n <= 0) continue;
+              const int64_t part = starts[tile[i]] + chunk;
+              for (int64_t g = 0; g < group; ++g, ++pairs) {
+                const int64_t head = h * group + g;
+                pv_weights[pairs] = probs + (i * num_heads + head) * kScoreStride + kb;
+                pv_acc[pairs] = part_acc + (part * num_heads + head) * head_dim;
+              }
             }
-            weigh_heads<HEAD_DIM>(weights, value_rows + kb, h * head_dim,
-                                  std::min(kKeyBlock, len[i] - kb), head_dim, acc, group);
+            if (n > 0)
+              weigh_heads<HEAD_DIM>(pv_weights, value_rows + kb, h * head_dim, n, head_dim,
+                                    pv_acc, pairs);
           }
         }
       }
