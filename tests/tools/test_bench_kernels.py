@@ -1,0 +1,43 @@
+"""tools/bench_kernels.py: two revisions' kernels side by side, timed in turns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools import bench_kernels
+
+
+def test_turns_keep_each_calls_best_time_and_compare_the_outputs_bit_for_bit() -> None:
+    one = torch.ones(3)
+    best, same = bench_kernels.in_turns([lambda: one, lambda: one.clone()], rounds=3)
+    assert same and len(best) == 2 and all(0 <= b < 1 for b in best)
+    _, same = bench_kernels.in_turns([lambda: one, lambda: one + 2**-20], rounds=1)
+    assert not same
+
+
+def test_a_revisions_sources_are_read_from_git_and_the_checkouts_from_disk() -> None:
+    here = bench_kernels.source_text(None, "quant_matmul.cpp")
+    assert here == (bench_kernels.REPO / bench_kernels.KERNELS / "quant_matmul.cpp").read_text()
+    assert "TORCH_LIBRARY" in bench_kernels.source_text("HEAD", "paged_attention.cpp")
+
+
+@pytest.mark.slow
+def test_the_report_times_both_builds_on_every_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int4 linears only (one source to compile, ~20 s on 2 cores; the attention kernel
+    takes the same renaming)."""
+    monkeypatch.setattr(bench_kernels, "SOURCES", ("quant_matmul.cpp",))
+    out = tmp_path / "r.json"
+    report = bench_kernels.main(
+        ["--rows", "3,7", "--tokens", "0", "--rounds", "1", "--out", str(out)]
+    )
+    assert [entry["rows"] for entry in report["linears"]] == [3, 7]  # type: ignore[index]
+    assert report["attention"] == []
+    for entry in report["linears"]:  # type: ignore[attr-defined]
+        assert len(entry["ms"]) == 2 and all(ms > 0 for ms in entry["ms"])
+        assert entry["same_bits"] is True  # this session's kernel changes no result of HEAD's
+    assert out.read_text().startswith("{")

@@ -1,0 +1,193 @@
+"""The C++ kernels of this checkout against those of another git revision, in one process,
+timed in turns.
+
+    .venv/bin/python tools/bench_kernels.py [--against HEAD] [--rows 1,16,1000] [--tokens 1000]
+        [--rounds 20] [--out r.json]
+
+Why: on a shared 2-core VM the same kernel's speed drifts by 30% or more from one minute to
+the next, so two runs of a benchmark, one per build, compare the machine's moods more than the
+code. Here both builds are loaded side by side (each revision's quant_matmul.cpp and
+paged_attention.cpp, with its own vec.h, compiled into an op namespace of its own) and every
+round times each build once on the same inputs; the best round of each is reported. The two
+builds' outputs are compared bit for bit too ("same_bits"): a blocking or scheduling change
+must not move a result.
+
+Shapes: SmolLM2-135M's four linears (q/k/v fused 960 x 576, o 576 x 576, gate/up fused
+3072 x 576, down 576 x 1536) as int4 at each row count of --rows, and its attention (9 query
+heads over 3 KV heads of 64, float16 cache) for a prefill of --tokens tokens and one decode
+query at that context. Prints and (with --out) writes one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.core.config import default_cache_dir
+from engine.executor.kernels import compile_flags
+from engine.executor.quantization import quantize_weight
+from tools.provenance import REPO, git_revision
+
+KERNELS = Path("engine/executor/kernels")
+SOURCES = ("quant_matmul.cpp", "paged_attention.cpp")
+LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def source_text(revision: str | None, name: str) -> str:
+    """A kernel file as this checkout has it (None) or as `revision` had it."""
+    if revision is None:
+        return (REPO / KERNELS / name).read_text()
+    return subprocess.check_output(
+        ["git", "show", f"{revision}:{KERNELS / name}"], cwd=REPO, text=True
+    )
+
+
+def build(revision: str | None) -> object:
+    """The revision's kernels as torch.ops.<namespace>, compiled once per source hash."""
+    texts = {name: source_text(revision, name) for name in (*SOURCES, "vec.h")}
+    digest = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
+    namespace = f"bench_{digest}"
+    folder = default_cache_dir() / "bench_kernels" / namespace
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vec.h").write_text(texts["vec.h"])
+    paths = []
+    for name in SOURCES:
+        text = texts[name]
+        for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT(", "TORCH_LIBRARY_IMPL("):
+            text = text.replace(f"{macro}prefixgate", f"{macro}{namespace}")
+        (folder / name).write_text(text)
+        paths.append(str(folder / name))
+    from torch.utils.cpp_extension import load
+
+    load(
+        name=namespace,
+        sources=paths,
+        extra_cflags=[*compile_flags(), f"-I{folder}"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
+    return getattr(torch.ops, namespace)
+
+
+def in_turns(calls: list[Callable[[], torch.Tensor]], rounds: int) -> tuple[list[float], bool]:
+    """Best seconds of each call over `rounds` rounds (each round runs every call once), and
+    whether all calls gave the same bits."""
+    outputs = [call() for call in calls]
+    same = all(torch.equal(outputs[0], out) for out in outputs[1:])
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            started = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best, same
+
+
+def linears(ops: list[object], rows: int, rounds: int) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(rows)
+    seconds = [0.0] * len(ops)
+    same = True
+    for n, k in LINEARS:
+        weight, _ = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, 4)
+        x = torch.randn(rows, k, generator=gen)
+        calls = [partial(op.quant_matmul, x, weight.codes, weight.scales, 4) for op in ops]  # type: ignore[attr-defined]
+        best, equal = in_turns(calls, rounds)
+        seconds = [total + b for total, b in zip(seconds, best, strict=True)]
+        same = same and equal
+    macs = rows * sum(n * k for n, k in LINEARS)
+    return {
+        "rows": rows,
+        "ms": [round(s * 1e3, 3) for s in seconds],
+        "gmac_per_s": [round(macs / s / 1e9, 1) for s in seconds],
+        "same_bits": same,
+    }
+
+
+def attention(ops: list[object], tokens: int, queries: int, rounds: int) -> dict[str, object]:
+    """The last `queries` positions of a `tokens`-token sequence (all of them: a prefill)."""
+    gen = torch.Generator().manual_seed(tokens + queries)
+    blocks = (tokens + BLOCK - 1) // BLOCK
+    k_cache = torch.randn(blocks + 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
+    v_cache = torch.randn(blocks + 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
+    q = torch.randn(queries, HEADS, HEAD_DIM, generator=gen)
+    tables = torch.randperm(blocks + 2, generator=gen)[:blocks][None].long()
+    rows = torch.zeros(queries, dtype=torch.long)
+    positions = torch.arange(tokens - queries, tokens)
+    calls = []
+    for op in ops:
+        plan = op.attention_plan(tables, rows, positions, BLOCK)  # type: ignore[attr-defined]
+        calls.append(
+            partial(
+                op.paged_attention,  # type: ignore[attr-defined]
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                rows,
+                positions,
+                *plan,
+                HEAD_DIM**-0.5,
+            )
+        )
+    best, same = in_turns(calls, rounds)
+    keys = positions.add(1).sum().item()
+    macs = 2 * HEADS * HEAD_DIM * keys
+    return {
+        "tokens": tokens,
+        "queries": queries,
+        "ms": [round(s * 1e3, 3) for s in best],
+        "gmac_per_s": [round(macs / s / 1e9, 1) for s in best],
+        "same_bits": same,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default="HEAD", help="git revision to compare with")
+    parser.add_argument("--rows", default="1,16,1000", help="linear row counts, comma-separated")
+    parser.add_argument("--tokens", type=int, default=1000, help="attention context (0: none)")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    against = subprocess.check_output(
+        ["git", "rev-parse", "--short", args.against], cwd=REPO, text=True
+    ).strip()
+    ops = [build(against), build(None)]
+    report: dict[str, object] = {
+        "builds": [against, f"{git_revision()} + working tree"],
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "flags": compile_flags(),
+        "threads": torch.get_num_threads(),
+        "linears": [
+            # small calls are short: more rounds, for as many chances at a quiet moment
+            linears(ops, int(rows), args.rounds * max(1, min(100, 1000 // int(rows))))
+            for rows in args.rows.split(",")
+        ],
+        "attention": [
+            attention(ops, args.tokens, args.tokens, args.rounds),
+            attention(ops, args.tokens, 1, args.rounds * 10),
+        ]
+        if args.tokens > 0
+        else [],
+    }
+    print(json.dumps(report))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
