@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.core.config import default_cache_dir
 from engine.executor.kernels import compile_flags
 from engine.executor.quantization import quantize_weight
-from tools.provenance import REPO, git_revision
+from tools.provenance import REPO, git_revision, write_report
 
 KERNELS = Path("engine/executor/kernels")
 SOURCES = ("quant_matmul.cpp", "paged_attention.cpp")
@@ -183,9 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         if args.tokens > 0
         else [],
     }
-    print(json.dumps(report))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

@@ -11,7 +11,6 @@ and (with --out) writes one JSON object with the git revision and the CPU capabi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tools.provenance import git_revision
+from tools.provenance import git_revision, write_report
 
 
 def prompt_ids(num_tokens: int, run: int, vocab_size: int) -> list[int]:
@@ -67,9 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "tokens_per_s": [round(args.tokens / s, 1) for s in seconds],
         "median_tokens_per_s": round(args.tokens / statistics.median(measured), 1),
     }
-    print(json.dumps(report))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
     return report
 
 

@@ -3,6 +3,7 @@ revision next to its command, date and CPU capability."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -17,3 +18,10 @@ def git_revision() -> str:
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def write_report(report: dict[str, object], out: Path | None) -> None:
+    """A tool's report: one JSON line on stdout, and indented into `out` when given."""
+    print(json.dumps(report))
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1) + "\n")
