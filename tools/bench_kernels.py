@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.core.config import default_cache_dir
-from engine.executor.kernels import compile_flags
+from engine.executor.kernels import compile_flags, load_extension
 from engine.executor.quantization import quantize_weight
 from tools.provenance import REPO, git_revision, write_report
 
@@ -61,23 +61,12 @@ def build(revision: str | None) -> object:
     folder = default_cache_dir() / "bench_kernels" / namespace
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vec.h").write_text(texts["vec.h"])
-    paths = []
     for name in SOURCES:
         text = texts[name]
         for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT(", "TORCH_LIBRARY_IMPL("):
             text = text.replace(f"{macro}prefixgate", f"{macro}{namespace}")
         (folder / name).write_text(text)
-        paths.append(str(folder / name))
-    from torch.utils.cpp_extension import load
-
-    load(
-        name=namespace,
-        sources=paths,
-        extra_cflags=[*compile_flags(), f"-I{folder}"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        is_python_module=False,
-    )
+    load_extension(namespace, tuple(folder / name for name in SOURCES), folder, (folder,))
     return getattr(torch.ops, namespace)
 
 

@@ -119,16 +119,31 @@ def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
 def compile_and_load(cache_dir: Path, verbose: bool = False) -> None:
     """The build itself (torch.utils.cpp_extension: ninja, then the .so loaded); raises
     what the compiler or the loader raised. `verbose`: the compiler's output on stdout."""
+    key = kernel_cache_key()
+    load_extension(
+        f"prefixgate_kernels_{key}", SOURCES, cache_dir / "kernels" / key, verbose=verbose
+    )
+
+
+def load_extension(
+    name: str,
+    sources: tuple[Path, ...],
+    build_dir: Path,
+    include_dirs: tuple[Path, ...] = (),
+    verbose: bool = False,
+) -> None:
+    """`sources` compiled with this machine's flags into `build_dir` (ninja skips what is
+    built) and loaded, registering their ops. Also how tools/bench_kernels.py builds another
+    revision's kernels beside these."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    key = kernel_cache_key()
     load(
-        name=f"prefixgate_kernels_{key}",
-        sources=[str(s) for s in SOURCES],
-        extra_cflags=compile_flags(),
+        name=name,
+        sources=[str(s) for s in sources],
+        extra_cflags=[*compile_flags(), *(f"-I{d}" for d in include_dirs)],
         extra_ldflags=["-fopenmp"],
-        build_directory=str(cache_dir / "kernels" / key),
+        build_directory=str(build_dir),
         is_python_module=False,
         verbose=verbose,
     )
