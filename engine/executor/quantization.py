@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 GROUP_SIZE = 32
 TILE_ROWS = 8  # the kernel's tile: weight rows interleaved 4 columns at a time
 BITS = {"int4": 4, "int8": 8}
+# A GGUF's own blocks, linear by linear: each in the narrowest of the kernel's code widths that
+# holds its file type exactly (engine.loading.gguf), so one model mixes 4- and 8-bit linears.
+FILE_BLOCKS = "gguf"
 
 QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 
@@ -129,13 +132,17 @@ def pack_weight(
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How the linear weights are stored: "int4", "int8" or "none" (the compute dtype), for
-    the decoder layers and for the LM head (which most formats keep at 8 bits); and whether a
-    quantized linear keeps a dense copy to run on (where the kernel is not built)."""
+    """How the linear weights are stored: "int4", "int8", `FILE_BLOCKS` (a GGUF's own blocks,
+    each linear at its file type's width) or "none" (the compute dtype), for the decoder
+    layers and for the LM head (which most formats keep at 8 bits); and whether a quantized
+    linear keeps a dense copy to run on (where the kernel is not built). `file_types`: how
+    many of the served linears' tensors the file holds in each GGML type, for the start-up
+    line (and, through `str`, the quantized cache's key)."""
 
     layers: str = "none"
     head: str = "none"
     dense_copies: bool = True
+    file_types: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_quantized(self) -> bool:
@@ -145,6 +152,9 @@ class WeightFormat:
         if not self.is_quantized:
             return f"{str(dtype).removeprefix('torch.')} weights"
         copies = "" if self.dense_copies else ", no dense copies"
+        if FILE_BLOCKS in (self.layers, self.head):
+            types = ", ".join(f"{kind} x {count}" for kind, count in self.file_types)
+            return f"weights: {types} (the file's blocks, group {GROUP_SIZE}{copies})"
         return f"{self.layers} layers, {self.head} head (group {GROUP_SIZE}{copies})"
 
 
@@ -173,6 +183,8 @@ def quantize_linears(model: nn.Module, weights: WeightFormat, dtype: torch.dtype
     kernel cannot take (input size not a multiple of 32, output size of 8) stays as it is.
     Returns how many."""
     targets = quantizable_linears(model, weights)
+    if any(kind not in BITS for *_, kind in targets):
+        raise ValueError("a GGUF's own blocks are read by engine.loading.gguf, not quantized")
     count = len(targets)
     while targets:  # popped: a replaced linear's float weight is freed as soon as it is done
         _full, parent, name, child, kind = targets.pop()
@@ -210,13 +222,13 @@ def restore_linears(
 ) -> None:
     """Put `QuantizedLinear`s where `quantize_linears` put them, their quantized weights taken
     (popped) from `state`, their dense copies on the meta device for `load_state_dict` to
-    assign."""
-    for full, parent, name, child, kind in quantizable_linears(model, weights):
+    assign. Each weight's code width is its codes' (a GGUF's linears may differ)."""
+    for full, parent, name, child, _kind in quantizable_linears(model, weights):
         if f"{full}.quantized.codes" not in state:
             raise ValueError(f"no quantized weight for {full} in the quantized state")
-        quantized = QuantizedWeight(
-            state.pop(f"{full}.quantized.codes"), state.pop(f"{full}.quantized.scales"), BITS[kind]
-        )
+        codes = state.pop(f"{full}.quantized.codes")
+        bits = codes.shape[-1] // (TILE_ROWS * 4)  # [N / 8, K / 32, 8 * bits * 4]
+        quantized = QuantizedWeight(codes, state.pop(f"{full}.quantized.scales"), bits)
         dense = None
         if weights.dense_copies:
             dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")

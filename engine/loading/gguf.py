@@ -2,10 +2,12 @@
 
 Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
-the file's own blocks anyway. Q4_1, Q4_0 and Q8_0 blocks are exactly the kernel's group-32
-schemes (engine/quantization.py), so they are unpacked into codes, d and m with no float round
-trip (`group_codes`); every other type (F32, F16, BF16, the K-quants...) is dequantized by the
-`gguf` package (`dequantize`).
+the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are exactly the kernel's
+group-32 form w = code * d + m (engine/executor/quantization.py: 4-bit codes for the Q4 types,
+8-bit lanes for Q5 and Q8), so they are unpacked into codes, d and m with no float round trip
+(`group_codes`), each linear at its own type's width, a file mixing types per tensor included;
+every other type (F32, F16, BF16, the K-quants...) is dequantized by the `gguf` package
+(`dequantize`) and, for a quantized linear, re-quantized with a warning.
 
 Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
 rotary embeddings in llama's layout; `HF_LAYOUT_ARCHS` lists the architectures whose rows are
@@ -17,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,8 @@ from engine.executor.quantization import (
     quantize_int4,
     quantize_int8,
 )
+
+logger = logging.getLogger(__name__)
 
 # GGUF architectures read here, by the Hugging Face model_type they convert to.
 ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
@@ -59,8 +65,25 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Bytes of one 32-weight block, and the scheme it is: (bits, block bytes).
-_EXACT_BLOCKS = {"Q4_0": (4, 18), "Q4_1": (4, 20), "Q8_0": (8, 34)}
+# Bytes of one 32-weight block, and the code width that holds it exactly: (bits, block bytes).
+# Q5_0 / Q5_1 codes (5 bits) ride in the 8-bit lanes, exactly as the file has them.
+_EXACT_BLOCKS = {
+    "Q4_0": (4, 18),
+    "Q4_1": (4, 20),
+    "Q5_0": (8, 22),
+    "Q5_1": (8, 24),
+    "Q8_0": (8, 34),
+}
+# Every quantized GGML type by the kernel code width that serves it: its own blocks where
+# `_EXACT_BLOCKS` has it; the others (K-quants, IQ types) re-quantized from their values to
+# the nearest width, with a warning at load: their per-256 super-block scales are not in the
+# kernel's layout yet.
+GGML_BITS = {
+    **{kind: bits for kind, (bits, _) in _EXACT_BLOCKS.items()},
+    **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
+    **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
+    **dict.fromkeys(("Q5_K", "Q6_K", "Q8_1", "Q8_K"), 8),
+}
 
 
 @dataclass(frozen=True)
@@ -74,15 +97,25 @@ class GroupCodes:
     m: torch.Tensor
     bits: int
 
+    def widened(self, bits: int) -> GroupCodes:
+        """The same weights in `bits`-wide codes: 4-bit codes (0..15) are 8-bit codes as they
+        are, so a fused linear whose parts differ in width keeps every part's values."""
+        if bits == self.bits:
+            return self
+        if (self.bits, bits) != (4, 8):
+            raise ValueError(f"{self.bits}-bit codes do not fit in {bits} bits")
+        return GroupCodes(self.codes.to(torch.int8), self.d, self.m, bits)
+
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:
-        if len({p.bits for p in parts}) != 1:
-            raise ValueError("cannot fuse weights of different bit widths")
+        """Rows of `parts` one after another, at the widest of their code widths."""
+        bits = max(p.bits for p in parts)
+        parts = [p.widened(bits) for p in parts]
         return GroupCodes(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.d for p in parts]),
             torch.cat([p.m for p in parts]),
-            parts[0].bits,
+            bits,
         )
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -190,21 +223,15 @@ class GGUFWeights:
         bits, block_bytes = _EXACT_BLOCKS[entry.kind]
         rows, cols = entry.shape
         blocks = self._read(entry).reshape(rows, cols // GROUP_SIZE, block_bytes)
-        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
-        if entry.kind == "Q8_0":
-            codes = blocks[..., 2:].contiguous().view(torch.int8)
-            m = torch.zeros_like(d)
-        else:
-            packed = blocks[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
-            codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
-            if entry.kind == "Q4_1":
-                m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
-            else:  # Q4_0: w = (q - 8) * d
-                m = (d.float() * -8).half()
+        codes, d, m = _block_codes(entry.kind, blocks)
         order = self._hf_row_order(hf_name)
         if order is not None:
             codes, d, m = codes[order], d[order], m[order]
         return GroupCodes(codes, d, m, bits)
+
+    def bits_of(self, hf_name: str) -> int:
+        """The code width that serves this tensor's file type (8 for a float type)."""
+        return GGML_BITS.get(self.entries[hf_name].kind, 8)
 
     def dequantize(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor's values in float32 (float16/bf16 widened, blocks dequantized as GGML
@@ -260,6 +287,33 @@ class GGUFWeights:
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
 
 
+def _block_codes(
+    kind: str, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., 32], d and m [...] of `kind`'s 32-weight blocks [..., block bytes] (ggml's
+    block structs: d first, then m for the _1 types, the 5th bits of Q5 as a little-endian
+    uint32, then the nibbles), such that codes * d + m is what GGML dequantizes them to."""
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+    # m of the symmetric types: -0, so that code * d + m keeps the sign of a zero code * d as
+    # GGML's code * d does (x + -0 is x for every x; x + +0 turns -0 into +0).
+    zero = torch.full_like(d, -0.0)
+    if kind == "Q8_0":
+        return blocks[..., 2:].contiguous().view(torch.int8), d, zero
+    packed = blocks[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    if kind == "Q4_0":  # w = (q - 8) * d
+        return codes, d, (d.float() * -8).half()
+    if kind == "Q4_1":
+        return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    high_at = 2 if kind == "Q5_0" else 4  # Q5_1 has m before its high bits
+    high = blocks[..., high_at : high_at + 4]  # bit j of the uint32: weight j's 5th bit
+    fifth = (high[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., 4, 8]
+    codes = codes | (fifth.flatten(-2) << 4)
+    if kind == "Q5_0":  # w = (q - 16) * d
+        return (codes.to(torch.int16) - 16).to(torch.int8), d, zero
+    return codes.to(torch.int8), d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+
+
 def hf_tensor_name(gguf_name: str) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     stem, _, kind = gguf_name.rpartition(".")
@@ -286,10 +340,12 @@ def blocks_quantized_state(
         {name: (name,) for name in gguf.names()}, lambda parts: sum(parts, ())
     )
     state: dict[str, torch.Tensor] = {}
+    requantized: Counter[str] = Counter()
     for full, _parent, _name, _child, kind in quantizable_linears(model, weights):
         key = f"{full}.weight"
         names = sources.pop(key) if key in sources else sources["embed_tokens.weight"]  # tied
-        codes = _fused_codes(gguf, names, BITS[kind])
+        bits = BITS[kind] if kind in BITS else max(gguf.bits_of(name) for name in names)
+        codes = _fused_codes(gguf, names, bits, requantized)
         packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
         state[f"{full}.quantized.codes"] = packed.codes
         state[f"{full}.quantized.scales"] = packed.scales
@@ -298,16 +354,27 @@ def blocks_quantized_state(
     for key, names in sources.items():
         parts = [gguf.dequantize(name, dtype) for name in names]
         state[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if requantized:
+        logger.warning(
+            "re-quantized from their values (a second rounding): %s",
+            ", ".join(f"{kind} x {count}" for kind, count in sorted(requantized.items())),
+        )
     return state
 
 
-def _fused_codes(gguf: GGUFWeights, names: tuple[str, ...], bits: int) -> GroupCodes:
+def _fused_codes(
+    gguf: GGUFWeights, names: tuple[str, ...], bits: int, requantized: Counter[str]
+) -> GroupCodes:
+    """The tensors `names` as one weight of `bits`-wide codes: each its own blocks where they
+    fit (4-bit ones widened for an 8-bit weight), re-quantized from its values otherwise
+    (counted by type in `requantized`)."""
     parts = []
     for name in names:
         codes = gguf.group_codes(name)
-        if codes is None or codes.bits != bits:  # another type: re-quantized from its floats
+        if codes is None or codes.bits > bits:
+            requantized[gguf.entries[name].kind] += 1
             codes = _quantized(gguf.dequantize(name), bits)
-        parts.append(codes)
+        parts.append(codes.widened(bits))
     return parts[0] if len(parts) == 1 else GroupCodes.cat(parts)
 
 

@@ -160,10 +160,11 @@ def _quantized_model(
 
 
 def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool) -> WeightFormat:
-    """`--quantization` resolved: auto keeps a GGUF file's own format on CPU (its 4-bit
-    layers and 8-bit head) and a Hugging Face folder's float weights; int4 / int8 quantize
-    at load. The quantized kernel is CPU-only: a GPU serves the float weights. Dense copies
-    are kept only where the kernel is not built: every call takes one path."""
+    """`--quantization` resolved: auto keeps a GGUF file's own blocks on CPU (each linear at
+    its type's width: engine.loading.source.shipped_weight_format) and a Hugging Face
+    folder's float weights; int4 / int8 quantize at load. The quantized kernel is CPU-only: a
+    GPU serves the float weights. Dense copies are kept only where the kernel is not built:
+    every call takes one path."""
     choice = config.quantization
     if config.torch_device.type != "cpu":
         if choice in ("int4", "int8"):

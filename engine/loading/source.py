@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -38,9 +39,9 @@ from tqdm import tqdm
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.executor.models import SUPPORTED_MODEL_TYPES
-from engine.executor.quantization import WeightFormat
+from engine.executor.quantization import FILE_BLOCKS, WeightFormat
 from engine.loading import safetensors_io
-from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
+from engine.loading.gguf import ARCH_MODEL_TYPES, GGML_BITS, GGUFWeights, gguf_table
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -232,27 +233,38 @@ def _resolve_gguf(gguf_path: Path, cache_dir: Path | None, name: str) -> ModelSo
     return ModelSource(name=name, path=dest, gguf_path=gguf_path)
 
 
-# GGML tensor types by the bits of the weight format that keeps them (see engine.quantization).
-_GGML_BITS = {
-    **dict.fromkeys(("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"), "int4"),
-    **dict.fromkeys(("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"), "int8"),
-}
-
-
 def shipped_weight_format(source: ModelSource) -> WeightFormat:
-    """The weight format closest to what a GGUF source ships (floats for an HF folder): its
-    decoder linears' and its head's (`output.weight`, else the tied `token_embd.weight`)
-    quantization. Q4_1 and Q8_0 are reproduced exactly, and Q4_0 too where the blocks are read
-    directly (Llama-family files, engine/gguf_weights.py); other 4-8 bit types are
-    requantized to the nearest of int4 / int8. From the tensor table the conversion recorded."""
+    """The weight format closest to what a GGUF source ships (floats for an HF folder), from
+    the tensor table its conversion recorded. A file whose blocks are read directly
+    (`ARCH_MODEL_TYPES`) is served in its own blocks, linear by linear (`FILE_BLOCKS`): each
+    at the narrowest code width that holds its type, exactly for Q4_0, Q4_1, Q5_0, Q5_1 and
+    Q8_0 (engine.loading.gguf), so a file mixing types per tensor (Q4_K_M...) keeps them. Other
+    files take the width of their decoder linears' one type (float when they mix) and their
+    head's (`output.weight`, else the tied `token_embd.weight`), re-quantized at load."""
     if source.gguf_path is None:
         return WeightFormat()
-    types = {name: t.kind for name, t in gguf_table(source.gguf_path, source.path).tensors.items()}
-    layers = {_GGML_BITS.get(kind, "none") for name, kind in types.items() if _is_linear(name)}
-    head = types.get("output.weight", types.get("token_embd.weight", ""))
+    table = gguf_table(source.gguf_path, source.path)
+    types = {name: t.kind for name, t in table.tensors.items()}
+    layer_types = [kind for name, kind in types.items() if _is_linear(name)]
+    head_name = "output.weight" if "output.weight" in types else "token_embd.weight"
+    head_type = types.get(head_name, "")
+    if table.arch in ARCH_MODEL_TYPES:
+        quantized = [kind in GGML_BITS for kind in layer_types]
+        served = [*(layer_types if any(quantized) else []), head_type]
+        return WeightFormat(
+            layers=FILE_BLOCKS if any(quantized) else "none",
+            head=FILE_BLOCKS if head_type in GGML_BITS else "none",
+            file_types=tuple(sorted(Counter(k for k in served if k in GGML_BITS).items())),
+        )
+    bits = {GGML_BITS.get(kind) for kind in layer_types}
     return WeightFormat(
-        layers=layers.pop() if len(layers) == 1 else "none", head=_GGML_BITS.get(head, "none")
+        layers=_width(bits.pop()) if len(bits) == 1 else "none",
+        head=_width(GGML_BITS.get(head_type)),
     )
+
+
+def _width(bits: int | None) -> str:
+    return {4: "int4", 8: "int8"}.get(bits or 0, "none")
 
 
 def _is_linear(gguf_name: str) -> bool:

@@ -12,21 +12,25 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, Qwen2Config
 
+from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
-from engine.executor.quantization import WeightFormat
+from engine.executor.kernels import load_cpu_kernels
+from engine.executor.quantization import FILE_BLOCKS, WeightFormat
 from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
 from engine.loading.build import _on_meta, load_model_weights
 from engine.loading.gguf import (
+    _EXACT_BLOCKS,
     TABLE_RECORD,
     GGUFTable,
     GGUFWeights,
     GroupCodes,
+    _block_codes,
     blocks_quantized_state,
     gguf_table,
     hf_tensor_name,
 )
-from engine.loading.source import ModelSource
+from engine.loading.source import ModelSource, shipped_weight_format
 from tests.helpers import TINY_LLAMA_SHAPE
 
 Q = GGMLQuantizationType
@@ -45,10 +49,16 @@ def _config(model_type: str) -> LlamaConfig | Qwen2Config:
 
 
 def _write_gguf(
-    path: Path, model_type: str, layer_type: GGMLQuantizationType, head_type: GGMLQuantizationType
+    path: Path,
+    model_type: str,
+    layer_type: GGMLQuantizationType,
+    head_type: GGMLQuantizationType,
+    per_tensor: dict[str, GGMLQuantizationType] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A tiny model's random weights as a GGUF (linears as `layer_type`, the tied embedding as
-    `head_type`); returns the Hugging Face state its file holds, dequantized."""
+    """A tiny model's random weights as a GGUF (linears as `layer_type` unless `per_tensor`
+    names them, e.g. "blk.0.attn_q": the tied embedding as `head_type`); returns the Hugging
+    Face state its file holds, dequantized."""
+    per_tensor = per_tensor or {}
     cfg = _config(model_type)
     gen = np.random.default_rng(0)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -86,7 +96,8 @@ def _write_gguf(
     add("output_norm.weight", gen.standard_normal(hidden, np.float32), Q.F32)
     for i in range(cfg.num_hidden_layers):
         for part, shape in shapes.items():
-            add(f"blk.{i}.{part}.weight", gen.standard_normal(shape, np.float32), layer_type)
+            kind = per_tensor.get(f"blk.{i}.{part}", layer_type)
+            add(f"blk.{i}.{part}.weight", gen.standard_normal(shape, np.float32), kind)
         if model_type == "qwen2":
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 add(f"blk.{i}.{part}.bias", gen.standard_normal(rows, np.float32), Q.F32)
@@ -136,7 +147,16 @@ def test_dequantized_tensors_are_the_files_values_in_hf_row_order(
 
 
 @pytest.mark.parametrize(
-    ("qtype", "bits"), [(Q.Q4_1, 4), (Q.Q4_0, 4), (Q.Q8_0, 8), (Q.Q5_0, None), (Q.F32, None)]
+    ("qtype", "bits"),
+    [
+        (Q.Q4_1, 4),
+        (Q.Q4_0, 4),
+        (Q.Q8_0, 8),
+        (Q.Q5_0, 8),
+        (Q.Q5_1, 8),
+        (Q.F16, None),
+        (Q.F32, None),
+    ],
 )
 def test_group_codes_are_the_files_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int | None
@@ -156,12 +176,111 @@ def test_group_codes_are_the_files_blocks(
     assert torch.equal(codes.dequantize(torch.float32), expected[name])
 
 
-def test_group_codes_of_different_widths_do_not_fuse() -> None:
-    four = GroupCodes(torch.zeros(8, 1, 32, dtype=torch.uint8), torch.ones(8, 1).half(),
-                      torch.zeros(8, 1).half(), 4)  # fmt: skip
-    eight = GroupCodes(four.codes.to(torch.int8), four.d, four.m, 8)
-    with pytest.raises(ValueError, match="bit widths"):
-        GroupCodes.cat([four, eight])
+def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
+    gen = torch.Generator().manual_seed(0)
+    scale, low = torch.rand(8, 2, generator=gen).half(), -torch.rand(8, 2, generator=gen).half()
+    four = GroupCodes(
+        torch.randint(0, 16, (8, 2, 32), generator=gen, dtype=torch.uint8), scale, low, 4
+    )
+    codes = torch.randint(-127, 128, (16, 2, 32), generator=gen, dtype=torch.int8)
+    eight = GroupCodes(codes, torch.rand(16, 2, generator=gen).half(), torch.zeros(16, 2).half(), 8)
+    fused = GroupCodes.cat([four, eight])
+    assert fused.bits == 8 and fused.codes.dtype == torch.int8
+    expected = torch.cat([four.dequantize(torch.float32), eight.dequantize(torch.float32)])
+    assert torch.equal(fused.dequantize(torch.float32), expected)
+    with pytest.raises(ValueError, match="do not fit"):
+        eight.widened(4)
+
+
+# d values a block may carry: ordinary, negative, zero, subnormal, the largest finite f16.
+_EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0])
+def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
+    """Random block bytes with edge d and m values (zero, subnormal, the f16 extremes, both
+    signs): codes * d + m in float32 is `gguf.quants.dequantize`'s value, bit for bit (the
+    sign of zero too), except Q4_0, whose m = -8 d turns a zero weight into +0 (and overflows
+    for |d| > 8188, which no real weight has: those blocks are left out for it)."""
+    bits, block_bytes = _EXACT_BLOCKS[qtype.name]
+    gen = np.random.default_rng(int(qtype))
+    blocks = gen.integers(0, 256, (64, 4, block_bytes), dtype=np.uint8)
+    d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
+    if qtype == Q.Q4_0:
+        d = np.where(np.abs(d.astype(np.float32)) > 8188, np.float16(0.5), d)
+    blocks[..., :2] = d.view(np.uint8).reshape(64, 4, 2)
+    if qtype in (Q.Q4_1, Q.Q5_1):  # m: any finite f16 pattern, the extremes included
+        m = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))] * np.float16(-1)
+        blocks[..., 2:4] = m.view(np.uint8).reshape(64, 4, 2)
+    codes, scale, low = _block_codes(qtype.name, torch.from_numpy(blocks))
+    assert codes.shape == (64, 4, 32)
+    ours = GroupCodes(codes, scale, low, bits).dequantize(torch.float32)
+    ggml = torch.from_numpy(dequantize(blocks.reshape(64, -1), qtype).astype(np.float32))
+    if qtype == Q.Q4_0:
+        assert torch.equal(ours, ggml)  # -0 == +0
+    else:
+        assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
+
+
+def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Q4_K_M-like file (types differ by tensor, within a fused q/k/v and gate/up too):
+    each linear takes the width of its widest part, every part the file's values exactly
+    (4-bit parts widened, not re-quantized); a type the kernel does not hold (F16 here) is
+    re-quantized with a warning naming it; the kernel on those codes computes the file's
+    weights (to its 8-bit activations' rounding)."""
+    mixed = {
+        "blk.0.attn_q": Q.Q5_0, "blk.0.attn_k": Q.Q4_0, "blk.0.attn_v": Q.Q8_0,
+        "blk.0.attn_output": Q.Q4_1, "blk.0.ffn_gate": Q.Q5_1, "blk.0.ffn_up": Q.Q4_1,
+        "blk.0.ffn_down": Q.Q5_0, "blk.1.ffn_down": Q.F16,
+    }  # fmt: skip
+    path = tmp_path / "mixed.gguf"
+    floats = _write_gguf(path, "llama", Q.Q4_1, Q.Q8_0, mixed)
+    source = ModelSource(name="mixed", path=tmp_path, gguf_path=path)
+    weights = shipped_weight_format(source)
+    types = {
+        "Q4_0": 1,
+        "Q4_1": 2 + 6,
+        "Q5_0": 2,
+        "Q5_1": 1,
+        "Q8_0": 1 + 1,
+    }  # layer 1: Q4_1 but down
+    assert weights == WeightFormat(FILE_BLOCKS, FILE_BLOCKS, file_types=tuple(types.items()))
+    assert weights.describe(torch.float32) == (
+        "weights: Q4_0 x 1, Q4_1 x 8, Q5_0 x 2, Q5_1 x 1, Q8_0 x 2 (the file's blocks, group 32)"
+    )
+    cfg = _config("llama")
+    with caplog.at_level("WARNING", logger="engine.loading.gguf"):
+        state = blocks_quantized_state(
+            _on_meta(cfg, 64, torch.float32), _open(path, cfg), weights, torch.float32
+        )
+    assert "re-quantized from their values (a second rounding): F16 x 1" in caplog.text
+    widths = {
+        "layers.0.self_attn.qkv_proj": 8, "layers.0.self_attn.o_proj": 4,
+        "layers.0.mlp.gate_up_proj": 8, "layers.0.mlp.down_proj": 8,
+        "layers.1.self_attn.qkv_proj": 4, "layers.1.mlp.gate_up_proj": 4,
+        "layers.1.mlp.down_proj": 8, "lm_head": 8,
+    }  # fmt: skip
+    for linear, bits in widths.items():
+        assert state[f"{linear}.quantized.codes"].shape[-1] == 32 * bits, linear
+    exact = {
+        "layers.0.self_attn.qkv_proj": [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"],
+        "layers.0.mlp.gate_up_proj": ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+        "layers.0.mlp.down_proj": ["model.layers.0.mlp.down_proj"],
+        "layers.0.self_attn.o_proj": ["model.layers.0.self_attn.o_proj"],
+        "lm_head": ["model.embed_tokens"],
+    }
+    for linear, parts in exact.items():
+        expected = torch.cat([floats[f"{part}.weight"] for part in parts])
+        assert torch.equal(state[f"{linear}.dense.weight"], expected), linear
+    assert load_cpu_kernels(default_cache_dir())
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for linear in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj", "lm_head"):
+        codes, scales = state[f"{linear}.quantized.codes"], state[f"{linear}.quantized.scales"]
+        out = torch.ops.prefixgate.quant_matmul(x, codes, scales, codes.shape[-1] // 32)
+        reference = x @ state[f"{linear}.dense.weight"].T
+        torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.core.errors import ModelLoadError
-from engine.executor.quantization import WeightFormat
+from engine.executor.quantization import FILE_BLOCKS, WeightFormat
 from engine.loading import source as loader
 from engine.loading.gguf import GGUFTable, TensorEntry
 from engine.loading.source import (
@@ -342,12 +342,14 @@ def test_default_model_tokenizer_matches_the_gguf(smollm2_source: ModelSource) -
 
 @pytest.mark.e2e
 def test_the_shipped_weight_format_is_read_once_per_conversion(tmp_path: Path) -> None:
-    """The embedded GGUF ships Q4_1 layers and a Q8_0 head; the answer is recorded in the
-    conversion folder, so later starts do not parse the GGUF again (2.9 s)."""
+    """The embedded GGUF ships Q4_1 layers and a Q8_0 head, served in their own blocks; the
+    answer is recorded in the conversion folder, so later starts do not parse the GGUF again
+    (2.9 s)."""
     gguf = ModelSource(name="m", path=tmp_path, gguf_path=loader._default_gguf_path())
-    assert shipped_weight_format(gguf) == WeightFormat(layers="int4", head="int8")
+    shipped = WeightFormat(FILE_BLOCKS, FILE_BLOCKS, file_types=(("Q4_1", 210), ("Q8_0", 1)))
+    assert shipped_weight_format(gguf) == shipped
     gone = ModelSource(name="m", path=tmp_path, gguf_path=tmp_path / "moved-away.gguf")
-    assert shipped_weight_format(gone) == WeightFormat(layers="int4", head="int8")
+    assert shipped_weight_format(gone) == shipped
     assert shipped_weight_format(ModelSource(name="hf", path=tmp_path)) == WeightFormat()
 
 
