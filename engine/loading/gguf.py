@@ -45,7 +45,7 @@ from engine.executor.quantization import (
 logger = logging.getLogger(__name__)
 
 # GGUF architectures read here, by the Hugging Face model_type they convert to.
-ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 HF_LAYOUT_ARCHS = frozenset({"llama"})  # q/k rows permuted by llama.cpp's converter
 TABLE_RECORD = "prefixgate-gguf-tensors.json"  # in a GGUF's conversion folder
 
@@ -61,6 +61,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

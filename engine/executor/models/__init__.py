@@ -37,6 +37,7 @@ MODEL_CLASSES: dict[str, type[Any]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (qkv bias).
+"""The Llama family: Llama 2/3.x, SmolLM2, TinyLlama, Mistral, Qwen2 (qkv bias), Qwen3 (an
+RMSNorm over each query and key head before RoPE).
 
 Projections that read the same input are fused at load time (q/k/v into `qkv_proj`,
 gate/up into `gate_up_proj`): fewer, larger matmuls per layer, which is what a small model on
@@ -24,6 +25,9 @@ from engine.executor.models.layers import (
 )
 from engine.executor.quantization import project
 
+# Model types whose attention normalises each query and key head (over head_dim) before RoPE.
+QK_NORM_TYPES = frozenset({"qwen3"})
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, has_bias: bool) -> None:
@@ -36,6 +40,10 @@ class LlamaAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=has_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -44,6 +52,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = project(self.qkv_proj, x).view(n, -1, self.head_dim)
+        if self.qk_norm:  # in place, on torch's per-row norm whatever the build: one path
+            heads, kv_end = self.num_heads, self.num_heads + self.num_kv_heads
+            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
+            qkv[:, heads:kv_end] = self.k_norm(qkv[:, heads:kv_end])
         q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         return project(self.o_proj, o.reshape(n, self.q_size))

@@ -20,6 +20,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from engine.core.config import default_cache_dir
@@ -67,6 +69,18 @@ def _qwen2_bias() -> Any:
     return Qwen2ForCausalLM(cfg)
 
 
+def _qwen3_qk_norm() -> Any:
+    """Heads wider than hidden_size / num_heads (as Qwen3's), and per-head q/k norm weights
+    that are not ones (a norm applied to the wrong heads shows)."""
+    cfg = Qwen3Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = Qwen3ForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(3)
+    for name, param in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            param.data = 1 + 0.5 * torch.randn(param.shape, generator=gen)
+    return model
+
+
 def _mistral() -> Any:
     cfg = MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
     return MistralForCausalLM(cfg)
@@ -89,6 +103,7 @@ ARCHITECTURES = {
     "llama-gqa": _llama_gqa,
     "llama3-rope-tied": _llama3_rope_tied,
     "qwen2-qkv-bias": _qwen2_bias,
+    "qwen3-qk-norm": _qwen3_qk_norm,
     "mistral": _mistral,
     "gpt2": _gpt2,
 }
@@ -232,7 +247,7 @@ def test_float16_kv_cache_tracks_float32(use_cpu_kernels: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias", "qwen3-qk-norm"])
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(
     arch: str, dtype: torch.dtype
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
@@ -43,7 +43,12 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _config(model_type: str) -> LlamaConfig | Qwen2Config:
+def _config(model_type: str) -> LlamaConfig | Qwen2Config | Qwen3Config:
+    if model_type == "qwen3":  # head_dim as the others' (Qwen3's own default is 128)
+        head_dim = TINY_LLAMA_SHAPE["hidden_size"] // TINY_LLAMA_SHAPE["num_attention_heads"]
+        return Qwen3Config(
+            vocab_size=96, tie_word_embeddings=True, head_dim=head_dim, **TINY_LLAMA_SHAPE
+        )
     cls = LlamaConfig if model_type == "llama" else Qwen2Config
     return cls(vocab_size=96, tie_word_embeddings=True, **TINY_LLAMA_SHAPE)
 
@@ -101,6 +106,10 @@ def _write_gguf(
         if model_type == "qwen2":
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 add(f"blk.{i}.{part}.bias", gen.standard_normal(rows, np.float32), Q.F32)
+        if model_type == "qwen3":
+            head_dim = hidden // cfg.num_attention_heads
+            for part in ("attn_q_norm", "attn_k_norm"):
+                add(f"blk.{i}.{part}.weight", gen.standard_normal(head_dim, np.float32), Q.F32)
         add(f"blk.{i}.attn_norm.weight", gen.standard_normal(hidden, np.float32), Q.F32)
         add(f"blk.{i}.ffn_norm.weight", gen.standard_normal(hidden, np.float32), Q.F32)
     writer.write_header_to_file()
@@ -110,7 +119,7 @@ def _write_gguf(
     return expected
 
 
-def _open(path: Path, cfg: LlamaConfig | Qwen2Config) -> GGUFWeights:
+def _open(path: Path, cfg: LlamaConfig | Qwen2Config | Qwen3Config) -> GGUFWeights:
     return GGUFWeights(path, GGUFTable.parse(path), cfg)
 
 
@@ -124,6 +133,7 @@ def _open(path: Path, cfg: LlamaConfig | Qwen2Config) -> GGUFWeights:
         ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias"),
         ("blk.12.ffn_down.weight", "model.layers.12.mlp.down_proj.weight"),
         ("blk.1.ffn_norm.weight", "model.layers.1.post_attention_layernorm.weight"),
+        ("blk.2.attn_q_norm.weight", "model.layers.2.self_attn.q_norm.weight"),
         ("rope_freqs.weight", None),
         ("blk.0.ffn_gate_exps.weight", None),
     ],
@@ -132,7 +142,7 @@ def test_gguf_names_map_to_hugging_face_names(gguf_name: str, hf_name: str | Non
     assert hf_tensor_name(gguf_name) == hf_name
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("layer_type", [Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.F16])
 def test_dequantized_tensors_are_the_files_values_in_hf_row_order(
     tmp_path: Path, model_type: str, layer_type: GGMLQuantizationType
@@ -283,7 +293,7 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
         torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(
     ("layer_type", "head_type", "weights"),
     [
