@@ -99,6 +99,11 @@ class EngineConfig:
         "build the C++ CPU kernels (paged decode attention, fused layer ops) for this CPU on "
         "first start, cached on disk; off (--no-compile): torch operations only, for debugging",
     )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template file for chat requests: for a model without one (a base model), "
+        "or instead of its own",
+    )
     prefix_file: str | None = option(
         None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
     )

@@ -30,6 +30,7 @@ from engine.loading.build import (
 from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
 from engine.loading.source import (
     ModelSource,
+    load_chat_template,
     load_hf_config,
     load_state_dict,
     load_tokenizer,
@@ -70,6 +71,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     hf_config = load_hf_config(source.path)
     tokenizer = load_tokenizer(source.path)
+    if config.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(Path(config.chat_template))
+        logger.info("chat template: from %s", config.chat_template)
+    elif tokenizer.chat_template:
+        logger.info("chat template: the model's own")
+    else:
+        logger.info("chat template: none (chat requests get a 400 naming --chat-template)")
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
     kernels = (
         build_cpu_kernels(default_cache_dir())

@@ -127,6 +127,23 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def load_chat_template(path: Path) -> str:
+    """The text of a chat template file, checked to parse as Jinja: a broken template fails the
+    start, not every chat request."""
+    import jinja2
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        jinja2.Environment().parse(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the chat template {path}: {exc}") from exc
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelLoadError(
+            f"the chat template {path} is not valid Jinja (line {exc.lineno}): {exc.message}"
+        ) from exc
+    return text
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Read every weight of the folder on CPU, as stored (HF names, HF dtypes).
 

@@ -105,7 +105,8 @@ def _render(
 ) -> str:
     if not tokenizer.chat_template:
         raise InvalidRequestError(
-            "this model has no chat template: send a raw prompt to the completions API",
+            "this model has no chat template: send a raw prompt to the completions API, or "
+            "start the server with --chat-template FILE (a Jinja template for its turns)",
             param="messages",
         )
     try:

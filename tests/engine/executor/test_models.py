@@ -247,7 +247,9 @@ def test_float16_kv_cache_tracks_float32(use_cpu_kernels: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias", "qwen3-qk-norm"])
+@pytest.mark.parametrize(
+    "arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias", "qwen3-qk-norm"]
+)
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(
     arch: str, dtype: torch.dtype
 ) -> None:

@@ -10,12 +10,14 @@ import torch
 
 from engine import EngineConfig
 from engine.core.config import default_cache_dir
+from engine.core.errors import ModelLoadError
 from engine.executor.kernels import build_cpu_kernels
 from engine.executor.quantization import QuantizedLinear
 from engine.loading import quantized_cache
 from engine.loading import setup as model_setup
 from engine.loading.setup import load_model
 from engine.loading.source import ModelSource
+from engine.text.chat import chat_prompt_ids
 
 
 def _config(model: Path, **overrides: object) -> EngineConfig:
@@ -177,3 +179,41 @@ def test_a_failed_kernel_build_serves_on_the_torch_paths(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [[1, 5, 9, 13, 2, 7], [3, 3, 8]]
     assert engine.generate(prompts, params) == reference.generate(prompts, params)
+
+
+TURNS = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+
+
+def test_a_chat_template_file_replaces_the_models_own(
+    tiny_llama_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    template = tmp_path / "turns.jinja"
+    template.write_text(TURNS, encoding="utf-8")
+    with caplog.at_level(logging.INFO, logger="engine.loading.setup"):
+        own = load_model(_config(tiny_llama_path, num_kv_blocks=16))
+        given = load_model(_config(tiny_llama_path, num_kv_blocks=16, chat_template=str(template)))
+    assert "chat template: the model's own" in caplog.text
+    assert f"chat template: from {template}" in caplog.text
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = given.tokenizer.decode(chat_prompt_ids(given.tokenizer, messages))
+    assert rendered == "[user] Hi\n[assistant]"
+    assert own.tokenizer.chat_template != TURNS
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "cannot read the chat template"),
+        ("{% for m in messages %}{{ m.content }}", r"not valid Jinja \(line 1\)"),
+    ],
+)
+def test_a_chat_template_that_cannot_serve_fails_the_start(
+    tiny_llama_path: Path, tmp_path: Path, text: str | None, message: str
+) -> None:
+    template = tmp_path / "broken.jinja"
+    if text is not None:
+        template.write_text(text, encoding="utf-8")
+    config = _config(tiny_llama_path, num_kv_blocks=16, chat_template=str(template))
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_model(config)
+    assert str(template) in str(info.value)

@@ -72,6 +72,7 @@ def test_no_chat_template_is_an_invalid_request(tiny_tokenizer: PreTrainedTokeni
     with pytest.raises(InvalidRequestError, match="no chat template") as info:
         chat_prompt_ids(tokenizer, MESSAGES)
     assert info.value.param == "messages"
+    assert "completions API" in str(info.value) and "--chat-template FILE" in str(info.value)
     assert tiny_tokenizer.chat_template is not None
 
 
