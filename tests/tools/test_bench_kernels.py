@@ -24,7 +24,7 @@ def test_a_revisions_sources_are_read_from_git_and_the_checkouts_from_disk() -> 
     assert "TORCH_LIBRARY" in bench_kernels.source_text("HEAD", "paged_attention.cpp")
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_the_report_times_both_builds_on_every_shape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
