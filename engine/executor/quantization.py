@@ -48,7 +48,9 @@ class QuantizedWeight:
     """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
 
     codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
-    scales: torch.Tensor  # [N / 8, 2, K / 32, 8] float16: per tile, d then m
+    # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
+    # tile, d then m
+    scales: torch.Tensor
     bits: int
 
     @property
@@ -113,7 +115,8 @@ def pack_weight(
 ) -> QuantizedWeight:
     """Codes [N, K / 32, 32] (0..15 for 4 bits, -127..127 for 8, any dtype) with d and m
     [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns
-    with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp)."""
+    with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The scales stay
+    float32 where d or m is (a K-quant's exact products), else float16."""
     rows, groups = scale.shape
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
@@ -122,7 +125,11 @@ def pack_weight(
         packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # steps 2j, 2j + 1
     else:
         packed = steps.to(torch.int8).view(torch.uint8)
-    scales = torch.stack([scale, low], 1).half().reshape(tiles, TILE_ROWS, 2, groups)
+    wide = torch.float32 in (scale.dtype, low.dtype)
+    stacked = torch.stack([scale.to(torch.float32), low.to(torch.float32)], 1)
+    scales = stacked.to(torch.float32 if wide else torch.float16).reshape(
+        tiles, TILE_ROWS, 2, groups
+    )
     return QuantizedWeight(
         packed.reshape(tiles, groups, -1).contiguous(),
         scales.permute(0, 2, 3, 1).contiguous(),

@@ -2,12 +2,13 @@
 
 Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
-the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are exactly the kernel's
-group-32 form w = code * d + m (engine/executor/quantization.py: 4-bit codes for the Q4 types,
-8-bit lanes for Q5 and Q8), so they are unpacked into codes, d and m with no float round trip
-(`group_codes`), each linear at its own type's width, a file mixing types per tensor included;
-every other type (F32, F16, BF16, the K-quants...) is dequantized by the `gguf` package
-(`dequantize`) and, for a quantized linear, re-quantized with a warning.
+the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks are exactly
+the kernel's group-32 form w = code * d + m (engine/executor/quantization.py: 4-bit codes for
+the Q4 types, 8-bit lanes for Q5 and Q8; float32 d and m for the K-quants' products), so they
+are unpacked into codes, d and m with no float round trip (`group_codes`), each linear at its
+own type's width, a file mixing types per tensor included; every other type (F32, F16, BF16,
+Q2_K, Q3_K, Q6_K, IQ...) is dequantized by the `gguf` package (`dequantize`) and, for a
+quantized linear, re-quantized with a warning.
 
 Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
 rotary embeddings in llama's layout; `HF_LAYOUT_ARCHS` lists the architectures whose rows are
@@ -67,32 +68,37 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Bytes of one 32-weight block, and the code width that holds it exactly: (bits, block bytes).
-# Q5_0 / Q5_1 codes (5 bits) ride in the 8-bit lanes, exactly as the file has them.
+# The types whose blocks are the kernel's groups exactly: (code width, bytes of a block,
+# weights in a block). Q5 codes (5 bits) ride in the 8-bit lanes as the file has them; a
+# K-quant super-block of 256 is 8 groups of 32 whose d and m are float32 products
+# (super-block d times a 6-bit sub-scale), exact there and not in float16.
 _EXACT_BLOCKS = {
-    "Q4_0": (4, 18),
-    "Q4_1": (4, 20),
-    "Q5_0": (8, 22),
-    "Q5_1": (8, 24),
-    "Q8_0": (8, 34),
+    "Q4_0": (4, 18, 32),
+    "Q4_1": (4, 20, 32),
+    "Q5_0": (8, 22, 32),
+    "Q5_1": (8, 24, 32),
+    "Q8_0": (8, 34, 32),
+    "Q4_K": (4, 144, 256),
+    "Q5_K": (8, 176, 256),
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
-# `_EXACT_BLOCKS` has it; the others (K-quants, IQ types) re-quantized from their values to
-# the nearest width, with a warning at load: their per-256 super-block scales are not in the
-# kernel's layout yet.
+# `_EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
+# a warning at load (Q2_K, Q3_K and Q6_K scale 16-weight halves of a group, which the kernel
+# does not do yet; IQ types are codebooks).
 GGML_BITS = {
-    **{kind: bits for kind, (bits, _) in _EXACT_BLOCKS.items()},
-    **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
+    **{kind: bits for kind, (bits, _, _) in _EXACT_BLOCKS.items()},
+    **dict.fromkeys(("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
     **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
-    **dict.fromkeys(("Q5_K", "Q6_K", "Q8_1", "Q8_K"), 8),
+    **dict.fromkeys(("Q6_K", "Q8_1", "Q8_K"), 8),
 }
 
 
 @dataclass(frozen=True)
 class GroupCodes:
     """A weight as group-32 codes, w = codes * d + m: codes [N, K / 32, 32] (uint8 0..15 for
-    4 bits, int8 for 8), d and m [N, K / 32] float16. Unpacked, so rows concatenate (q/k/v
-    fused into one linear) before `pack_weight` lays them out for the kernel."""
+    4 bits, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants). Unpacked, so
+    rows concatenate (q/k/v fused into one linear) before `pack_weight` lays them out for the
+    kernel."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -113,10 +119,12 @@ class GroupCodes:
         """Rows of `parts` one after another, at the widest of their code widths."""
         bits = max(p.bits for p in parts)
         parts = [p.widened(bits) for p in parts]
+        wide = any(p.d.dtype == torch.float32 for p in parts)  # float16 widens exactly
+        scale = torch.float32 if wide else torch.float16
         return GroupCodes(
             torch.cat([p.codes for p in parts]),
-            torch.cat([p.d for p in parts]),
-            torch.cat([p.m for p in parts]),
+            torch.cat([p.d.to(scale) for p in parts]),
+            torch.cat([p.m.to(scale) for p in parts]),
             bits,
         )
 
@@ -222,10 +230,13 @@ class GGUFWeights:
         entry = self.entries[hf_name]
         if entry.kind not in _EXACT_BLOCKS or len(entry.shape) != 2:
             return None
-        bits, block_bytes = _EXACT_BLOCKS[entry.kind]
+        bits, block_bytes, block_weights = _EXACT_BLOCKS[entry.kind]
         rows, cols = entry.shape
-        blocks = self._read(entry).reshape(rows, cols // GROUP_SIZE, block_bytes)
-        codes, d, m = _block_codes(entry.kind, blocks)
+        blocks = self._read(entry).reshape(rows, cols // block_weights, block_bytes)
+        decode = _super_block_codes if block_weights > GROUP_SIZE else _block_codes
+        codes, d, m = decode(entry.kind, blocks)
+        codes = codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        d, m = d.reshape(rows, -1), m.reshape(rows, -1)
         order = self._hf_row_order(hf_name)
         if order is not None:
             codes, d, m = codes[order], d[order], m[order]
@@ -314,6 +325,31 @@ def _block_codes(
     if kind == "Q5_0":  # w = (q - 16) * d
         return (codes.to(torch.int16) - 16).to(torch.int8), d, zero
     return codes.to(torch.int8), d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+
+
+def _super_block_codes(
+    kind: str, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., 8, 32], d and m [..., 8] of Q4_K / Q5_K super-blocks [..., 144 | 176]:
+    d f16, dmin f16, 12 bytes of 6-bit sub-scales and sub-mins, (Q5_K: 32 bytes of 5th bits,)
+    128 bytes of nibbles. Group j's d = d * sc_j and m = -(dmin * min_j), float32 products
+    that are exact (at most 17 significant bits), so codes * d + m is GGML's
+    `d * sc * q - dmin * min` bit for bit."""
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    low, high, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sub_scale = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    sub_min = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    nibbles = blocks[..., -128:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    codes = (nibbles >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]) & 0x0F
+    codes = codes.reshape(*blocks.shape[:-1], 8, 32)  # group 2i: chunk i's low nibbles
+    if kind == "Q5_K":  # bit j of byte l of qh: group j's weight l's 5th bit
+        fifth = (
+            blocks[..., 16:48, None].transpose(-1, -2)
+            >> torch.arange(8, dtype=torch.uint8)[:, None]
+        )
+        codes = (codes | ((fifth & 1) << 4)).to(torch.int8)
+    return codes, d[..., None] * sub_scale.float(), -(dmin[..., None] * sub_min.float())
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -16,7 +16,9 @@
 //            llama.cpp's repacked x86 GEMMs). bits 8: the 8 steps, int8 codes -127..127.
 //            bits 4: 4 x 32 bytes, byte i of vector j holding step 2j's code i in its low
 //            nibble and step 2j + 1's in its high one; codes 0..15.
-//     scales [N / 8, 2, K / 32, 8] float16: a tile's d then its m, 8 rows per group
+//     scales [N / 8, 2, K / 32, 8] float16 or float32: a tile's d then its m, 8 rows per
+//            group. float16 is what Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the
+//            K-quants' per-group products (super-block d times a 6-bit sub-scale) exactly.
 //   A tile is a sequential stream, and a group's 8 row results come out in one vector: one
 //   conversion and one scale multiply serve 8 rows.
 //
@@ -139,10 +141,26 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
 // scales + t * scale_stride.
 struct TileSpan {
   const uint8_t* codes;
-  const at::Half* scales;
+  const void* scales;  // at::Half, or float where `wide_scales`
   int64_t code_stride;
-  int64_t scale_stride;
+  int64_t scale_stride;  // in scales
+  bool wide_scales;
 };
+
+// Scale i of a tile's scales as float (exact either way: float16 widens exactly).
+inline float scale_at(const TileSpan& span, int64_t i) {
+  return span.wide_scales ? static_cast<const float*>(span.scales)[i]
+                          : static_cast<float>(static_cast<const at::Half*>(span.scales)[i]);
+}
+
+#if PREFIXGATE_QMM_AVX2
+// Eight consecutive scales from index i, as floats.
+inline __m256 load_scales(const TileSpan& span, int64_t i) {
+  if (span.wide_scales) return _mm256_loadu_ps(static_cast<const float*>(span.scales) + i);
+  return _mm256_cvtph_ps(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(static_cast<const at::Half*>(span.scales) + i)));
+}
+#endif
 
 // One row's result for one group, the same in every block and every build: the integer dot
 // product `sum` scaled by d * a, then the min term m * s, each added with one rounding.
@@ -243,11 +261,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
       }
     }
     for (int t = 0; t < T; ++t) {
-      const at::Half* tile_scales = span.scales + t * span.scale_stride;
-      const __m256 d = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + g * kTile)));
-      const __m256 m = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + (groups + g) * kTile)));
+      const int64_t first_scale = t * span.scale_stride + g * kTile;
+      const __m256 d = load_scales(span, first_scale);
+      const __m256 m = load_scales(span, first_scale + groups * kTile);
       for (int mb = 0; mb < MB; ++mb) {
         __m256i total = sums[0][mb][t];
         for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
@@ -272,7 +288,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   for (int mb = 0; mb < MB; ++mb) {
     for (int t = 0; t < T; ++t) {
       const uint8_t* tile_codes = span.codes + t * span.code_stride;
-      const at::Half* tile_scales = span.scales + t * span.scale_stride;
+      const int64_t tile_scales = t * span.scale_stride;
       float total[kTile] = {};
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* group_codes = tile_codes + g * kGroupBytes;
@@ -291,9 +307,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
               sum += code * a[4 * j + i];
             }
           }
-          total[r] = add_group(total[r], sum, static_cast<float>(tile_scales[g * kTile + r]),
+          total[r] = add_group(total[r], sum, scale_at(span, tile_scales + g * kTile + r),
                                da[mb * groups + g],
-                               static_cast<float>(tile_scales[(groups + g) * kTile + r]),
+                               scale_at(span, tile_scales + (groups + g) * kTile + r),
                                sa[mb * groups + g]);
         }
       }
@@ -325,7 +341,10 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
 
 template <int BITS, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
-                       const at::Half* scales, int64_t rows, int64_t n, int64_t k, OUT* out) {
+                       const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
+                       OUT* out) {
+  const int64_t scale_bytes = wide_scales ? 4 : 2;
+  const auto* scale_base = static_cast<const char*>(scales);
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
   const int64_t tile_scales = 2 * groups * kTile;
@@ -340,12 +359,13 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
       for (int64_t u = begin; u < end; ++u) {
         const int64_t t = u * kTileBlock;
         if (u + 1 < end) {  // the next block's scales: a separate, short stream
-          const auto* next = reinterpret_cast<const char*>(scales + (t + kTileBlock) * tile_scales);
-          for (int64_t off = 0; off < tile_scales * 2 * kTileBlock; off += 64)
+          const char* next = scale_base + (t + kTileBlock) * tile_scales * scale_bytes;
+          for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
             __builtin_prefetch(next + off);
         }
-        const TileSpan span{codes + t * tile_code_bytes, scales + t * tile_scales,
-                            tile_code_bytes, tile_scales};
+        const TileSpan span{codes + t * tile_code_bytes,
+                            scale_base + t * tile_scales * scale_bytes, tile_code_bytes,
+                            tile_scales, wide_scales};
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
           rows_dot<BITS, kTileBlock>(span, act, first, last, k, block_out, n);
@@ -369,20 +389,22 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({n / kTile, groups, kTile * bits * 4}),
               "quant_matmul: codes must be a contiguous uint8 [N / 8, K / 32, 8 * bits * 4]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+                  scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({n / kTile, 2, groups, kTile}),
-              "quant_matmul: scales must be a contiguous float16 [N / 8, 2, K / 32, 8]");
+              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 2, K / 32, 8]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
-  const at::Half* scale_ptr = scales.data_ptr<at::Half>();
+  const void* scale_ptr = scales.data_ptr();
+  const bool wide_scales = scales.scalar_type() == at::kFloat;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const QuantizedActivations act = quantize_activations(x.data_ptr<T>(), rows, k);
     if (bits == 4) {
-      quant_matmul_impl<4>(act, code_ptr, scale_ptr, rows, n, k, out.data_ptr<T>());
+      quant_matmul_impl<4>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, out.data_ptr<T>());
     } else {
-      quant_matmul_impl<8>(act, code_ptr, scale_ptr, rows, n, k, out.data_ptr<T>());
+      quant_matmul_impl<8>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, out.data_ptr<T>());
     }
   };
   if (x.scalar_type() == at::kFloat) {

@@ -113,6 +113,27 @@ def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float32_scales_take_the_same_arithmetic(kernels: None, bits: int) -> None:
+    """A K-quant's group scales are float32 products (super-block d times a 6-bit sub-scale):
+    packed as float32, the same values give the float16 packing's bits exactly, and scales
+    float16 cannot hold are applied as they are (against the scheme written out in torch)."""
+    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 128 + 64, 9, seed=bits)
+    wide = pack_weight(codes, d.float(), m.float(), bits)
+    assert wide.scales.dtype == torch.float32 and weight.scales.dtype == torch.float16
+    narrow_out = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    wide_out = torch.ops.prefixgate.quant_matmul(x, wide.codes, wide.scales, bits)
+    assert torch.equal(wide_out.view(torch.int32), narrow_out.view(torch.int32))
+    gen = torch.Generator().manual_seed(7)
+    sub_scale = torch.randint(1, 64, d.shape, generator=gen).float()
+    d_products, m_products = d.float() * sub_scale, -(m.float().abs() * sub_scale)
+    assert not torch.equal(d_products.half().float(), d_products)  # beyond float16
+    products = pack_weight(codes, d_products, m_products, bits)
+    got = torch.ops.prefixgate.quant_matmul(x, products.codes, products.scales, bits)
+    want = _reference(x, codes, d_products, m_products)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
 def _integer_problem(
     bits: int, n: int, k: int, rows: int, seed: int
 ) -> tuple[torch.Tensor, QuantizedWeight, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.executor.kernels import load_cpu_kernels
-from engine.executor.quantization import FILE_BLOCKS, WeightFormat
+from engine.executor.quantization import FILE_BLOCKS, WeightFormat, pack_weight
 from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
 from engine.loading.build import _on_meta, load_model_weights
@@ -26,6 +26,7 @@ from engine.loading.gguf import (
     GGUFWeights,
     GroupCodes,
     _block_codes,
+    _super_block_codes,
     blocks_quantized_state,
     gguf_table,
     hf_tensor_name,
@@ -206,30 +207,72 @@ def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
 _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K])
 def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
-    """Random block bytes with edge d and m values (zero, subnormal, the f16 extremes, both
-    signs): codes * d + m in float32 is `gguf.quants.dequantize`'s value, bit for bit (the
-    sign of zero too), except Q4_0, whose m = -8 d turns a zero weight into +0 (and overflows
-    for |d| > 8188, which no real weight has: those blocks are left out for it)."""
-    bits, block_bytes = _EXACT_BLOCKS[qtype.name]
+    """Random block bytes with edge d and m (or dmin) values (zero, subnormal, the f16
+    extremes, both signs): codes * d + m in float32 is `gguf.quants.dequantize`'s value, bit
+    for bit (the sign of zero too), except Q4_0, whose m = -8 d turns a zero weight into +0
+    (and overflows for |d| > 8188, which no real weight has: those blocks are left out for
+    it). K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32."""
+    bits, block_bytes, block_weights = _EXACT_BLOCKS[qtype.name]
     gen = np.random.default_rng(int(qtype))
     blocks = gen.integers(0, 256, (64, 4, block_bytes), dtype=np.uint8)
     d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
     if qtype == Q.Q4_0:
         d = np.where(np.abs(d.astype(np.float32)) > 8188, np.float16(0.5), d)
     blocks[..., :2] = d.view(np.uint8).reshape(64, 4, 2)
-    if qtype in (Q.Q4_1, Q.Q5_1):  # m: any finite f16 pattern, the extremes included
+    if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):  # m or dmin: f16 patterns, extremes included
         m = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))] * np.float16(-1)
         blocks[..., 2:4] = m.view(np.uint8).reshape(64, 4, 2)
-    codes, scale, low = _block_codes(qtype.name, torch.from_numpy(blocks))
-    assert codes.shape == (64, 4, 32)
+    decode = _super_block_codes if block_weights > 32 else _block_codes
+    codes, scale, low = decode(qtype.name, torch.from_numpy(blocks))
+    groups = 4 * block_weights // 32
+    codes, scale, low = codes.reshape(64, groups, 32), scale.reshape(64, -1), low.reshape(64, -1)
+    assert scale.dtype == (torch.float32 if block_weights > 32 else torch.float16)
+    low_code, high_code = (0, 15) if bits == 4 else (-16, 31)
+    assert (low_code <= int(codes.min()) and int(codes.max()) <= high_code) or qtype == Q.Q8_0
     ours = GroupCodes(codes, scale, low, bits).dequantize(torch.float32)
     ggml = torch.from_numpy(dequantize(blocks.reshape(64, -1), qtype).astype(np.float32))
     if qtype == Q.Q4_0:
         assert torch.equal(ours, ggml)  # -0 == +0
     else:
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q4_K, 4), (Q.Q5_K, 8)])
+def test_k_quant_tensors_are_served_in_their_own_blocks(
+    tmp_path: Path, qtype: GGMLQuantizationType, bits: int
+) -> None:
+    """A K-quant tensor (written as raw super-blocks: gguf cannot quantize to them) read as
+    the kernel's groups: float32 group scales, the file's values exactly, and the kernel on
+    its packing computing them (to its 8-bit activations' rounding)."""
+    _, block_bytes, _ = _EXACT_BLOCKS[qtype.name]
+    rows, cols = 16, 512
+    gen = np.random.default_rng(5)
+    blocks = gen.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+    scales = gen.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)  # d, dmin
+    blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    writer = GGUFWriter(tmp_path / "k.gguf", "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", blocks.reshape(rows, -1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gguf = _open(tmp_path / "k.gguf", _config("llama"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    codes = gguf.group_codes(name)
+    assert codes is not None and codes.bits == bits == gguf.bits_of(name)
+    assert codes.d.dtype == codes.m.dtype == torch.float32
+    expected = torch.from_numpy(dequantize(blocks.reshape(rows, -1), qtype).astype(np.float32))
+    dense = codes.dequantize(torch.float32)
+    assert torch.equal(dense.view(torch.int32), expected.view(torch.int32))
+    packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
+    assert packed.scales.dtype == torch.float32
+    assert load_cpu_kernels(default_cache_dir())
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
+    out = torch.ops.prefixgate.quant_matmul(x, packed.codes, packed.scales, bits)
+    reference = x @ dense.T
+    torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
 
 def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
