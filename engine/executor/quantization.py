@@ -49,7 +49,7 @@ class QuantizedWeight:
 
     codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
     # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
-    # tile, d then m
+    # tile, d then m; [N / 8, 3, K / 32, 8] with a d per 16-column half of a group (Q6_K)
     scales: torch.Tensor
     bits: int
 
@@ -116,8 +116,9 @@ def pack_weight(
     """Codes [N, K / 32, 32] (0..15 for 4 bits, -127..127 for 8, any dtype) with d and m
     [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns
     with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The scales stay
-    float32 where d or m is (a K-quant's exact products), else float16."""
-    rows, groups = scale.shape
+    float32 where d or m is (a K-quant's exact products), else float16. `scale` [N, K / 32, 2]
+    gives each group a d per 16-column half (Q6_K's sub-blocks), then the kernel's halves."""
+    rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
     if bits == 4:
@@ -126,9 +127,10 @@ def pack_weight(
     else:
         packed = steps.to(torch.int8).view(torch.uint8)
     wide = torch.float32 in (scale.dtype, low.dtype)
-    stacked = torch.stack([scale.to(torch.float32), low.to(torch.float32)], 1)
+    parts = [scale[..., 0], scale[..., 1], low] if scale.dim() == 3 else [scale, low]
+    stacked = torch.stack([p.to(torch.float32) for p in parts], 1)
     scales = stacked.to(torch.float32 if wide else torch.float16).reshape(
-        tiles, TILE_ROWS, 2, groups
+        tiles, TILE_ROWS, len(parts), groups
     )
     return QuantizedWeight(
         packed.reshape(tiles, groups, -1).contiguous(),

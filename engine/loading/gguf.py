@@ -2,13 +2,14 @@
 
 Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
-the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks are exactly
-the kernel's group-32 form w = code * d + m (engine/executor/quantization.py: 4-bit codes for
-the Q4 types, 8-bit lanes for Q5 and Q8; float32 d and m for the K-quants' products), so they
-are unpacked into codes, d and m with no float round trip (`group_codes`), each linear at its
-own type's width, a file mixing types per tensor included; every other type (F32, F16, BF16,
-Q2_K, Q3_K, Q6_K, IQ...) is dequantized by the `gguf` package (`dequantize`) and, for a
-quantized linear, re-quantized with a warning.
+the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are
+exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py: 4-bit
+codes for the Q4 types, 8-bit lanes for Q5, Q6 and Q8; float32 d and m for the K-quants'
+products, two d per group for Q6_K's 16-weight sub-blocks), so they are unpacked into codes,
+d and m with no float round trip (`group_codes`), each linear at its own type's width, a file
+mixing types per tensor included; every other type (F32, F16, BF16, Q2_K, Q3_K, IQ...) is
+dequantized by the `gguf` package (`dequantize`) and, for a quantized linear, re-quantized
+with a warning.
 
 Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
 rotary embeddings in llama's layout; `HF_LAYOUT_ARCHS` lists the architectures whose rows are
@@ -80,25 +81,26 @@ _EXACT_BLOCKS = {
     "Q8_0": (8, 34, 32),
     "Q4_K": (4, 144, 256),
     "Q5_K": (8, 176, 256),
+    "Q6_K": (8, 210, 256),  # 16-weight sub-blocks: two d per group (the kernel's halves)
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
 # `_EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
-# a warning at load (Q2_K, Q3_K and Q6_K scale 16-weight halves of a group, which the kernel
-# does not do yet; IQ types are codebooks).
+# a warning at load (Q2_K and Q3_K, whose 16-weight sub-blocks the reader does not decode yet;
+# IQ types are codebooks).
 GGML_BITS = {
     **{kind: bits for kind, (bits, _, _) in _EXACT_BLOCKS.items()},
     **dict.fromkeys(("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
     **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
-    **dict.fromkeys(("Q6_K", "Q8_1", "Q8_K"), 8),
+    **dict.fromkeys(("Q8_1", "Q8_K"), 8),
 }
 
 
 @dataclass(frozen=True)
 class GroupCodes:
     """A weight as group-32 codes, w = codes * d + m: codes [N, K / 32, 32] (uint8 0..15 for
-    4 bits, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants). Unpacked, so
-    rows concatenate (q/k/v fused into one linear) before `pack_weight` lays them out for the
-    kernel."""
+    4 bits, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants); d [N, K / 32,
+    2] where each 16-column half of a group has its own (Q6_K). Unpacked, so rows concatenate
+    (q/k/v fused into one linear) before `pack_weight` lays them out for the kernel."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -121,9 +123,14 @@ class GroupCodes:
         parts = [p.widened(bits) for p in parts]
         wide = any(p.d.dtype == torch.float32 for p in parts)  # float16 widens exactly
         scale = torch.float32 if wide else torch.float16
+        halves = any(p.d.dim() == 3 for p in parts)  # one d for both halves is two equal ones
+        d = [
+            p.d[..., None].expand(*p.d.shape, 2) if halves and p.d.dim() == 2 else p.d
+            for p in parts
+        ]
         return GroupCodes(
             torch.cat([p.codes for p in parts]),
-            torch.cat([p.d.to(scale) for p in parts]),
+            torch.cat([x.to(scale) for x in d]),
             torch.cat([p.m.to(scale) for p in parts]),
             bits,
         )
@@ -136,7 +143,9 @@ class GroupCodes:
         out = torch.empty(rows, groups * GROUP_SIZE, dtype=dtype)
         for start in range(0, rows, QUANTIZE_ROWS):
             end = start + QUANTIZE_ROWS
-            w = self.codes[start:end].float().mul_(self.d[start:end].float()[..., None])
+            d = self.d[start:end].float()
+            d = d.repeat_interleave(GROUP_SIZE // 2, -1) if d.dim() == 3 else d[..., None]
+            w = self.codes[start:end].float().mul_(d)
             out[start:end] = w.add_(self.m[start:end].float()[..., None]).flatten(1)
         return out
 
@@ -233,10 +242,11 @@ class GGUFWeights:
         bits, block_bytes, block_weights = _EXACT_BLOCKS[entry.kind]
         rows, cols = entry.shape
         blocks = self._read(entry).reshape(rows, cols // block_weights, block_bytes)
-        decode = _super_block_codes if block_weights > GROUP_SIZE else _block_codes
+        decode = _DECODERS.get(entry.kind, _block_codes)
         codes, d, m = decode(entry.kind, blocks)
-        codes = codes.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-        d, m = d.reshape(rows, -1), m.reshape(rows, -1)
+        groups = cols // GROUP_SIZE
+        codes = codes.reshape(rows, groups, GROUP_SIZE)
+        d, m = d.reshape(rows, groups, -1).squeeze(-1), m.reshape(rows, groups)
         order = self._hf_row_order(hf_name)
         if order is not None:
             codes, d, m = codes[order], d[order], m[order]
@@ -350,6 +360,29 @@ def _super_block_codes(
         )
         codes = (codes | ((fifth & 1) << 4)).to(torch.int8)
     return codes, d[..., None] * sub_scale.float(), -(dmin[..., None] * sub_min.float())
+
+
+def _q6_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., 8, 32], d [..., 8, 2] and m [..., 8] of Q6_K super-blocks [..., 210]: 128
+    bytes of low nibbles, 64 of 2-bit high parts, 16 int8 sub-scales, d f16. Sixteen
+    sub-blocks of 16 weights: group j's halves are sub-blocks 2j and 2j + 1, each with its d =
+    d * sc (float32, exact), codes q - 32 in -32..31, m = -0: d * code is GGML's value bit
+    for bit."""
+    lead = blocks.shape[:-1]
+    shifts = torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+    low = (blocks[..., 0:128].reshape(*lead, 2, 1, 64) >> shifts) & 0x0F
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    high = (blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> shifts) & 0x03
+    codes = low.reshape(*lead, 8, 32) | (high.reshape(*lead, 8, 32) << 4)
+    codes = (codes.to(torch.int16) - 32).to(torch.int8)
+    sub_scale = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0].float()
+    halves = (d[..., None] * sub_scale).reshape(*lead, 8, 2)
+    return codes, halves, torch.full((*lead, 8), -0.0)
+
+
+# The block types whose blocks hold 256 weights, by their decoder (the others: _block_codes).
+_DECODERS = {"Q4_K": _super_block_codes, "Q5_K": _super_block_codes, "Q6_K": _q6_k_codes}
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -255,7 +255,7 @@ def shipped_weight_format(source: ModelSource) -> WeightFormat:
     the tensor table its conversion recorded. A file whose blocks are read directly
     (`ARCH_MODEL_TYPES`) is served in its own blocks, linear by linear (`FILE_BLOCKS`): each
     at the narrowest code width that holds its type, exactly for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-    Q4_K and Q5_K (engine.loading.gguf), so a file mixing types per tensor (Q4_K_M...) keeps
+    Q4_K, Q5_K and Q6_K (engine.loading.gguf), so a file mixing types per tensor (Q4_K_M...) keeps
     them. Other files take the width of their decoder linears' one type (float when they mix)
     and their head's (`output.weight`, else the tied `token_embd.weight`), re-quantized at
     load."""

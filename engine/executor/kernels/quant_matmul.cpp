@@ -19,6 +19,9 @@
 //     scales [N / 8, 2, K / 32, 8] float16 or float32: a tile's d then its m, 8 rows per
 //            group. float16 is what Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the
 //            K-quants' per-group products (super-block d times a 6-bit sub-scale) exactly.
+//            [N / 8, 3, K / 32, 8] ("halves"): a d for columns 0-15 of each group, one for
+//            16-31, then m: Q6_K's 16-weight sub-blocks, two per group, each with its own d
+//            (the integer sum then taken per half, each half scaled alone).
 //   A tile is a sequential stream, and a group's 8 row results come out in one vector: one
 //   conversion and one scale multiply serve 8 rows.
 //
@@ -82,6 +85,7 @@ struct QuantizedActivations {
   std::vector<float> scale;   // [M, G]
   std::vector<float> sum;     // [M, G]: scale * sum(codes)
   std::vector<int32_t> code_sum;  // [M, G]: sum(codes), for 8-bit weights taken unsigned
+  std::vector<int32_t> half_code_sum;  // [M, G]: the sum of codes 0-15 (for halves, as above)
 };
 
 // One group of 32 activations: a = absmax / 127, codes round(x / a) (ties away from zero)
@@ -90,7 +94,7 @@ struct QuantizedActivations {
 // linear at prefill sizes.
 template <typename T>
 inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum,
-                           int32_t* code_sum) {
+                           int32_t* code_sum, int32_t* half_code_sum) {
   using prefixgate::f8;
   using prefixgate::i8;
   typedef int8_t c8 __attribute__((vector_size(8)));
@@ -106,6 +110,7 @@ inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum
   const float a = absmax / 127.f;
   const float inverse = a > 0.f ? 1.f / a : 0.f;
   i8 totals{};
+  i8 first_half{};
   for (int j = 0; j < kGroup / 8; ++j) {
     const f8 scaled = values[j] * inverse;
     f8 rounded = scaled + (scaled < 0 ? f8{} - 0.5f : f8{} + 0.5f);
@@ -113,11 +118,16 @@ inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum
     rounded = rounded > 127.f ? f8{} + 127.f : rounded;
     const i8 q = __builtin_convertvector(rounded, i8);  // converts toward zero: trunc
     totals += q;
+    if (j == 1) first_half = totals;  // codes 0-15
     const c8 bytes = __builtin_convertvector(q, c8);
     std::memcpy(codes + 8 * j, &bytes, sizeof bytes);
   }
-  int32_t total = 0;
-  for (int lane = 0; lane < 8; ++lane) total += totals[lane];
+  int32_t total = 0, half = 0;
+  for (int lane = 0; lane < 8; ++lane) {
+    total += totals[lane];
+    half += first_half[lane];
+  }
+  *half_code_sum = half;
   *scale = a;
   *sum = a * static_cast<float>(total);
   *code_sum = total;
@@ -127,12 +137,13 @@ template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
   QuantizedActivations out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
-                           std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
+                           std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups),
+                           std::vector<int32_t>(rows * groups)};
   // In parallel: a 1000-token prefill quantizes ~10^8 activations over a forward.
   at::parallel_for(0, rows * groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)  // rows are contiguous: group i of the flat [M * G]
       quantize_group(x + i * kGroup, out.codes.data() + i * kGroup, &out.scale[i], &out.sum[i],
-                     &out.code_sum[i]);
+                     &out.code_sum[i], &out.half_code_sum[i]);
   });
   return out;
 }
@@ -145,6 +156,7 @@ struct TileSpan {
   int64_t code_stride;
   int64_t scale_stride;  // in scales
   bool wide_scales;
+  bool halves;  // scales hold a d per 16-column half of each group (see the top)
 };
 
 // Scale i of a tile's scales as float (exact either way: float16 widens exactly).
@@ -179,6 +191,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   const float* da = act.scale.data() + first_row * groups;
   const float* sa = act.sum.data() + first_row * groups;
   [[maybe_unused]] const int32_t* ca = act.code_sum.data() + first_row * groups;
+  [[maybe_unused]] const int32_t* ha = act.half_code_sum.data() + first_row * groups;
+  const int64_t m_row = span.halves ? 2 : 1;  // which of a tile's scale rows holds m
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
 #if PREFIXGATE_QMM_AVX2
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -207,10 +221,14 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
     __m256i sums[kChains][MB][T];
-    for (int c = 0; c < kChains; ++c)
-      for (int mb = 0; mb < MB; ++mb)
-        for (int t = 0; t < T; ++t) sums[c][mb][t] = _mm256_setzero_si256();
-    for (int pair = 0; pair < kSteps / 2; ++pair) {
+    const auto clear = [&] {
+      for (int c = 0; c < kChains; ++c)
+        for (int mb = 0; mb < MB; ++mb)
+          for (int t = 0; t < T; ++t) sums[c][mb][t] = _mm256_setzero_si256();
+    };
+    // The integer sums of steps [2 * first_pair, 2 * last_pair) into `sums`.
+    const auto accumulate = [&](int first_pair, int last_pair) {
+    for (int pair = first_pair; pair < last_pair; ++pair) {
       [[maybe_unused]] __m256i packed[T];  // 4 bits: steps 2 * pair and 2 * pair + 1
       if constexpr (BITS == 4) {
         for (int t = 0; t < T; ++t)
@@ -260,21 +278,41 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         }
       }
     }
-    for (int t = 0; t < T; ++t) {
-      const int64_t first_scale = t * span.scale_stride + g * kTile;
-      const __m256 d = load_scales(span, first_scale);
-      const __m256 m = load_scales(span, first_scale + groups * kTile);
-      for (int mb = 0; mb < MB; ++mb) {
-        __m256i total = sums[0][mb][t];
-        for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
-        if constexpr (kPairs) total = _mm256_madd_epi16(total, _mm256_set1_epi16(1));
-        if constexpr (BITS == 8 && kVnni)  // the codes were taken as w + 128
-          total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * ca[mb * groups + g]));
-        // add_group, eight rows at once
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(da[mb * groups + g]));
-        acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
-        acc[mb][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[mb * groups + g]), acc[mb][t]);
+    };
+    // `sums` scaled by the d in scale row `d_row` and added (add_group's first rounding, eight
+    // rows at once); `part`: the codes summed, 0 all, 1 codes 0-15, 2 codes 16-31.
+    const auto scale_sums = [&](int64_t d_row, int part) {
+      for (int t = 0; t < T; ++t) {
+        const __m256 d = load_scales(span, t * span.scale_stride + (d_row * groups + g) * kTile);
+        for (int mb = 0; mb < MB; ++mb) {
+          __m256i total = sums[0][mb][t];
+          for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
+          if constexpr (kPairs) total = _mm256_madd_epi16(total, _mm256_set1_epi16(1));
+          if constexpr (BITS == 8 && kVnni) {  // the codes were taken as w + 128
+            const int64_t i = mb * groups + g;
+            const int32_t codes = part == 0 ? ca[i] : part == 1 ? ha[i] : ca[i] - ha[i];
+            total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * codes));
+          }
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(da[mb * groups + g]));
+          acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
+        }
       }
+    };
+    clear();
+    if (!span.halves) {
+      accumulate(0, kSteps / 2);
+      scale_sums(0, 0);
+    } else {  // steps 0-3 are columns 0-15
+      accumulate(0, kSteps / 4);
+      scale_sums(0, 1);
+      clear();
+      accumulate(kSteps / 4, kSteps / 2);
+      scale_sums(1, 2);
+    }
+    for (int t = 0; t < T; ++t) {  // the min term, add_group's second rounding
+      const __m256 m = load_scales(span, t * span.scale_stride + (m_row * groups + g) * kTile);
+      for (int mb = 0; mb < MB; ++mb)
+        acc[mb][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[mb * groups + g]), acc[mb][t]);
     }
   }
   for (int mb = 0; mb < MB; ++mb) {
@@ -294,7 +332,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         const uint8_t* group_codes = tile_codes + g * kGroupBytes;
         const int8_t* a = qa + mb * k + g * kGroup;
         for (int64_t r = 0; r < kTile; ++r) {
-          int32_t sum = 0;
+          int32_t sums[2] = {};  // steps 0-3 (columns 0-15) and 4-7
           for (int64_t j = 0; j < kSteps; ++j) {
             for (int64_t i = 0; i < 4; ++i) {
               int32_t code;
@@ -304,13 +342,19 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
               } else {
                 code = static_cast<int8_t>(group_codes[j * 32 + 4 * r + i]);
               }
-              sum += code * a[4 * j + i];
+              sums[j / (kSteps / 2)] += code * a[4 * j + i];
             }
           }
-          total[r] = add_group(total[r], sum, scale_at(span, tile_scales + g * kTile + r),
-                               da[mb * groups + g],
-                               scale_at(span, tile_scales + (groups + g) * kTile + r),
-                               sa[mb * groups + g]);
+          const float ga = da[mb * groups + g];
+          const float m = scale_at(span, tile_scales + (m_row * groups + g) * kTile + r);
+          const float d = scale_at(span, tile_scales + g * kTile + r);
+          if (!span.halves) {
+            total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, sa[mb * groups + g]);
+          } else {
+            const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
+            total[r] = std::fma(static_cast<float>(sums[0]), d * ga, total[r]);
+            total[r] = add_group(total[r], sums[1], d_high, ga, m, sa[mb * groups + g]);
+          }
         }
       }
       for (int64_t r = 0; r < kTile; ++r) out[mb * n + t * kTile + r] = static_cast<OUT>(total[r]);
@@ -341,13 +385,13 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
 
 template <int BITS, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
-                       const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
-                       OUT* out) {
+                       const void* scales, bool wide_scales, bool halves, int64_t rows,
+                       int64_t n, int64_t k, OUT* out) {
   const int64_t scale_bytes = wide_scales ? 4 : 2;
   const auto* scale_base = static_cast<const char*>(scales);
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
-  const int64_t tile_scales = 2 * groups * kTile;
+  const int64_t tile_scales = (halves ? 3 : 2) * groups * kTile;
   const int64_t tiles = n / kTile;
   const int64_t chunk = std::max<int64_t>(kRowBlock<BITS>, kChunkBytes / k / kRowBlock<BITS> *
                                                                kRowBlock<BITS>);
@@ -365,7 +409,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         }
         const TileSpan span{codes + t * tile_code_bytes,
                             scale_base + t * tile_scales * scale_bytes, tile_code_bytes,
-                            tile_scales, wide_scales};
+                            tile_scales, wide_scales, halves};
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
           rows_dot<BITS, kTileBlock>(span, act, first, last, k, block_out, n);
@@ -389,10 +433,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({n / kTile, groups, kTile * bits * 4}),
               "quant_matmul: codes must be a contiguous uint8 [N / 8, K / 32, 8 * bits * 4]");
+  const bool halves = scales.dim() == 4 && scales.size(1) == 3;
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
                   scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({n / kTile, 2, groups, kTile}),
-              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 2, K / 32, 8]");
+                  scales.sizes() == at::IntArrayRef({n / kTile, halves ? 3 : 2, groups, kTile}),
+              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 2 or 3, "
+              "K / 32, 8]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
@@ -402,9 +448,11 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     using T = decltype(dtype_tag);
     const QuantizedActivations act = quantize_activations(x.data_ptr<T>(), rows, k);
     if (bits == 4) {
-      quant_matmul_impl<4>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, out.data_ptr<T>());
+      quant_matmul_impl<4>(act, code_ptr, scale_ptr, wide_scales, halves, rows, n, k,
+                           out.data_ptr<T>());
     } else {
-      quant_matmul_impl<8>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, out.data_ptr<T>());
+      quant_matmul_impl<8>(act, code_ptr, scale_ptr, wide_scales, halves, rows, n, k,
+                           out.data_ptr<T>());
     }
   };
   if (x.scalar_type() == at::kFloat) {

@@ -134,6 +134,35 @@ def test_float32_scales_take_the_same_arithmetic(kernels: None, bits: int) -> No
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_d_per_half_group_scales_each_half_alone(
+    kernels: None, bits: int, dtype: torch.dtype
+) -> None:
+    """Q6_K's 16-weight sub-blocks: each group's columns 0-15 and 16-31 scaled by their own
+    d (float32), against the scheme written out in torch; every row count's rows give the
+    bits they get alone (the halves keep the kernel batch invariant)."""
+    x, _, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 128 + 64, 23, seed=bits + 40)
+    gen = torch.Generator().manual_seed(8)
+    halves = d.float()[..., None] * torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
+    weight = pack_weight(codes, halves, m.float(), bits)
+    assert weight.scales.shape == (5, 3, 14, 8) and weight.scales.dtype == torch.float32
+    x = x.to(dtype)
+    got = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    q, a = _int8_activations(x)
+    dots = torch.einsum("nghj,mghj->mngh", codes.double().unflatten(-1, (2, 16)),
+                        q.double().unflatten(-1, (2, 16)))  # fmt: skip
+    want = (dots * halves.double()[None] * a.double()[:, None, :, None]).sum((-1, -2))
+    want += (m.double()[None] * (a.double() * q.double().sum(-1))[:, None, :]).sum(-1)
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
+    for rows in (1, 2, 5, 7, 23):
+        part = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
+        assert torch.equal(part, got[:rows]), rows
+    alone = torch.ops.prefixgate.quant_matmul(x[17:18], weight.codes, weight.scales, bits)
+    assert torch.equal(alone, got[17:18])
+
+
 def _integer_problem(
     bits: int, n: int, k: int, rows: int, seed: int
 ) -> tuple[torch.Tensor, QuantizedWeight, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -177,6 +206,29 @@ def test_every_build_gives_the_bits_the_kernel_gave_before_blocking(
     x, weight, _ = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
     out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
     assert _digest(out) == PINNED_DIGESTS[(bits, dtype)]
+
+
+# A d per half group (Q6_K's layout), float32 scales: pinned from the AVX2 build, which the
+# portable build matched when they were taken (git history: the commit adding halves).
+PINNED_HALVES_DIGESTS = {
+    (4, torch.float32): "ebff29b140459ea3",
+    (4, torch.bfloat16): "14b3dec0233dbbd2",
+    (8, torch.float32): "c3f6ab57aaf09f7b",
+    (8, torch.bfloat16): "d10beca0928449ef",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_build_gives_the_same_bits_with_a_d_per_half_group(
+    kernels: None, bits: int, dtype: torch.dtype
+) -> None:
+    x, _, (codes, d, m) = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
+    gen = torch.Generator().manual_seed(bits)
+    halves = d.float()[..., None] * torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
+    weight = pack_weight(codes, halves, m.float(), bits)
+    out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
+    assert _digest(out) == PINNED_HALVES_DIGESTS[(bits, dtype)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -20,13 +20,13 @@ from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
 from engine.loading.build import _on_meta, load_model_weights
 from engine.loading.gguf import (
+    _DECODERS,
     _EXACT_BLOCKS,
     TABLE_RECORD,
     GGUFTable,
     GGUFWeights,
     GroupCodes,
     _block_codes,
-    _super_block_codes,
     blocks_quantized_state,
     gguf_table,
     hf_tensor_name,
@@ -207,7 +207,7 @@ def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
 _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
     """Random block bytes with edge d and m (or dmin) values (zero, subnormal, the f16
     extremes, both signs): codes * d + m in float32 is `gguf.quants.dequantize`'s value, bit
@@ -220,16 +220,19 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
     if qtype == Q.Q4_0:
         d = np.where(np.abs(d.astype(np.float32)) > 8188, np.float16(0.5), d)
-    blocks[..., :2] = d.view(np.uint8).reshape(64, 4, 2)
+    d_at = block_bytes - 2 if qtype == Q.Q6_K else 0  # Q6_K's d is its last field
+    blocks[..., d_at : d_at + 2] = d.view(np.uint8).reshape(64, 4, 2)
     if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):  # m or dmin: f16 patterns, extremes included
         m = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))] * np.float16(-1)
         blocks[..., 2:4] = m.view(np.uint8).reshape(64, 4, 2)
-    decode = _super_block_codes if block_weights > 32 else _block_codes
+    decode = _DECODERS.get(qtype.name, _block_codes)
     codes, scale, low = decode(qtype.name, torch.from_numpy(blocks))
     groups = 4 * block_weights // 32
-    codes, scale, low = codes.reshape(64, groups, 32), scale.reshape(64, -1), low.reshape(64, -1)
+    codes, low = codes.reshape(64, groups, 32), low.reshape(64, -1)
+    scale = scale.reshape(64, groups, -1).squeeze(-1)
+    assert scale.dim() == (3 if qtype == Q.Q6_K else 2)
     assert scale.dtype == (torch.float32 if block_weights > 32 else torch.float16)
-    low_code, high_code = (0, 15) if bits == 4 else (-16, 31)
+    low_code, high_code = (0, 15) if bits == 4 else (-32, 31)
     assert (low_code <= int(codes.min()) and int(codes.max()) <= high_code) or qtype == Q.Q8_0
     ours = GroupCodes(codes, scale, low, bits).dequantize(torch.float32)
     ggml = torch.from_numpy(dequantize(blocks.reshape(64, -1), qtype).astype(np.float32))
@@ -239,7 +242,7 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
 
 
-@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q4_K, 4), (Q.Q5_K, 8)])
+@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q4_K, 4), (Q.Q5_K, 8), (Q.Q6_K, 8)])
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
 ) -> None:
@@ -251,7 +254,10 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     gen = np.random.default_rng(5)
     blocks = gen.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
     scales = gen.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)  # d, dmin
-    blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    if qtype == Q.Q6_K:  # d last; no dmin
+        blocks[..., -2:] = scales[..., :1].view(np.uint8).reshape(rows, cols // 256, 2)
+    else:
+        blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
     writer = GGUFWriter(tmp_path / "k.gguf", "llama")
     writer.add_tensor("blk.0.ffn_down.weight", blocks.reshape(rows, -1), raw_dtype=qtype)
     writer.write_header_to_file()
