@@ -48,6 +48,11 @@
 #include <immintrin.h>
 #define PREFIXGATE_QMM_AVX2 1
 #endif
+#if PREFIXGATE_QMM_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnniBuild = true;  // 8-bit codes taken as w + 128 (see block_dot)
+#else
+constexpr bool kVnniBuild = false;
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -85,7 +90,7 @@ struct QuantizedActivations {
   std::vector<float> scale;   // [M, G]
   std::vector<float> sum;     // [M, G]: scale * sum(codes)
   std::vector<int32_t> code_sum;  // [M, G]: sum(codes), for 8-bit weights taken unsigned
-  std::vector<int32_t> half_code_sum;  // [M, G]: the sum of codes 0-15 (for halves, as above)
+  std::vector<int32_t> half_code_sum;  // [M, G] or empty: the sum of codes 0-15 (halves, VNNI)
 };
 
 // One group of 32 activations: a = absmax / 127, codes round(x / a) (ties away from zero)
@@ -127,23 +132,24 @@ inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum
     total += totals[lane];
     half += first_half[lane];
   }
-  *half_code_sum = half;
+  if (half_code_sum != nullptr) *half_code_sum = half;
   *scale = a;
   *sum = a * static_cast<float>(total);
   *code_sum = total;
 }
 
+// `half_sums`: also each group's first half's code sum (weights with a d per half, under VNNI).
 template <typename T>
-QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k) {
+QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k, bool half_sums) {
   const int64_t groups = k / kGroup;
   QuantizedActivations out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
                            std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups),
-                           std::vector<int32_t>(rows * groups)};
+                           std::vector<int32_t>(half_sums ? rows * groups : 0)};
   // In parallel: a 1000-token prefill quantizes ~10^8 activations over a forward.
   at::parallel_for(0, rows * groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)  // rows are contiguous: group i of the flat [M * G]
       quantize_group(x + i * kGroup, out.codes.data() + i * kGroup, &out.scale[i], &out.sum[i],
-                     &out.code_sum[i], &out.half_code_sum[i]);
+                     &out.code_sum[i], half_sums ? &out.half_code_sum[i] : nullptr);
   });
   return out;
 }
@@ -156,7 +162,6 @@ struct TileSpan {
   int64_t code_stride;
   int64_t scale_stride;  // in scales
   bool wide_scales;
-  bool halves;  // scales hold a d per 16-column half of each group (see the top)
 };
 
 // Scale i of a tile's scales as float (exact either way: float16 widens exactly).
@@ -183,7 +188,7 @@ inline float add_group(float acc, int32_t sum, float d, float a, float m, float 
 
 // MB activation rows from `first_row` times the T tiles of `span`; writes
 // out[mb * n + 8 * t + r], rounded once to T (the activations' dtype).
-template <int BITS, int MB, int T, typename OUT>
+template <int BITS, int MB, int T, bool HALVES, typename OUT>
 void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
                int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
@@ -191,8 +196,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   const float* da = act.scale.data() + first_row * groups;
   const float* sa = act.sum.data() + first_row * groups;
   [[maybe_unused]] const int32_t* ca = act.code_sum.data() + first_row * groups;
-  [[maybe_unused]] const int32_t* ha = act.half_code_sum.data() + first_row * groups;
-  const int64_t m_row = span.halves ? 2 : 1;  // which of a tile's scale rows holds m
+  [[maybe_unused]] const int32_t* ha =
+      act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + first_row * groups;
+  constexpr int64_t m_row = HALVES ? 2 : 1;  // which of a tile's scale rows holds m
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
 #if PREFIXGATE_QMM_AVX2
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -221,13 +227,13 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
     __m256i sums[kChains][MB][T];
-    const auto clear = [&] {
+    const auto clear = [&]() __attribute__((always_inline)) {
       for (int c = 0; c < kChains; ++c)
         for (int mb = 0; mb < MB; ++mb)
           for (int t = 0; t < T; ++t) sums[c][mb][t] = _mm256_setzero_si256();
     };
     // The integer sums of steps [2 * first_pair, 2 * last_pair) into `sums`.
-    const auto accumulate = [&](int first_pair, int last_pair) {
+    const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
     for (int pair = first_pair; pair < last_pair; ++pair) {
       [[maybe_unused]] __m256i packed[T];  // 4 bits: steps 2 * pair and 2 * pair + 1
       if constexpr (BITS == 4) {
@@ -280,10 +286,15 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     }
     };
     // `sums` scaled by the d in scale row `d_row` and added (add_group's first rounding, eight
-    // rows at once); `part`: the codes summed, 0 all, 1 codes 0-15, 2 codes 16-31.
-    const auto scale_sums = [&](int64_t d_row, int part) {
+    // rows at once), then, `with_min`, the min term (its second); `part`: the codes summed, 0
+    // all, 1 codes 0-15, 2 codes 16-31.
+    const auto scale_sums = [&](int64_t d_row, int part,
+                                bool with_min) __attribute__((always_inline)) {
       for (int t = 0; t < T; ++t) {
-        const __m256 d = load_scales(span, t * span.scale_stride + (d_row * groups + g) * kTile);
+        const int64_t tile_scales = t * span.scale_stride;
+        const __m256 d = load_scales(span, tile_scales + (d_row * groups + g) * kTile);
+        [[maybe_unused]] __m256 m;
+        if (with_min) m = load_scales(span, tile_scales + (m_row * groups + g) * kTile);
         for (int mb = 0; mb < MB; ++mb) {
           __m256i total = sums[0][mb][t];
           for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
@@ -295,24 +306,21 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           }
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(da[mb * groups + g]));
           acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
+          if (with_min)
+            acc[mb][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[mb * groups + g]), acc[mb][t]);
         }
       }
     };
     clear();
-    if (!span.halves) {
+    if constexpr (!HALVES) {
       accumulate(0, kSteps / 2);
-      scale_sums(0, 0);
+      scale_sums(0, 0, true);
     } else {  // steps 0-3 are columns 0-15
       accumulate(0, kSteps / 4);
-      scale_sums(0, 1);
+      scale_sums(0, 1, false);
       clear();
       accumulate(kSteps / 4, kSteps / 2);
-      scale_sums(1, 2);
-    }
-    for (int t = 0; t < T; ++t) {  // the min term, add_group's second rounding
-      const __m256 m = load_scales(span, t * span.scale_stride + (m_row * groups + g) * kTile);
-      for (int mb = 0; mb < MB; ++mb)
-        acc[mb][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[mb * groups + g]), acc[mb][t]);
+      scale_sums(1, 2, true);
     }
   }
   for (int mb = 0; mb < MB; ++mb) {
@@ -348,7 +356,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           const float ga = da[mb * groups + g];
           const float m = scale_at(span, tile_scales + (m_row * groups + g) * kTile + r);
           const float d = scale_at(span, tile_scales + g * kTile + r);
-          if (!span.halves) {
+          if constexpr (!HALVES) {
             total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, sa[mb * groups + g]);
           } else {
             const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
@@ -365,14 +373,15 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 
 // Rows [begin, end) times the T tiles of `span`: blocks of kRowBlock rows, then the rest in
 // one smaller block.
-template <int BITS, int T, typename OUT>
+template <int BITS, int T, bool HALVES, typename OUT>
 void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t begin,
               int64_t end, int64_t k, OUT* out, int64_t n) {
   constexpr int MB = kRowBlock<BITS>;
   int64_t i = begin;
-  for (; i + MB <= end; i += MB) block_dot<BITS, MB, T>(span, act, i, k, out + i * n, n);
+  for (; i + MB <= end; i += MB)
+    block_dot<BITS, MB, T, HALVES>(span, act, i, k, out + i * n, n);
   const auto rest = [&](auto rows) {
-    block_dot<BITS, decltype(rows)::value, T>(span, act, i, k, out + i * n, n);
+    block_dot<BITS, decltype(rows)::value, T, HALVES>(span, act, i, k, out + i * n, n);
   };
   switch (end - i) {
     case 4: if constexpr (MB > 4) rest(std::integral_constant<int, 4>{}); break;
@@ -409,12 +418,18 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         }
         const TileSpan span{codes + t * tile_code_bytes,
                             scale_base + t * tile_scales * scale_bytes, tile_code_bytes,
-                            tile_scales, wide_scales, halves};
+                            tile_scales, wide_scales};
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
-          rows_dot<BITS, kTileBlock>(span, act, first, last, k, block_out, n);
+          if (halves)
+            rows_dot<BITS, kTileBlock, true>(span, act, first, last, k, block_out, n);
+          else
+            rows_dot<BITS, kTileBlock, false>(span, act, first, last, k, block_out, n);
         } else {
-          rows_dot<BITS, 1>(span, act, first, last, k, block_out, n);
+          if (halves)
+            rows_dot<BITS, 1, true>(span, act, first, last, k, block_out, n);
+          else
+            rows_dot<BITS, 1, false>(span, act, first, last, k, block_out, n);
         }
       }
     }
@@ -446,7 +461,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const bool wide_scales = scales.scalar_type() == at::kFloat;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const QuantizedActivations act = quantize_activations(x.data_ptr<T>(), rows, k);
+    const QuantizedActivations act =
+        quantize_activations(x.data_ptr<T>(), rows, k, halves && bits == 8 && kVnniBuild);
     if (bits == 4) {
       quant_matmul_impl<4>(act, code_ptr, scale_ptr, wide_scales, halves, rows, n, k,
                            out.data_ptr<T>());
