@@ -185,50 +185,38 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(bits.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-# What the kernel computed for _integer_problem(bits, 296, 448, 512, seed=bits) before it
-# became a register-blocked GEMM (git 35eea45: one tile and up to four rows at a time, the
-# AVX2 build). The GEMM, and every build (AVX2; AVX-512 with VNNI; the portable loop), must
-# give these bits: a token's logits do not depend on the machine's instruction set or on the
-# kernel's blocking.
+# What the kernel computed for _integer_problem(bits, 296, 448, 512, seed=bits), float16
+# scales, before it became a register-blocked GEMM (git 35eea45: one tile and up to four rows
+# at a time, the AVX2 build). The GEMM, and every build (AVX2; AVX-512 with VNNI; the portable
+# loop), must give these bits: a token's logits do not depend on the machine's instruction
+# set or on the kernel's blocking. "halves": the same problem with a float32 d per 16-column
+# half of each group (Q6_K's layout), pinned from the AVX2 build, which the portable build
+# matched when they were taken (the commit adding halves).
 PINNED_DIGESTS = {
-    (4, torch.float32): "97afd334ce48a027",
-    (4, torch.bfloat16): "fb7ea02c3d3a83f5",
-    (8, torch.float32): "db48d479611758af",
-    (8, torch.bfloat16): "7471c967a0561033",
+    ("groups", 4, torch.float32): "97afd334ce48a027",
+    ("groups", 4, torch.bfloat16): "fb7ea02c3d3a83f5",
+    ("groups", 8, torch.float32): "db48d479611758af",
+    ("groups", 8, torch.bfloat16): "7471c967a0561033",
+    ("halves", 4, torch.float32): "ebff29b140459ea3",
+    ("halves", 4, torch.bfloat16): "14b3dec0233dbbd2",
+    ("halves", 8, torch.float32): "c3f6ab57aaf09f7b",
+    ("halves", 8, torch.bfloat16): "d10beca0928449ef",
 }
 
 
+@pytest.mark.parametrize("layout", ["groups", "halves"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_every_build_gives_the_bits_the_kernel_gave_before_blocking(
-    kernels: None, bits: int, dtype: torch.dtype
+def test_every_build_gives_the_pinned_bits(
+    kernels: None, bits: int, dtype: torch.dtype, layout: str
 ) -> None:
-    x, weight, _ = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
+    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
+    if layout == "halves":
+        gen = torch.Generator().manual_seed(bits)
+        sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
+        weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
     out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
-    assert _digest(out) == PINNED_DIGESTS[(bits, dtype)]
-
-
-# A d per half group (Q6_K's layout), float32 scales: pinned from the AVX2 build, which the
-# portable build matched when they were taken (git history: the commit adding halves).
-PINNED_HALVES_DIGESTS = {
-    (4, torch.float32): "ebff29b140459ea3",
-    (4, torch.bfloat16): "14b3dec0233dbbd2",
-    (8, torch.float32): "c3f6ab57aaf09f7b",
-    (8, torch.bfloat16): "d10beca0928449ef",
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_every_build_gives_the_same_bits_with_a_d_per_half_group(
-    kernels: None, bits: int, dtype: torch.dtype
-) -> None:
-    x, _, (codes, d, m) = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
-    gen = torch.Generator().manual_seed(bits)
-    halves = d.float()[..., None] * torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
-    weight = pack_weight(codes, halves, m.float(), bits)
-    out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
-    assert _digest(out) == PINNED_HALVES_DIGESTS[(bits, dtype)]
+    assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
