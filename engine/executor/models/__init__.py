@@ -38,6 +38,7 @@ MODEL_CLASSES: dict[str, type[Any]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)

@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3.x, SmolLM2, TinyLlama, Mistral, Qwen2 (qkv bias), Qwen3 (an
-RMSNorm over each query and key head before RoPE).
+RMSNorm over each query and key head before RoPE), SmolLM3 (no RoPE in every fourth layer).
 
 Projections that read the same input are fused at load time (q/k/v into `qkv_proj`,
 gate/up into `gate_up_proj`): fewer, larger matmuls per layer, which is what a small model on
@@ -115,9 +115,12 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = head_dim
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # SmolLM3's `no_rope_layers`: 1 where a layer rotates q and k, 0 where it does not.
+        uses_rope = getattr(cfg, "no_rope_layers", None) or [1] * cfg.num_hidden_layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, head_dim, has_bias) for _ in range(cfg.num_hidden_layers)
         )
+        self.layer_uses_rope = [bool(flag) for flag in uses_rope]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rotary_args = (cfg, max_positions, dtype)
@@ -135,9 +138,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary(batch.positions)
+        # A NoPE layer takes the identity rotation (cos 1, sin 0): the same op stores its K/V.
+        nope = rope
+        if not all(self.layer_uses_rope):
+            nope = (torch.ones_like(rope[0]), torch.zeros_like(rope[1]))
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, rope)
+        for layer, uses_rope in zip(self.layers, self.layer_uses_rope, strict=True):
+            x, residual = layer(x, residual, batch, rope if uses_rope else nope)
         assert residual is not None
         return self.norm.add(x, residual, batch.use_cpu_kernels)[0]
 

@@ -22,6 +22,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from engine.core.config import default_cache_dir
@@ -81,6 +83,19 @@ def _qwen3_qk_norm() -> Any:
     return model
 
 
+def _smollm3_nope() -> Any:
+    """SmolLM3: every second layer here (every fourth in the real one) without RoPE."""
+    cfg = SmolLM3Config(
+        **SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        no_rope_layer_interval=2,
+        pad_token_id=None,
+    )
+    assert cfg.no_rope_layers == [1, 0]
+    return SmolLM3ForCausalLM(cfg)
+
+
 def _mistral() -> Any:
     cfg = MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
     return MistralForCausalLM(cfg)
@@ -104,6 +119,7 @@ ARCHITECTURES = {
     "llama3-rope-tied": _llama3_rope_tied,
     "qwen2-qkv-bias": _qwen2_bias,
     "qwen3-qk-norm": _qwen3_qk_norm,
+    "smollm3-nope": _smollm3_nope,
     "mistral": _mistral,
     "gpt2": _gpt2,
 }
@@ -248,7 +264,7 @@ def test_float16_kv_cache_tracks_float32(use_cpu_kernels: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias", "qwen3-qk-norm"]
+    "arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "smollm3-nope"]
 )
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(
     arch: str, dtype: torch.dtype
