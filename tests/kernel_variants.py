@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tests import prewarm
+
 # instruction set (ATEN_CPU_CAPABILITY) -> (torch's capability name, the -march it builds with)
 VARIANTS = {"avx2": ("AVX2", "-march=x86-64-v3"), "default": ("DEFAULT", None)}
 SELECTING_TEST = "test_other_instruction_set_builds_pass_the_kernel_tests"
@@ -44,7 +46,7 @@ def other_variants() -> list[str]:
 
 
 def variant_env(capability: str) -> dict[str, str]:
-    return {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    return {**os.environ, "ATEN_CPU_CAPABILITY": capability, prewarm.NO_PREWARM: "1"}
 
 
 def start_builds(capabilities: list[str]) -> None:
