@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,30 +68,6 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
-# The types whose blocks are the kernel's groups exactly: (code width, bytes of a block,
-# weights in a block). Q5 codes (5 bits) ride in the 8-bit lanes as the file has them; a
-# K-quant super-block of 256 is 8 groups of 32 whose d and m are float32 products
-# (super-block d times a 6-bit sub-scale), exact there and not in float16.
-_EXACT_BLOCKS = {
-    "Q4_0": (4, 18, 32),
-    "Q4_1": (4, 20, 32),
-    "Q5_0": (8, 22, 32),
-    "Q5_1": (8, 24, 32),
-    "Q8_0": (8, 34, 32),
-    "Q4_K": (4, 144, 256),
-    "Q5_K": (8, 176, 256),
-    "Q6_K": (8, 210, 256),  # 16-weight sub-blocks: two d per group (the kernel's halves)
-}
-# Every quantized GGML type by the kernel code width that serves it: its own blocks where
-# `_EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
-# a warning at load (Q2_K and Q3_K, whose 16-weight sub-blocks the reader does not decode yet;
-# IQ types are codebooks).
-GGML_BITS = {
-    **{kind: bits for kind, (bits, _, _) in _EXACT_BLOCKS.items()},
-    **dict.fromkeys(("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
-    **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
-    **dict.fromkeys(("Q8_1", "Q8_K"), 8),
 }
 
 
@@ -237,20 +213,13 @@ class GGUFWeights:
         """The tensor's own blocks as codes, d and m, or None where its type is not one of
         the kernel's schemes (or it is not a matrix of whole groups)."""
         entry = self.entries[hf_name]
-        if entry.kind not in _EXACT_BLOCKS or len(entry.shape) != 2:
+        if entry.kind not in EXACT_BLOCKS or len(entry.shape) != 2:
             return None
-        bits, block_bytes, block_weights = _EXACT_BLOCKS[entry.kind]
-        rows, cols = entry.shape
-        blocks = self._read(entry).reshape(rows, cols // block_weights, block_bytes)
-        decode = _DECODERS.get(entry.kind, _block_codes)
-        codes, d, m = decode(entry.kind, blocks)
-        groups = cols // GROUP_SIZE
-        codes = codes.reshape(rows, groups, GROUP_SIZE)
-        d, m = d.reshape(rows, groups, -1).squeeze(-1), m.reshape(rows, groups)
+        codes = block_group_codes(entry.kind, self._read(entry), *entry.shape)
         order = self._hf_row_order(hf_name)
-        if order is not None:
-            codes, d, m = codes[order], d[order], m[order]
-        return GroupCodes(codes, d, m, bits)
+        if order is None:
+            return codes
+        return GroupCodes(codes.codes[order], codes.d[order], codes.m[order], codes.bits)
 
     def bits_of(self, hf_name: str) -> int:
         """The code width that serves this tensor's file type (8 for a float type)."""
@@ -381,8 +350,56 @@ def _q6_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return codes, halves, torch.full((*lead, 8), -0.0)
 
 
-# The block types whose blocks hold 256 weights, by their decoder (the others: _block_codes).
-_DECODERS = {"Q4_K": _super_block_codes, "Q5_K": _super_block_codes, "Q6_K": _q6_k_codes}
+Decoder = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A GGML type whose blocks are the kernel's groups exactly."""
+
+    bits: int  # the code width that holds it: Q5 codes ride in the 8-bit lanes as they are
+    block_bytes: int
+    block_weights: int  # 32, or a K-quant super-block's 256 (8 groups)
+    decode: Decoder
+
+
+# K-quant groups' d and m are float32 products (super-block d times a 6-bit sub-scale), exact
+# there and not in float16; Q6_K's 16-weight sub-blocks are the two halves of a group.
+EXACT_BLOCKS = {
+    "Q4_0": BlockType(4, 18, 32, _block_codes),
+    "Q4_1": BlockType(4, 20, 32, _block_codes),
+    "Q5_0": BlockType(8, 22, 32, _block_codes),
+    "Q5_1": BlockType(8, 24, 32, _block_codes),
+    "Q8_0": BlockType(8, 34, 32, _block_codes),
+    "Q4_K": BlockType(4, 144, 256, _super_block_codes),
+    "Q5_K": BlockType(8, 176, 256, _super_block_codes),
+    "Q6_K": BlockType(8, 210, 256, _q6_k_codes),
+}
+# Every quantized GGML type by the kernel code width that serves it: its own blocks where
+# `EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
+# a warning at load (Q2_K and Q3_K, whose 16-weight sub-blocks the reader does not decode yet;
+# IQ types are codebooks).
+GGML_BITS = {
+    **{kind: block.bits for kind, block in EXACT_BLOCKS.items()},
+    **dict.fromkeys(("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
+    **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
+    **dict.fromkeys(("Q8_1", "Q8_K"), 8),
+}
+
+
+def block_group_codes(kind: str, raw: torch.Tensor, rows: int, cols: int) -> GroupCodes:
+    """A [rows, cols] tensor's raw bytes of `kind`'s blocks as the kernel's groups, in the
+    file's row order."""
+    block = EXACT_BLOCKS[kind]
+    blocks = raw.reshape(rows, cols // block.block_weights, block.block_bytes)
+    codes, d, m = block.decode(kind, blocks)
+    groups = cols // GROUP_SIZE
+    return GroupCodes(
+        codes.reshape(rows, groups, GROUP_SIZE),
+        d.reshape(rows, groups, -1).squeeze(-1),  # [rows, groups, 2] for a d per half
+        m.reshape(rows, groups),
+        block.bits,
+    )
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.executor.models import SUPPORTED_MODEL_TYPES
-from engine.executor.quantization import FILE_BLOCKS, WeightFormat
+from engine.executor.quantization import BITS, FILE_BLOCKS, WeightFormat
 from engine.loading import safetensors_io
 from engine.loading.gguf import ARCH_MODEL_TYPES, GGML_BITS, GGUFWeights, gguf_table
 
@@ -282,7 +282,8 @@ def shipped_weight_format(source: ModelSource) -> WeightFormat:
 
 
 def _width(bits: int | None) -> str:
-    return {4: "int4", 8: "int8"}.get(bits or 0, "none")
+    """The weight format of a code width (BITS reversed), "none" for a float type."""
+    return next((name for name, width in BITS.items() if width == bits), "none")
 
 
 def _is_linear(gguf_name: str) -> bool:

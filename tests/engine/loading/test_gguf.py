@@ -20,13 +20,12 @@ from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
 from engine.loading.build import _on_meta, load_model_weights
 from engine.loading.gguf import (
-    _DECODERS,
-    _EXACT_BLOCKS,
+    EXACT_BLOCKS,
     TABLE_RECORD,
     GGUFTable,
     GGUFWeights,
     GroupCodes,
-    _block_codes,
+    block_group_codes,
     blocks_quantized_state,
     gguf_table,
     hf_tensor_name,
@@ -214,7 +213,8 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     for bit (the sign of zero too), except Q4_0, whose m = -8 d turns a zero weight into +0
     (and overflows for |d| > 8188, which no real weight has: those blocks are left out for
     it). K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32."""
-    bits, block_bytes, block_weights = _EXACT_BLOCKS[qtype.name]
+    block = EXACT_BLOCKS[qtype.name]
+    block_bytes, block_weights = block.block_bytes, block.block_weights
     gen = np.random.default_rng(int(qtype))
     blocks = gen.integers(0, 256, (64, 4, block_bytes), dtype=np.uint8)
     d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
@@ -225,16 +225,14 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):  # m or dmin: f16 patterns, extremes included
         m = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))] * np.float16(-1)
         blocks[..., 2:4] = m.view(np.uint8).reshape(64, 4, 2)
-    decode = _DECODERS.get(qtype.name, _block_codes)
-    codes, scale, low = decode(qtype.name, torch.from_numpy(blocks))
-    groups = 4 * block_weights // 32
-    codes, low = codes.reshape(64, groups, 32), low.reshape(64, -1)
-    scale = scale.reshape(64, groups, -1).squeeze(-1)
-    assert scale.dim() == (3 if qtype == Q.Q6_K else 2)
-    assert scale.dtype == (torch.float32 if block_weights > 32 else torch.float16)
-    low_code, high_code = (0, 15) if bits == 4 else (-32, 31)
-    assert (low_code <= int(codes.min()) and int(codes.max()) <= high_code) or qtype == Q.Q8_0
-    ours = GroupCodes(codes, scale, low, bits).dequantize(torch.float32)
+    codes = block_group_codes(qtype.name, torch.from_numpy(blocks), 64, 4 * block_weights)
+    assert codes.codes.shape == (64, 4 * block_weights // 32, 32)
+    assert codes.d.dim() == (3 if qtype == Q.Q6_K else 2)
+    assert codes.d.dtype == (torch.float32 if block_weights > 32 else torch.float16)
+    low_code, high_code = (0, 15) if block.bits == 4 else (-32, 31)
+    in_range = low_code <= int(codes.codes.min()) and int(codes.codes.max()) <= high_code
+    assert in_range or qtype == Q.Q8_0
+    ours = codes.dequantize(torch.float32)
     ggml = torch.from_numpy(dequantize(blocks.reshape(64, -1), qtype).astype(np.float32))
     if qtype == Q.Q4_0:
         assert torch.equal(ours, ggml)  # -0 == +0
@@ -249,7 +247,7 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     """A K-quant tensor (written as raw super-blocks: gguf cannot quantize to them) read as
     the kernel's groups: float32 group scales, the file's values exactly, and the kernel on
     its packing computing them (to its 8-bit activations' rounding)."""
-    _, block_bytes, _ = _EXACT_BLOCKS[qtype.name]
+    block_bytes = EXACT_BLOCKS[qtype.name].block_bytes
     rows, cols = 16, 512
     gen = np.random.default_rng(5)
     blocks = gen.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
