@@ -392,15 +392,15 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
   }
 }
 
-template <int BITS, typename OUT>
+template <int BITS, bool HALVES, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
-                       const void* scales, bool wide_scales, bool halves, int64_t rows,
-                       int64_t n, int64_t k, OUT* out) {
+                       const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
+                       OUT* out) {
   const int64_t scale_bytes = wide_scales ? 4 : 2;
   const auto* scale_base = static_cast<const char*>(scales);
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
-  const int64_t tile_scales = (halves ? 3 : 2) * groups * kTile;
+  const int64_t tile_scales = (HALVES ? 3 : 2) * groups * kTile;
   const int64_t tiles = n / kTile;
   const int64_t chunk = std::max<int64_t>(kRowBlock<BITS>, kChunkBytes / k / kRowBlock<BITS> *
                                                                kRowBlock<BITS>);
@@ -421,15 +421,9 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                             tile_scales, wide_scales};
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
-          if (halves)
-            rows_dot<BITS, kTileBlock, true>(span, act, first, last, k, block_out, n);
-          else
-            rows_dot<BITS, kTileBlock, false>(span, act, first, last, k, block_out, n);
+          rows_dot<BITS, kTileBlock, HALVES>(span, act, first, last, k, block_out, n);
         } else {
-          if (halves)
-            rows_dot<BITS, 1, true>(span, act, first, last, k, block_out, n);
-          else
-            rows_dot<BITS, 1, false>(span, act, first, last, k, block_out, n);
+          rows_dot<BITS, 1, HALVES>(span, act, first, last, k, block_out, n);
         }
       }
     }
@@ -463,12 +457,16 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     using T = decltype(dtype_tag);
     const QuantizedActivations act =
         quantize_activations(x.data_ptr<T>(), rows, k, halves && bits == 8 && kVnniBuild);
+    const auto impl = [&](auto bits_tag, auto halves_tag) {
+      quant_matmul_impl<decltype(bits_tag)::value, decltype(halves_tag)::value>(
+          act, code_ptr, scale_ptr, wide_scales, rows, n, k, out.data_ptr<T>());
+    };
+    using Four = std::integral_constant<int, 4>;
+    using Eight = std::integral_constant<int, 8>;
     if (bits == 4) {
-      quant_matmul_impl<4>(act, code_ptr, scale_ptr, wide_scales, halves, rows, n, k,
-                           out.data_ptr<T>());
+      halves ? impl(Four{}, std::true_type{}) : impl(Four{}, std::false_type{});
     } else {
-      quant_matmul_impl<8>(act, code_ptr, scale_ptr, wide_scales, halves, rows, n, k,
-                           out.data_ptr<T>());
+      halves ? impl(Eight{}, std::true_type{}) : impl(Eight{}, std::false_type{});
     }
   };
   if (x.scalar_type() == at::kFloat) {
