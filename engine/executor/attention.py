@@ -62,6 +62,7 @@ class KernelPlan:
     items: torch.Tensor  # [num_items, 3] long: (chunk, first member, member count)
     members: torch.Tensor  # [num_members] long: query indices, tile by tile
     part_start: torch.Tensor  # [num_tokens + 1] long: each query's first partial result
+    window: int  # 0: each query sees keys 0..p; else its last `window` keys
 
     @classmethod
     def build(
@@ -70,11 +71,12 @@ class KernelPlan:
         seq_rows: torch.Tensor,
         positions: torch.Tensor,
         block_size: int,
+        window: int = 0,
     ) -> KernelPlan:
         items, members, part_start = torch.ops.prefixgate.attention_plan(
-            block_tables, seq_rows, positions, block_size
+            block_tables, seq_rows, positions, block_size, window
         )
-        return cls(block_tables, seq_rows, positions, items, members, part_start)
+        return cls(block_tables, seq_rows, positions, items, members, part_start, window)
 
 
 @dataclass(slots=True)
@@ -95,6 +97,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
     logits_indices: torch.Tensor  # [num_sampled] long: rows of the hidden states to project
     attention: KernelPlan | TorchAttention
+    # The same step for sliding-window layers (each query sees its last `window` keys): built
+    # only for a model that has them
+    windowed: KernelPlan | TorchAttention | None = None
 
     @property
     def use_cpu_kernels(self) -> bool:
@@ -104,25 +109,38 @@ class ForwardBatch:
 
 
 def prefill_mask(
-    num_cached: int, num_new: int, group: int, dtype: torch.dtype, device: torch.device
+    num_cached: int,
+    num_new: int,
+    group: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal mask with an offset, additive: query i (position num_cached + i) sees keys
-    0..num_cached+i. Repeated `group` times: the query heads sharing a KV head are folded into
-    the query axis (see `_span_attention`)."""
+    0..num_cached+i (with a window, only the last `window` of them). Repeated `group` times:
+    the query heads sharing a KV head are folded into the query axis (see `_span_attention`)."""
     q_pos = torch.arange(num_new, device=device) + num_cached  # [num_new]
     k_pos = torch.arange(num_cached + num_new, device=device)  # [ctx]
     visible = k_pos[None, :] <= q_pos[:, None]  # [num_new, ctx]
+    if window:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
         ~visible, float("-inf")
     )
     return mask.repeat(group, 1)  # [group * num_new, ctx]
 
 
-def decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask (0 for a sequence's keys, -inf for padding): the CPU flash kernel that
-    returns the log-sum-exp only takes masks in the query's dtype."""
-    keys = torch.arange(max_len, device=context_lens.device)
-    valid = (keys[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_len]
+def decode_mask(
+    context_lens: torch.Tensor, max_len: int, dtype: torch.dtype, window: int = 0
+) -> torch.Tensor:
+    """Additive mask (0 for a sequence's keys, or with a window its last `window` keys; -inf
+    for the rest and padding): the CPU flash kernel that returns the log-sum-exp only takes
+    masks in the query's dtype."""
+    keys = torch.arange(max_len, device=context_lens.device)[None, :]
+    valid = keys < context_lens[:, None]
+    if window:
+        valid &= keys >= context_lens[:, None] - window
+    valid = valid[:, None, None, :]  # [B, 1, 1, max_len]
     zeros = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
     return zeros.masked_fill_(~valid, float("-inf"))
 
@@ -149,9 +167,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+    sliding: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of the step's queries; their K/V rows are already in the pool (`store_kv`)."""
-    plan = batch.attention
+    """Attention of the step's queries; their K/V rows are already in the pool (`store_kv`).
+    `sliding`: a sliding-window layer's (the batch's `windowed` view of the step)."""
+    plan = batch.windowed if sliding else batch.attention
+    assert plan is not None, "a sliding-window layer in a batch built without its window"
     if isinstance(plan, KernelPlan):
         out: torch.Tensor = torch.ops.prefixgate.paged_attention(
             q,
@@ -164,6 +185,7 @@ def paged_attention(
             plan.members,
             plan.part_start,
             scale,
+            plan.window,
         )
         return out
     return _torch_attention(q, k, v, k_cache, v_cache, plan, scale)

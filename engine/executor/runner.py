@@ -184,46 +184,53 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
         rows = self.input_batch.rows([item.seq for item in ordered])
         position_tensor = self._tensor(positions)
-        attention: KernelPlan | TorchAttention
-        if self.use_cpu_kernels:
-            seq_rows = [
+        seq_rows = self._tensor(
+            [
                 row
                 for item, row in zip(ordered, rows, strict=True)
                 for _ in range(item.num_new_tokens)
             ]
-            attention = KernelPlan.build(
-                self.input_batch.block_tables,
-                self._tensor(seq_rows),
-                position_tensor,
-                block_size,
-            )
-        else:
-            attention = self._torch_attention(ordered, rows)
+        )
+
+        def view(window: int) -> KernelPlan | TorchAttention:
+            if self.use_cpu_kernels:
+                return KernelPlan.build(
+                    self.input_batch.block_tables, seq_rows, position_tensor, block_size, window
+                )
+            return self._torch_attention(ordered, rows, window)
+
+        window = self.model.sliding_window
         return ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=position_tensor,
             slot_mapping=self._tensor(slots),
             logits_indices=self._tensor(logits_indices),
-            attention=attention,
+            attention=view(0),
+            windowed=view(window) if window else None,
         )
 
-    def _torch_attention(self, ordered: list[ScheduledSequence], rows: list[int]) -> TorchAttention:
-        """Prefill spans, then the decodes in groups (see engine/executor/attention.py)."""
+    def _torch_attention(
+        self, ordered: list[ScheduledSequence], rows: list[int], window: int
+    ) -> TorchAttention:
+        """Prefill spans, then the decodes in groups (see engine/executor/attention.py); with
+        a window, every mask keeps each query's last `window` keys."""
         spans, token_start = [], 0
         num_prefills = sum(1 for item in ordered if item.num_new_tokens > 1)
         for item in ordered[:num_prefills]:
-            spans.append(self._span(item.seq, token_start, item.num_new_tokens))
+            spans.append(self._span(item.seq, token_start, item.num_new_tokens, window))
             token_start += item.num_new_tokens
         decodes = [item.seq for item in ordered[num_prefills:]]
-        groups = self._decode_groups(decodes, torch.tensor(rows[num_prefills:])) if decodes else []
+        row_ids = torch.tensor(rows[num_prefills:])
+        groups = self._decode_groups(decodes, row_ids, window) if decodes else []
         return TorchAttention(spans, token_start, groups)
 
-    def _span(self, seq: Sequence, token_start: int, n: int) -> PrefillSpan:
+    def _span(self, seq: Sequence, token_start: int, n: int, window: int) -> PrefillSpan:
         num_cached = seq.num_computed_tokens
         num_blocks = -(-(num_cached + n) // self.pool.block_size)
         group = self.model.num_heads // self.model.num_kv_heads
         dtype = self.compute_dtype
-        mask = prefill_mask(num_cached, n, group, dtype, self.device) if num_cached else None
+        masked = num_cached > 0 or 0 < window < n  # else plain causal
+        mask = prefill_mask(num_cached, n, group, dtype, self.device, window) if masked else None
         return PrefillSpan(
             token_start=token_start,
             num_new_tokens=n,
@@ -232,10 +239,14 @@ class ModelRunner:
             mask=mask,
         )
 
-    def _decode_groups(self, seqs: list[Sequence], row_ids: torch.Tensor) -> list[DecodeGroup]:
+    def _decode_groups(
+        self, seqs: list[Sequence], row_ids: torch.Tensor, window: int
+    ) -> list[DecodeGroup]:
         """(Torch path.) Decodes sharing a registry prefix's blocks form a cascade group (2+
         members); everything else is one plain group. `row_ids`: each decode's input-batch
-        row."""
+        row. With a window, one plain group: a shared prefix may lie outside it."""
+        if window:
+            return [self._group(seqs, row_ids, list(range(len(seqs))), 0, window)]
         by_prefix: dict[tuple[int, ...], list[int]] = {}
         for row, seq in enumerate(seqs):
             key = tuple(seq.block_table[: seq.num_shared_blocks])
@@ -243,8 +254,8 @@ class ModelRunner:
         plain = by_prefix.pop((), [])
         for key in [k for k, rows in by_prefix.items() if len(rows) == 1]:
             plain += by_prefix.pop(key)
-        groups = [self._group(seqs, row_ids, sorted(plain), 0)] if plain else []
-        groups += [self._group(seqs, row_ids, rows, len(key)) for key, rows in by_prefix.items()]
+        groups = [self._group(seqs, row_ids, sorted(plain), 0, 0)] if plain else []
+        groups += [self._group(seqs, row_ids, rows, len(key), 0) for key, rows in by_prefix.items()]
         return groups
 
     def _group(
@@ -253,6 +264,7 @@ class ModelRunner:
         row_ids: torch.Tensor,
         rows: list[int],
         num_shared: int,
+        window: int,
     ) -> DecodeGroup:
         block_size = self.pool.block_size
         lens = [seqs[r].num_computed_tokens + 1 - num_shared * block_size for r in rows]
@@ -268,7 +280,7 @@ class ModelRunner:
             prefix_blocks=self._prefix_blocks(seqs[rows[0]].block_table[:num_shared]),
             block_tables=tables.to(self.device),  # [G, max_blocks]
             context_lens=context_lens,
-            mask=decode_mask(context_lens, max_blocks * block_size, self.compute_dtype),
+            mask=decode_mask(context_lens, max_blocks * block_size, self.compute_dtype, window),
         )
 
     def _prefix_blocks(self, block_ids: list[int]) -> slice | torch.Tensor | None:

@@ -189,9 +189,6 @@ def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool
 
 def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, int(window))  # beyond the window we would attend too far back
     if requested is not None and requested > limit:
         raise ModelLoadError(
             f"max_model_len {requested} exceeds the model's limit {limit} ({path})"

@@ -3,7 +3,9 @@
 //
 // Why one kernel: a query's result must not depend on which path computed it (same request,
 // same answer, whatever else runs or is cached). Here a query at position p attends to keys
-// 0..p in fixed positional chunks of 128 tokens ([0, 128), [128, 256), ...), each chunk's
+// lo..p (lo = 0, or p - window + 1 in a sliding-window layer) in fixed positional chunks of
+// 128 tokens ([0, 128), [128, 256), ...; the chunks before lo's are not read, the keys of
+// lo's chunk before lo weigh nothing), each chunk's
 // partial softmax computed by the same arithmetic (each score one FMA chain over the dims in
 // order, a key per vector lane, against the chunk's keys transposed once per work item; the
 // chunk's max, exponentials and sums; value accumulation FMA by FMA in key order), and the
@@ -11,14 +13,15 @@
 // shared blocks the call holds: those only decide which queries share one read of a chunk's
 // keys (a tile) and how the loops are blocked.
 //
-//   attention_plan(block_tables, seq_rows, positions, block_size)
+//   attention_plan(block_tables, seq_rows, positions, block_size, window)
 //       -> (items [I, 3] = (chunk, first member, member count), members [M], part_start [T+1])
-//     Once per forward, shared by every layer: query t (sequence row seq_rows[t], position
-//     positions[t]) needs chunks 0..p / 128; the queries that read the same blocks for a
+//     Once per forward and window (0: none), shared by every layer with that window: query t
+//     (sequence row seq_rows[t], position positions[t]) needs chunks lo / 128..p / 128; the
+//     queries that read the same blocks for a
 //     chunk (one sequence's prefill span; decodes sharing a registry prefix) form tiles of up
 //     to 16. part_start: where each query's per-chunk partial results go.
 //   paged_attention(q, k_cache, v_cache, block_tables, seq_rows, positions, items, members,
-//                   part_start, scale) -> out [T, num_heads, head_dim]
+//                   part_start, scale, window) -> out [T, num_heads, head_dim]
 //     q [T, num_heads, head_dim] float32 or bf16; caches [num_blocks, block_size, kv_heads,
 //     head_dim] float32, bf16 or float16 (widened to float32 on load), head_dim a multiple of
 //     8, at most 256. GQA: the query heads of a KV head are blocked together over each read.
@@ -64,13 +67,19 @@ inline const float* float_row(const S* src, float* buffer, int64_t n) {
   return buffer;
 }
 
+// The first key a query at position p attends to: 0, or the window's first.
+inline int64_t first_key(int64_t p, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& block_tables,
                                                               const at::Tensor& seq_rows,
                                                               const at::Tensor& positions,
-                                                              int64_t block_size) {
+                                                              int64_t block_size,
+                                                              int64_t window) {
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong);
   TORCH_CHECK(seq_rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong);
-  TORCH_CHECK(seq_rows.numel() == positions.numel() && block_size > 0);
+  TORCH_CHECK(seq_rows.numel() == positions.numel() && block_size > 0 && window >= 0);
   const at::Tensor tables = block_tables.contiguous(), rows = seq_rows.contiguous(),
                    pos = positions.contiguous();
   const int64_t num_queries = pos.numel(), num_rows = tables.size(0), cols = tables.size(1);
@@ -92,9 +101,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& 
   std::vector<const std::vector<int64_t>*> order;
   std::vector<int64_t> key;
   for (int64_t t = 0; t < num_queries; ++t) {
+    const int64_t first_chunk = first_key(p[t], window) / kChunkTokens;
     const int64_t chunks = p[t] / kChunkTokens + 1;
-    starts[t + 1] = starts[t] + chunks;
-    for (int64_t c = 0; c < chunks; ++c) {
+    starts[t + 1] = starts[t] + chunks - first_chunk;
+    for (int64_t c = first_chunk; c < chunks; ++c) {
       const int64_t first = c * kChunkTokens / block_size;
       const int64_t last = std::min(((c + 1) * kChunkTokens + block_size - 1) / block_size,
                                     used[row[t]]);
@@ -241,7 +251,7 @@ template <typename T, typename KV, int64_t HEAD_DIM>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_rows,
             const at::Tensor& positions, const at::Tensor& items, const at::Tensor& members,
-            const at::Tensor& part_start, double scale, at::Tensor& out) {
+            const at::Tensor& part_start, double scale, int64_t window, at::Tensor& out) {
   const int64_t num_queries = q.size(0), num_heads = q.size(1);
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -287,6 +297,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     [[maybe_unused]] float* const widened = widened_keys + 8 * kv_row;
     const float* value_rows[kChunkTokens];
     int64_t len[kTileQueries];
+    int64_t skip[kTileQueries];  // the chunk's keys before the member's window: weigh nothing
+    int64_t part_of[kTileQueries];  // where the member's partial result for this chunk goes
     const float* pv_weights[kTileQueries * kMaxGroup];
     float* pv_acc[kTileQueries * kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
@@ -297,6 +309,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t i = 0; i < count; ++i) {
         const int64_t t = tile[i];
         len[i] = std::min(kChunkTokens, pos[t] + 1 - start);
+        const int64_t lo = first_key(pos[t], window);
+        skip[i] = std::max<int64_t>(0, lo - start);
+        part_of[i] = starts[t] + chunk - lo / kChunkTokens;
         longest = std::max(longest, len[i]);
         const float* src = float_row(q_ptr + t * q_row, qf + i * q_row, q_row);
         for (int64_t j = 0; j < q_row; ++j) qf[i * q_row + j] = src[j] * fscale;
@@ -346,12 +361,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       // Softmax numerators per (member, head), with the chunk's max and sum.
       for (int64_t i = 0; i < count; ++i) {
-        const int64_t part = starts[tile[i]] + chunk;
+        const int64_t part = part_of[i];
         for (int64_t head = 0; head < num_heads; ++head) {
           float* __restrict s = probs + (i * num_heads + head) * kScoreStride;
-          float m = chunk_max(s, len[i]);
+          std::fill(s, s + skip[i], 0.f);  // outside the window: weight 0 in the values' sum
+          float m = chunk_max(s + skip[i], len[i] - skip[i]);
           f8 sums{};
-          int64_t k = 0;
+          int64_t k = skip[i];
           for (; k + 32 <= len[i]; k += 32) {  // four vectors in flight (vec.h: exp8n)
             f8 e[4];
             for (int j = 0; j < 4; ++j) e[j] = prefixgate::load8(s + k + 8 * j) - m;
@@ -388,7 +404,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             int64_t pairs = 0;
             for (; i < count && std::min(kKeyBlock, len[i] - kb) == n; ++i) {
               if (n <= 0) continue;
-              const int64_t part = starts[tile[i]] + chunk;
+              const int64_t part = part_of[i];
               for (int64_t g = 0; g < group; ++g, ++pairs) {
                 const int64_t head = h * group + g;
                 pv_weights[pairs] = probs + (i * num_heads + head) * kScoreStride + kb;
@@ -436,17 +452,20 @@ template <typename T, typename KV>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& pos,
                        const at::Tensor& items, const at::Tensor& members,
-                       const at::Tensor& starts, double scale, at::Tensor& out) {
+                       const at::Tensor& starts, double scale, int64_t window, at::Tensor& out) {
   switch (q.size(2)) {
     case 64:
       return attend<T, KV, 64>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
-                               scale, out);
+                               scale, window, out);
     case 128:
       return attend<T, KV, 128>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
-                                scale, out);
+                                scale, window, out);
+    case 256:  // Gemma 3
+      return attend<T, KV, 256>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
+                                scale, window, out);
     default:
       return attend<T, KV, 0>(q, k_cache, v_cache, tables, rows, pos, items, members, starts,
-                              scale, out);
+                              scale, window, out);
   }
 }
 
@@ -455,17 +474,17 @@ void dispatch_cache_dtype(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& tables,
                           const at::Tensor& rows, const at::Tensor& pos, const at::Tensor& items,
                           const at::Tensor& members, const at::Tensor& starts, double scale,
-                          at::Tensor& out) {
+                          int64_t window, at::Tensor& out) {
   switch (k_cache.scalar_type()) {
     case at::kHalf:
       return dispatch_head_dim<T, at::Half>(q, k_cache, v_cache, tables, rows, pos, items,
-                                            members, starts, scale, out);
+                                            members, starts, scale, window, out);
     case at::kBFloat16:
       return dispatch_head_dim<T, c10::BFloat16>(q, k_cache, v_cache, tables, rows, pos, items,
-                                                 members, starts, scale, out);
+                                                 members, starts, scale, window, out);
     case at::kFloat:
       return dispatch_head_dim<T, float>(q, k_cache, v_cache, tables, rows, pos, items, members,
-                                         starts, scale, out);
+                                         starts, scale, window, out);
     default:
       TORCH_CHECK(false, "paged_attention: KV cache must be float32, bfloat16 or float16");
   }
@@ -475,7 +494,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_rows, const at::Tensor& positions,
                            const at::Tensor& items, const at::Tensor& members,
-                           const at::Tensor& part_start, double scale) {
+                           const at::Tensor& part_start, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3));
@@ -485,6 +504,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.size(2) % 8 == 0 && q.size(2) <= 256, "head_dim: a multiple of 8, at most 256");
   TORCH_CHECK(seq_rows.numel() == q.size(0) && positions.numel() == q.size(0));
   TORCH_CHECK(part_start.numel() == q.size(0) + 1 && items.dim() == 2 && items.size(1) == 3);
+  TORCH_CHECK(window >= 0, "window: 0 (none) or the keys a query sees");
   for (const at::Tensor* t : {&block_tables, &seq_rows, &positions, &items, &members, &part_start})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "plan tensors: contiguous int64");
   const at::Tensor qc = q.contiguous();
@@ -492,11 +512,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
     dispatch_cache_dtype<c10::BFloat16>(qc, k_cache, v_cache, block_tables, seq_rows, positions,
-                                        items, members, part_start, scale, out);
+                                        items, members, part_start, scale, window, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention: q must be float32 or bfloat16");
     dispatch_cache_dtype<float>(qc, k_cache, v_cache, block_tables, seq_rows, positions, items,
-                                members, part_start, scale, out);
+                                members, part_start, scale, window, out);
   }
   return out;
 }
@@ -505,12 +525,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY(prefixgate, m) {
   m.def(
-      "attention_plan(Tensor block_tables, Tensor seq_rows, Tensor positions, int block_size) "
-      "-> (Tensor, Tensor, Tensor)");
+      "attention_plan(Tensor block_tables, Tensor seq_rows, Tensor positions, int block_size, "
+      "int window=0) -> (Tensor, Tensor, Tensor)");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_rows, Tensor positions, Tensor items, Tensor members, Tensor part_start, "
-      "float scale) -> Tensor");
+      "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {

@@ -24,6 +24,7 @@ class CausalLM(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int  # keys a sliding-window layer sees; 0: the model has none
     dtype: torch.dtype  # compute dtype
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor: ...

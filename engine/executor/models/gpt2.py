@@ -67,6 +67,7 @@ class GPT2LMHeadModel(nn.Module):
         self.num_heads = cfg.n_head
         self.num_kv_heads = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
+        self.sliding_window = 0  # keys a sliding-window layer sees (none here)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))

@@ -22,12 +22,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
+    @property
+    def gain(self) -> torch.Tensor:
+        """What the normalised row is multiplied by."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
         if use_kernel:
-            out: torch.Tensor = torch.ops.prefixgate.rms_norm(x, self.weight, self.eps)
+            out: torch.Tensor = torch.ops.prefixgate.rms_norm(x, self.gain, self.eps)
             return out
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.gain * normed.to(x.dtype)
 
     def add(
         self, x: torch.Tensor, residual: torch.Tensor, use_kernel: bool = False
@@ -35,7 +40,7 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x): a sublayer's residual add fused into the norm
         that reads its sum, as vLLM does."""
         if use_kernel:
-            normed, total = torch.ops.prefixgate.add_rms_norm(x, residual, self.weight, self.eps)
+            normed, total = torch.ops.prefixgate.add_rms_norm(x, residual, self.gain, self.eps)
             return normed, total
         total = residual + x
         return self.forward(total), total
@@ -105,10 +110,12 @@ class RotaryEmbedding(nn.Module):
     dynamic / YaRN scaling match the reference implementation.
     """
 
-    def __init__(self, hf_config: Any, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hf_config: Any, max_positions: int, dtype: torch.dtype, layer_type: str = ""
+    ) -> None:
         super().__init__()
         with torch.device("cpu"):  # real numbers even while the model is built on meta
-            inv_freq, scaling = _inv_freq(hf_config)
+            inv_freq, scaling = _inv_freq(hf_config, layer_type)
             t = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)  # [max_positions, rot_dim / 2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rot_dim]
@@ -156,13 +163,18 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return x * cos + rotated * sin
 
 
-def _inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
+def _inv_freq(hf_config: Any, layer_type: str) -> tuple[torch.Tensor, float]:
+    """`layer_type`: for a model whose RoPE differs by layer kind (Gemma 3's sliding and full
+    attention), whose parameters; "" for the one set of the others."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        kwargs = {"layer_type": layer_type} if layer_type else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         return inv_freq.float(), float(scaling)
     base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     head_dim = getattr(hf_config, "head_dim", None) or (
@@ -170,6 +182,21 @@ def _inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
     )
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     return inv_freq, 1.0
+
+
+def sliding_layers(hf_config: Any) -> tuple[list[bool], int]:
+    """Which layers attend to a sliding window, and its width (0: none). From `layer_types`
+    where the config has them (Gemma 3, Qwen2/3 with `use_sliding_window`), else Mistral's
+    one `sliding_window` for every layer."""
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        window = int(getattr(hf_config, "sliding_window", None) or 0)
+        return [window > 0] * hf_config.num_hidden_layers, window
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not served")
+    flags = [kind == "sliding_attention" for kind in types]
+    return flags, int(hf_config.sliding_window) if any(flags) else 0
 
 
 def stack_weights(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -21,35 +21,50 @@ from engine.executor.models.layers import (
     load_exact,
     rope_and_store,
     silu_and_mul,
+    sliding_layers,
     stack_weights,
 )
 from engine.executor.quantization import project
 
 # Model types whose attention normalises each query and key head (over head_dim) before RoPE.
-QK_NORM_TYPES = frozenset({"qwen3"})
+QK_NORM_TYPES = frozenset({"qwen3", "gemma3_text"})
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, has_bias: bool) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        head_dim: int,
+        has_bias: bool,
+        scale: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
+        """`scale`: the scores' factor (head_dim ** -0.5 if None); `norm`: the q/k norms'
+        kind, for a model type in QK_NORM_TYPES."""
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=has_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.model_type in QK_NORM_TYPES
         if self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm(head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(head_dim, cfg.rms_norm_eps)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        sliding: bool = False,
     ) -> torch.Tensor:
+        """`sliding`: a sliding-window layer (each query sees the model's last window keys)."""
         n = x.shape[0]
         qkv = project(self.qkv_proj, x).view(n, -1, self.head_dim)
         if self.qk_norm:  # in place, on torch's per-row norm whatever the build: one path
@@ -57,7 +72,7 @@ class LlamaAttention(nn.Module):
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads:kv_end] = self.k_norm(qkv[:, heads:kv_end])
         q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale, sliding)
         return project(self.o_proj, o.reshape(n, self.q_size))
 
 
@@ -74,8 +89,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, has_bias: bool) -> None:
+    def __init__(self, cfg: Any, head_dim: int, has_bias: bool, sliding: bool) -> None:
         super().__init__()
+        self.sliding = sliding
         self.self_attn = LlamaAttention(cfg, head_dim, has_bias)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -97,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add(x, residual, kernels)
         h, residual = self.post_attention_layernorm.add(
-            self.self_attn(h, batch, rope), residual, kernels
+            self.self_attn(h, batch, rope, self.sliding), residual, kernels
         )
         return self.mlp(h, batch), residual
 
@@ -113,12 +129,13 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim
+        sliding, self.sliding_window = sliding_layers(cfg)  # Mistral's, Qwen2/3's
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # SmolLM3's `no_rope_layers`: 1 where a layer rotates q and k, 0 where it does not.
         uses_rope = getattr(cfg, "no_rope_layers", None) or [1] * cfg.num_hidden_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, head_dim, has_bias) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, head_dim, has_bias, flag) for flag in sliding
         )
         self.layer_uses_rope = [bool(flag) for flag in uses_rope]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -130,12 +130,14 @@ def _kernel(
     tables: torch.Tensor,
     queries: list[Query],
     block_size: int,
+    window: int = 0,
 ) -> torch.Tensor:
     plan = KernelPlan.build(
         tables,
         torch.tensor([x.seq for x in queries]),
         torch.tensor([x.pos for x in queries]),
         block_size,
+        window,
     )
     out: torch.Tensor = torch.ops.prefixgate.paged_attention(
         q,
@@ -148,6 +150,7 @@ def _kernel(
         plan.members,
         plan.part_start,
         q.shape[-1] ** -0.5,
+        plan.window,
     )
     return out
 
@@ -183,29 +186,39 @@ def _pool(
     ],
 )
 @pytest.mark.parametrize(
-    ("block_size", "head_dim", "lens"),
+    ("block_size", "head_dim", "lens", "window"),
     [
-        (4, DIM, [1, 5, 23]),  # head_dim read at run time
-        (16, 64, [1, 256, 257, 700]),  # compiled head_dim; several 128-token chunks
-        (16, 128, [3, 512, 40]),
-        (12, 64, [300, 1, 65]),  # chunks that end inside a block
+        (4, DIM, [1, 5, 23], 0),  # head_dim read at run time
+        (16, 64, [1, 256, 257, 700], 0),  # compiled head_dim; several 128-token chunks
+        (16, 128, [3, 512, 40], 0),
+        (12, 64, [300, 1, 65], 0),  # chunks that end inside a block
+        (16, 256, [1, 700, 200, 130], 200),  # a window across chunk borders (Gemma 3's dim)
+        (4, DIM, [1, 5, 23, 140], 7),  # a window inside one chunk, or across one border
+        (16, 64, [300, 129, 128], 128),  # a window of exactly one chunk
     ],
 )
 def test_paged_attention_kernel_matches_dense_reference(
-    q_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, head_dim: int, lens: list[int]
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    lens: list[int],
+    window: int,
 ) -> None:
     """Each sequence's last 1-20 positions as queries (a prefill span's causal tail, or one
-    decode), blocks read in place, whatever the storage dtype."""
+    decode), blocks read in place, whatever the storage dtype; with a window, each query sees
+    its last `window` keys."""
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache, tables = _pool(gen, lens, block_size, head_dim, kv_dtype)
     queries = [Query(i, p) for i, n in enumerate(lens) for p in range(max(0, n - 1 - i * 7), n)]
     q = torch.randn(len(queries), HEADS, head_dim, generator=gen).to(q_dtype)
-    out = _kernel(q, k_cache, v_cache, tables, queries, block_size)
+    out = _kernel(q, k_cache, v_cache, tables, queries, block_size, window)
     tol = 2e-5 if q_dtype == torch.float32 else 2e-2
     for row, query in enumerate(queries):
         blocks = tables[query.seq]
-        k = k_cache[blocks].flatten(0, 1)[: query.pos + 1].double()  # [ctx, kv, d]
-        v = v_cache[blocks].flatten(0, 1)[: query.pos + 1].double()
+        first = max(0, query.pos + 1 - window) if window else 0
+        k = k_cache[blocks].flatten(0, 1)[first : query.pos + 1].double()  # [ctx, kv, d]
+        v = v_cache[blocks].flatten(0, 1)[first : query.pos + 1].double()
         kr, vr = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
         scores = torch.einsum("hd,lhd->hl", q[row].double(), kr) * head_dim**-0.5
         ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), vr)
@@ -213,18 +226,23 @@ def test_paged_attention_kernel_matches_dense_reference(
 
 
 @pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("window", [0, 150], ids=["full", "window"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(kv_dtype: torch.dtype) -> None:
+def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(
+    kv_dtype: torch.dtype, window: int
+) -> None:
     """Batch invariance: 300 positions of one sequence computed as one prefill, in chunks of
     several sizes, one query at a time (decodes), and beside other sequences' queries that
     share its first 10 blocks (a registry prefix) or not: every query's output is the same,
-    bit for bit."""
+    bit for bit, with or without a sliding window."""
     gen = torch.Generator().manual_seed(4)
     block_size, head_dim, n = 16, 64, 300
     k_cache, v_cache, tables = _pool(gen, [n, n, 200], block_size, head_dim, kv_dtype)
     tables[1, :10] = tables[0, :10]  # sequence 1 shares sequence 0's first 160 tokens
     q_all = torch.randn(n, HEADS, head_dim, generator=gen)
-    whole = _kernel(q_all, k_cache, v_cache, tables, [Query(0, p) for p in range(n)], block_size)
+    whole = _kernel(
+        q_all, k_cache, v_cache, tables, [Query(0, p) for p in range(n)], block_size, window
+    )
     for chunk in (1, 16, 100, 129):
         parts = [
             _kernel(
@@ -234,6 +252,7 @@ def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(kv_dtype: torch
                 tables,
                 [Query(0, p) for p in range(s, min(n, s + chunk))],
                 block_size,
+                window,
             )
             for s in range(0, n, chunk)
         ]
@@ -254,9 +273,10 @@ def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(kv_dtype: torch
         tables,
         mixed_queries,
         block_size,
+        window,
     )
     assert torch.equal(mixed[2 : 2 + n], whole)
-    alone = _kernel(others[:1], k_cache, v_cache, tables, [Query(1, 250)], block_size)
+    alone = _kernel(others[:1], k_cache, v_cache, tables, [Query(1, 250)], block_size, window)
     assert torch.equal(mixed[0], alone[0])
 
 
@@ -275,3 +295,15 @@ def test_the_plan_shares_a_chunk_read_between_sequences_with_the_same_blocks() -
     assert len(chunk0) == 1 and chunk0[0][2] == 3  # one tile of all three
     assert sorted(it[2] for it in items if it[0] == 1) == [1, 1, 1]
     assert plan.part_start.tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_windowed_plan_reads_only_the_chunks_in_the_window() -> None:
+    """A query at 300 with a 100-key window sees keys 201..300: chunks 1 and 2, never 0; one
+    at 50 sees chunk 0 only."""
+    block_size = 16
+    tables = torch.arange(1, 21)[None]
+    plan = KernelPlan.build(tables, torch.tensor([0, 0]), torch.tensor([300, 50]), block_size, 100)
+    assert sorted(row[0] for row in plan.items.tolist()) == [0, 1, 2]
+    assert plan.part_start.tolist() == [0, 2, 3]
+    assert plan.window == 100

@@ -71,7 +71,7 @@ def _batch(slots: list[int], use_kernels: bool) -> ForwardBatch:
     n = len(slots)
     none = torch.zeros(0, dtype=torch.long)
     attention = (
-        KernelPlan(none.view(0, 0), none, none, none.view(0, 3), none, none)  # RoPE reads none
+        KernelPlan(none.view(0, 0), none, none, none.view(0, 3), none, none, 0)  # RoPE reads none
         if use_kernels
         else TorchAttention([], 0, [])
     )

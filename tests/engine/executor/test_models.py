@@ -101,6 +101,12 @@ def _mistral() -> Any:
     return MistralForCausalLM(cfg)
 
 
+def _mistral_sliding() -> Any:
+    """Mistral's one window for every layer (6 keys: the sequences outgrow it)."""
+    cfg = MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=6)
+    return MistralForCausalLM(cfg)
+
+
 def _gpt2() -> Any:
     cfg = GPT2Config(
         vocab_size=300,
@@ -121,6 +127,7 @@ ARCHITECTURES = {
     "qwen3-qk-norm": _qwen3_qk_norm,
     "smollm3-nope": _smollm3_nope,
     "mistral": _mistral,
+    "mistral-sliding": _mistral_sliding,
     "gpt2": _gpt2,
 }
 
@@ -264,7 +271,14 @@ def test_float16_kv_cache_tracks_float32(use_cpu_kernels: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "arch", ["llama-gqa", "llama3-rope-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "smollm3-nope"]
+    "arch",
+    [
+        "llama-gqa",
+        "llama3-rope-tied",
+        "qwen2-qkv-bias",
+        "qwen3-qk-norm",
+        "smollm3-nope",
+    ],
 )
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(
     arch: str, dtype: torch.dtype
