@@ -24,25 +24,28 @@ PROBE_USER_TEXTS = ("Hello", "Which way? 1 2 3")
 PROBE_TEXT_SUFFIXES = ("Hello", " Hello", "the", " the", "\nWhich way? 1 2 3", "?!")
 
 _UNSTABLE_TEMPLATE = (
-    "the chat template does not render this prefix stably: the messages rendered alone and "
-    "followed by a user turn share no leading token"
+    "the chat template does not render this prefix stably: the messages followed by different "
+    "user turns share no leading token"
 )
 
 
 def render_chat_prefix(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
-    """The ids that `messages` rendered alone and followed by any user turn all start with.
+    """The ids that `messages` followed by any user turn all start with.
 
     Chat templates are often not prefix-stable: the last message may be closed differently
-    when nothing follows it, and BPE may merge tokens across the boundary. Registering the
-    naive rendering would then never match a real request. The longest prefix common to the
-    rendering alone and to renderings with several different probe user turns is what real
-    conversations share. An empty result means the template renders the prefix unstably.
+    when nothing follows it, BPE may merge tokens across the boundary, and some render a
+    system message only with the user turn it is folded into (Gemma's: rendered alone, the
+    messages are `<bos>` and nothing else). Registering the naive rendering would then match
+    no real request, or pin nothing of the prompt. The longest prefix common to renderings
+    with several different probe user turns is what real conversations share (the opening of
+    the user turn included, where the template writes one). An empty result means the
+    template renders the prefix unstably.
     """
     base = [{"role": role, "content": content} for role, content in messages]
-    renderings = [chat_prompt_ids(tokenizer, base, add_generation_prompt=False)]
-    for probe in PROBE_USER_TEXTS:
-        probe_turn = {"role": "user", "content": probe}
-        renderings.append(chat_prompt_ids(tokenizer, [*base, probe_turn]))
+    renderings = [
+        chat_prompt_ids(tokenizer, [*base, {"role": "user", "content": probe}])
+        for probe in PROBE_USER_TEXTS
+    ]
     return _common_prefix(renderings)
 
 

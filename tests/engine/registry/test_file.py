@@ -57,6 +57,18 @@ LAST_MESSAGE_CLOSED_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma's way: a system message is rendered only folded into the first user turn.
+SYSTEM_FOLDED_TEMPLATE = (
+    "{{ '<|endoftext|>' }}"
+    "{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set rest = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set rest = messages %}{% endif %}"
+    "{% for message in rest %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (prefix if loop.first else '') }}"
+    "{{ message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # Hopeless: the rendering starts with the last message, so nothing is shared.
 LAST_MESSAGE_FIRST_TEMPLATE = (
     "{{ messages[-1]['content'] + '\n' }}"
@@ -91,9 +103,9 @@ def test_valid_file_renders_exact_ids(
 ) -> None:
     path = tmp_path / "prefixes.yaml"
     path.write_text(VALID_FILE)
-    chat_ids = chat_prompt_ids(
-        tiny_tokenizer, _as_dicts(HELPER_MESSAGES), add_generation_prompt=False
-    )
+    alone = chat_prompt_ids(tiny_tokenizer, _as_dicts(HELPER_MESSAGES), add_generation_prompt=False)
+    # ChatML is prefix-stable: the messages rendered alone, then the next user turn's opening
+    chat_ids = alone + tiny_tokenizer.encode("<|im_start|>user\n")
     specs = load_prefix_file(path, tiny_tokenizer, MAX_MODEL_LEN)
     assert specs == [
         PrefixSpec(
@@ -102,7 +114,7 @@ def test_valid_file_renders_exact_ids(
             kind="chat",
             messages=HELPER_MESSAGES,
             text="",
-            token_ids=tuple(chat_ids),  # ChatML is prefix-stable: nothing is cut
+            token_ids=tuple(chat_ids),
         ),
         PrefixSpec(
             name="raw.doc_1",
@@ -113,7 +125,7 @@ def test_valid_file_renders_exact_ids(
             token_ids=(285, 324, 375, 85, 264, 383, 16),
         ),
     ]
-    assert chat_ids[-2:] == [2, 201]  # ...Paris.<|im_end|>\n
+    assert alone[-2:] == [2, 201]  # ...Paris.<|im_end|>\n
     assert specs[0].num_tokens == len(chat_ids)
 
 
@@ -436,7 +448,7 @@ def test_unstable_template_registers_only_the_shared_ids(
     ids = list(spec.token_ids)
     naive = chat_prompt_ids(tokenizer, messages, add_generation_prompt=False)
     assert naive[-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    assert ids == naive[:-1]
+    assert ids[: len(naive) - 1] == naive[:-1] and ids[len(naive) - 1] != naive[-1]
     follow_ups = [
         [{"role": "user", "content": "anything at all"}],
         [{"role": "user", "content": "Hello"}],
@@ -450,13 +462,37 @@ def test_unstable_template_registers_only_the_shared_ids(
         assert chat_prompt_ids(tokenizer, [*messages, *follow_up])[: len(ids)] == ids
 
 
+def test_a_system_message_folded_into_the_user_turn_is_registered(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """Gemma's templates render a system message only inside the first user turn: alone, the
+    messages are one special token. The registry pins what conversations share: the system
+    text too."""
+    tokenizer = _with_template(tiny_tokenizer, SYSTEM_FOLDED_TEMPLATE)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    alone = chat_prompt_ids(tokenizer, messages, add_generation_prompt=False)
+    assert alone == tokenizer.encode("<|endoftext|>")
+    spec = parse_prefix_text(
+        _chat_entry("  - role: system\n    content: You are a helpful assistant."),
+        Path("p.yaml"),
+        tokenizer,
+        MAX_MODEL_LEN,
+    )[0]
+    text = tokenizer.decode(spec.token_ids)
+    assert text.startswith("<|endoftext|><|im_start|>user\nYou are a helpful assistant.")
+    for question in ("Hi", "What is 2 + 2?"):
+        turn = {"role": "user", "content": question}
+        rendered = chat_prompt_ids(tokenizer, [*messages, turn])
+        assert rendered[: len(spec.token_ids)] == list(spec.token_ids)
+
+
 def test_template_sharing_nothing_is_reported(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
     tokenizer = _with_template(tiny_tokenizer, LAST_MESSAGE_FIRST_TEMPLATE)
     with pytest.raises(RegistryFileError) as info:
         parse_prefix_text(_chat_entry(GOOD_MESSAGE), Path("p.yaml"), tokenizer, MAX_MODEL_LEN)
     assert info.value.problems == [
         "entry 'a' field 'messages': the chat template does not render this prefix stably: "
-        "the messages rendered alone and followed by a user turn share no leading token"
+        "the messages followed by different user turns share no leading token"
     ]
 
 
