@@ -67,10 +67,13 @@ class LlamaAttention(nn.Module):
         """`sliding`: a sliding-window layer (each query sees the model's last window keys)."""
         n = x.shape[0]
         qkv = project(self.qkv_proj, x).view(n, -1, self.head_dim)
-        if self.qk_norm:  # in place, on torch's per-row norm whatever the build: one path
+        if self.qk_norm:  # in place, head by head (rows of head_dim), as every other norm
             heads, kv_end = self.num_heads, self.num_heads + self.num_kv_heads
-            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
-            qkv[:, heads:kv_end] = self.k_norm(qkv[:, heads:kv_end])
+            for norm, part in ((self.q_norm, slice(0, heads)), (self.k_norm, slice(heads, kv_end))):
+                x = qkv[:, part]
+                qkv[:, part] = norm(
+                    x.reshape(-1, self.head_dim).contiguous(), batch.use_cpu_kernels
+                ).view(x.shape)
         q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale, sliding)
         return project(self.o_proj, o.reshape(n, self.q_size))
