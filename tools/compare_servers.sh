@@ -8,7 +8,10 @@
 # DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
 # suffixes prefixgate's result names (to keep two configurations apart); LLAMA_ISA picks the
 # llama.cpp build (native, or avx2: `tools/peers.py build llama-cpp --isa avx2`) and suffixes
-# its result names unless native.
+# its result names unless native. MODEL (a .gguf file) is served by prefixgate and llama.cpp
+# instead of the embedded model, CHAT_TEMPLATE (a Jinja file) given to both (a base model's
+# file has none: tools/chat_templates/); BENCH_FLAGS adds flags to every load run (e.g.
+# --ignore-eos, so two servers that answer differently write as many tokens).
 # Every server is started on 127.0.0.1 and stopped by PID; every load run is bounded.
 # The QPS sweep uses SWEEP for servers that reuse the prefix and SWEEP_SLOW for those that
 # cannot (each step sends QPS x 60 s requests, 10 to 40, and stops after 120 s).
@@ -19,6 +22,9 @@ MODES=${2:-"seq c8"}
 DTYPE=${DTYPE:-auto}
 SYSTEMS=${SYSTEMS:-"registry nocache llamacpp llamacpp-nocache transformers"}
 read -r -a EXTRA <<< "${PREFIXGATE_FLAGS:-}"
+read -r -a BENCH_EXTRA <<< "${BENCH_FLAGS:-}"
+MODEL=${MODEL:+$(realpath "$MODEL")}  # absolute: the peers start in their own folder
+CHAT_TEMPLATE=${CHAT_TEMPLATE:+$(realpath "$CHAT_TEMPLATE")}
 SWEEP=${SWEEP:-0.25,0.5,1,1.5,2,3,4}
 SWEEP_SLOW=${SWEEP_SLOW:-0.1,0.25,0.5,1}
 PY=.venv/bin/python
@@ -30,19 +36,19 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
   for mode in $MODES; do
     case $mode in
       seq) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 1 \
-             --num-requests 20 --warmup 2 --max-duration 600 --out "$OUT/$label-seq.json" "$@" ;;
+             --num-requests 20 --warmup 2 --max-duration 600 --out "$OUT/$label-seq.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
       c8) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 8 \
-             --num-requests 64 --warmup 2 --max-duration 600 --out "$OUT/$label-c8.json" "$@" ;;
+             --num-requests 64 --warmup 2 --max-duration 600 --out "$OUT/$label-c8.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
       sweep) $PY tools/bench_serving.py --label "$label" --workload intent \
              --sweep-qps "${RATES:-$SWEEP}" --num-requests 40 --step-duration 60 \
              --max-duration 120 --arrival poisson --submit-schedule absolute --warmup 2 \
-             --out "$OUT/$label-sweep.json" "$@" ;;
+             --out "$OUT/$label-sweep.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
       decode) $PY tools/bench_serving.py --label "$label" --workload decode-heavy \
              --concurrency 32 --num-requests 64 --max-duration 300 --warmup 2 \
-             --out "$OUT/$label-decode.json" "$@" ;;
+             --out "$OUT/$label-decode.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
       multiturn) $PY tools/bench_serving.py --label "$label" --workload chat-multi-turn \
              --concurrency 8 --num-requests 48 --max-duration 600 --warmup 2 \
-             --out "$OUT/$label-multiturn.json" "$@" ;;
+             --out "$OUT/$label-multiturn.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
     esac
   done
 }
@@ -50,6 +56,7 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
 prefixgate() {  # label flags...
   local label=$1; shift
   $PY -m prefixgate serve --port $PORT --prefixes prefixes.yaml --dtype "$DTYPE" \
+    ${MODEL:+--model "$MODEL"} ${CHAT_TEMPLATE:+--chat-template "$CHAT_TEMPLATE"} \
     ${EXTRA[@]+"${EXTRA[@]}"} "$@" \
     > "$OUT/$label.log" 2>&1 &
   local pid=$!
@@ -68,7 +75,8 @@ fi
 if wants llamacpp || wants llamacpp-nocache; then
   ISA=${LLAMA_ISA:-native}
   SUFFIX=$([[ $ISA == native ]] || echo "-$ISA")
-  $PY tools/peers.py start llama-cpp --port 8081 --no-build --isa "$ISA"
+  $PY tools/peers.py start llama-cpp --port 8081 --no-build --isa "$ISA" ${MODEL:+--model "$MODEL"} \
+    ${CHAT_TEMPLATE:+-- --jinja --chat-template-file "$CHAT_TEMPLATE"}
   if wants llamacpp; then
     bench "llama.cpp-cache-on$SUFFIX" --base-url http://127.0.0.1:8081/v1 \
       --extra-body '{"cache_prompt": true}'

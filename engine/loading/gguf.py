@@ -1,4 +1,4 @@
-"""Llama-family weights read straight from a GGUF file, one tensor at a time.
+"""Llama-family and Gemma 3 weights read straight from a GGUF file, one tensor at a time.
 
 Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
@@ -47,8 +47,10 @@ from engine.executor.quantization import (
 logger = logging.getLogger(__name__)
 
 # GGUF architectures read here, by the Hugging Face model_type they convert to.
-ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 HF_LAYOUT_ARCHS = frozenset({"llama"})  # q/k rows permuted by llama.cpp's converter
+# Gemma's norms multiply by (1 + w); llama.cpp's converter stores 1 + w, Hugging Face w.
+NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
 TABLE_RECORD = "prefixgate-gguf-tensors.json"  # in a GGUF's conversion folder
 
 _GLOBAL_NAMES = {
@@ -68,6 +70,15 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Where an architecture names a block tensor otherwise: Gemma 3's four norms a layer.
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        **_BLOCK_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 
 
@@ -191,8 +202,9 @@ def gguf_table(gguf_path: Path, folder: Path) -> GGUFTable:
 
 
 class GGUFWeights:
-    """A Llama-family GGUF's tensors under Hugging Face names, read one at a time with plain
-    file reads, not a memory map: a mapped page stays in the RSS while the map lives."""
+    """A Llama-family or Gemma 3 GGUF's tensors under Hugging Face names, read one at a time
+    with plain file reads, not a memory map: a mapped page stays in the RSS while the map
+    lives."""
 
     def __init__(self, path: Path, table: GGUFTable, hf_config: Any) -> None:
         self.path = path
@@ -202,7 +214,7 @@ class GGUFWeights:
         self._heads = (int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads))
         self.entries: dict[str, TensorEntry] = {}
         for gguf_name, entry in table.tensors.items():
-            hf_name = hf_tensor_name(gguf_name)
+            hf_name = hf_tensor_name(gguf_name, self.arch)
             if hf_name is not None:  # None: e.g. rope_freqs, rebuilt from the config
                 self.entries[hf_name] = entry
 
@@ -227,14 +239,21 @@ class GGUFWeights:
 
     def dequantize(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor's values in float32 (float16/bf16 widened, blocks dequantized as GGML
-        does), stored in `dtype`, rows as Hugging Face has them."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
+        does), stored in `dtype`, rows and values as Hugging Face has them."""
         codes = self.group_codes(hf_name)
         if codes is not None:
             return codes.dequantize(dtype)
         entry = self.entries[hf_name]
+        if self.arch in NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
+            # the file's 1 + w back to w, as transformers' loader does (the model adds 1)
+            return (self._float_values(hf_name, entry) - 1.0).to(dtype)
+        return self._float_values(hf_name, entry).to(dtype)
+
+    def _float_values(self, hf_name: str, entry: TensorEntry) -> torch.Tensor:
+        """The file's values in float32, in Hugging Face's row order."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
         raw = self._read(entry).numpy()
         qtype = GGMLQuantizationType[entry.kind]
         if entry.kind in ("F32", "F16"):
@@ -245,7 +264,7 @@ class GGUFWeights:
         tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         tensor = tensor.reshape(entry.shape)
         order = self._hf_row_order(hf_name)
-        return (tensor if order is None else tensor[order]).to(dtype)
+        return tensor if order is None else tensor[order]
 
     def float_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Dtype and shape of each of `float_tensors`, for a file written as they come."""
@@ -402,14 +421,16 @@ def block_group_codes(kind: str, raw: torch.Tensor, rows: int, cols: int) -> Gro
     )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (in `arch`'s names);
+    None if unknown."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{kind}"
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     return None
 
 

@@ -101,10 +101,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     pack_model(model, config.torch_device, dtype)
     return_freed_memory()
     logger.info(
-        "model %s (%s, %d layers) on %s [%s, %d threads], compute %s%s, %s, %s, loaded in %.1f s",
+        "model %s (%s, %d layers%s) on %s [%s, %d threads], compute %s%s, %s, %s, loaded in %.1f s",
         source.name,
         hf_config.model_type,
         len(model.attention_layers()),
+        f", sliding window {model.sliding_window} keys" if model.sliding_window else "",
         config.device,
         cpu_features().describe() if config.torch_device.type == "cpu" else "CUDA",
         torch.get_num_threads(),

@@ -8,6 +8,7 @@
 //   rms_norm(x, weight, eps)                 weight * round(x * rsqrt(mean(x^2) + eps))
 //   add_rms_norm(x, residual, weight, eps)   (rms_norm(residual + x), residual + x)
 //   silu_and_mul(gate_up)                    round(silu(gate)) * up, gate_up = [gate | up]
+//   gelu_tanh_and_mul(gate_up)               round(gelu_tanh(gate)) * up (GeGLU: Gemma)
 //   rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
 //       rotates the q and k heads of qkv in place (rotate-half RoPE) and writes k and v into
 //       the paged cache at their slots
@@ -123,8 +124,21 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, sum};
 }
 
-template <typename T>
-void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+// The activation as gate / (1 + exp(z)): silu's z = -g; tanh-GELU's 0.5 g (1 + tanh(y)) is
+// g * sigmoid(2y), y = sqrt(2 / pi) (g + 0.044715 g^3), so z = -g (c1 + c2 g^2).
+template <bool GELU>
+inline f8 activation_exponent(f8 g) {
+  if constexpr (GELU) {
+    constexpr float c1 = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+    constexpr float c2 = 0.0713548162726009f;  // c1 * 0.044715
+    return -(g * (c1 + c2 * g * g));
+  } else {
+    return -g;
+  }
+}
+
+template <typename T, bool GELU>
+void glu_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t n = gate_up.size(0), inner = out.size(1), whole = inner / kLanes * kLanes;
   const T* in = gate_up.data_ptr<T>();
   T* o = out.data_ptr<T>();
@@ -138,7 +152,7 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
         f8 g[4], e[4];
         for (int j = 0; j < 4; ++j) {
           g[j] = load8(gate + i + j * kLanes);
-          e[j] = -g[j];
+          e[j] = activation_exponent<GELU>(g[j]);
         }
         prefixgate::exp8n(e);
         for (int j = 0; j < 4; ++j)
@@ -146,11 +160,12 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       }
       for (; i < whole; i += kLanes) {
         const f8 g = load8(gate + i);
-        store8(dst + i, round8<T>(g / (1.f + exp8(-g))) * load8(up + i));
+        store8(dst + i, round8<T>(g / (1.f + exp8(activation_exponent<GELU>(g)))) * load8(up + i));
       }
       for (int64_t i = whole; i < inner; ++i) {
         const float g = static_cast<float>(gate[i]);
-        dst[i] = static_cast<T>(round1<T>(g / (1.f + exp1(-g))) * static_cast<float>(up[i]));
+        const float z = activation_exponent<GELU>(splat8(g))[0];
+        dst[i] = static_cast<T>(round1<T>(g / (1.f + exp1(z))) * static_cast<float>(up[i]));
       }
     }
   };
@@ -161,18 +176,23 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   }
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+template <bool GELU>
+at::Tensor glu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up: a contiguous [rows, 2 * intermediate] tensor");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_rows<c10::BFloat16>(gate_up, out);
+    glu_rows<c10::BFloat16, GELU>(gate_up, out);
   } else {
     TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "bfloat16 or float32 only");
-    silu_mul_rows<float>(gate_up, out);
+    glu_rows<float, GELU>(gate_up, out);
   }
   return out;
 }
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return glu_and_mul<false>(gate_up); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return glu_and_mul<true>(gate_up); }
 
 // n values into the cache's storage type (rounded to nearest even where it is narrower).
 template <typename T, typename KV>
@@ -282,6 +302,7 @@ TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.def(
       "rope_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads) -> ()");
@@ -291,5 +312,6 @@ TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rope_and_cache", &rope_and_cache);
 }

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.executor.attention import ForwardBatch
+from engine.executor.models.gemma3 import Gemma3ForCausalLM
 from engine.executor.models.gpt2 import GPT2LMHeadModel
 from engine.executor.models.llama import LlamaForCausalLM
 
@@ -40,6 +41,7 @@ MODEL_CLASSES: dict[str, type[Any]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 SUPPORTED_MODEL_TYPES = frozenset(MODEL_CLASSES)

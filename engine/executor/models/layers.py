@@ -55,6 +55,15 @@ def silu_and_mul(gate_up: torch.Tensor, use_kernel: bool = False) -> torch.Tenso
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
+    """GeGLU's `gelu_tanh(gate) * up` (Gemma) of a fused [rows, 2 * intermediate] projection."""
+    if use_kernel:
+        out: torch.Tensor = torch.ops.prefixgate.gelu_tanh_and_mul(gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class PackedLinear(nn.Module):
     """A CPU `nn.Linear` whose weight is packed once into oneDNN's blocked layout.
 

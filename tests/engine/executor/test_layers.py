@@ -9,7 +9,12 @@ import torch
 from engine.core.config import default_cache_dir
 from engine.executor.attention import ForwardBatch, KernelPlan, TorchAttention
 from engine.executor.kernels import load_cpu_kernels
-from engine.executor.models.layers import RMSNorm, rope_and_store, silu_and_mul
+from engine.executor.models.layers import (
+    RMSNorm,
+    gelu_tanh_and_mul,
+    rope_and_store,
+    silu_and_mul,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 40]  # 40 > the ops' 16 rows per parallel task
@@ -65,6 +70,21 @@ def test_silu_and_mul_kernel_matches_torch(dtype: torch.dtype, rows: int) -> Non
     _close(out, silu_and_mul(gate_up))
     gate, up = gate_up.float().chunk(2, dim=-1)
     _close(out, (torch.nn.functional.silu(gate) * up).to(dtype))  # float math, one rounding
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_gelu_tanh_and_mul_kernel_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    """GeGLU (Gemma), gates from -12 to 12 (both tails of the tanh) and the 7 values past the
+    last vector of 8 (the scalar tail)."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(rows, 2 * 103, generator=gen) * 4).clamp(-12, 12).to(dtype)
+    out = gelu_tanh_and_mul(gate_up, use_kernel=True)
+    assert out.shape == (rows, 103)
+    _close(out, gelu_tanh_and_mul(gate_up))
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    _close(out, (exact * up).to(dtype))
 
 
 def _batch(slots: list[int], use_kernels: bool) -> ForwardBatch:

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -96,6 +98,29 @@ def _smollm3_nope() -> Any:
     return SmolLM3ForCausalLM(cfg)
 
 
+def _gemma3_sliding() -> Any:
+    """Gemma 3: a sliding-window layer (5 keys: the test's sequences outgrow it, so prefill
+    spans, chunks over cached blocks and decodes all cut it) and a full one with another RoPE
+    base; a score scale that is not head_dim's; norms whose weights are not zeros (Gemma's
+    1 + w applied where it should not shows)."""
+    cfg = Gemma3TextConfig(
+        **SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=1,  # one KV head, as the 270M's
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=None,
+    )
+    model = Gemma3ForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(3)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data = 0.5 * torch.randn(param.shape, generator=gen)
+    return model
+
+
 def _mistral() -> Any:
     cfg = MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
     return MistralForCausalLM(cfg)
@@ -126,6 +151,7 @@ ARCHITECTURES = {
     "qwen2-qkv-bias": _qwen2_bias,
     "qwen3-qk-norm": _qwen3_qk_norm,
     "smollm3-nope": _smollm3_nope,
+    "gemma3-sliding": _gemma3_sliding,
     "mistral": _mistral,
     "mistral-sliding": _mistral_sliding,
     "gpt2": _gpt2,
@@ -278,6 +304,7 @@ def test_float16_kv_cache_tracks_float32(use_cpu_kernels: bool) -> None:
         "qwen2-qkv-bias",
         "qwen3-qk-norm",
         "smollm3-nope",
+        "gemma3-sliding",
     ],
 )
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(

@@ -142,6 +142,43 @@ def test_gguf_names_map_to_hugging_face_names(gguf_name: str, hf_name: str | Non
     assert hf_tensor_name(gguf_name) == hf_name
 
 
+@pytest.mark.parametrize(
+    ("gguf_name", "hf_name"),
+    [
+        ("blk.1.attn_norm.weight", "model.layers.1.input_layernorm.weight"),
+        ("blk.1.post_attention_norm.weight", "model.layers.1.post_attention_layernorm.weight"),
+        ("blk.1.ffn_norm.weight", "model.layers.1.pre_feedforward_layernorm.weight"),
+        ("blk.1.post_ffw_norm.weight", "model.layers.1.post_feedforward_layernorm.weight"),
+        ("blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight"),
+        ("blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight"),
+    ],
+)
+def test_gemma3_names_its_four_norms(gguf_name: str, hf_name: str) -> None:
+    assert hf_tensor_name(gguf_name, "gemma3") == hf_name
+
+
+def test_gemma3_norms_are_read_as_hugging_face_holds_them(tmp_path: Path) -> None:
+    """llama.cpp's converter stores Gemma's norm weights as 1 + w; read back, they are w (the
+    model adds 1, as transformers does), and nothing else is shifted."""
+    path = tmp_path / "gemma3.gguf"
+    writer = GGUFWriter(path, "gemma3")
+    norm = np.array([0.5, 1.0, 1.25, -0.75] * 8, np.float32)  # exact in float32 minus 1
+    writer.add_tensor("blk.0.ffn_norm.weight", norm)
+    writer.add_tensor("output_norm.weight", norm)
+    linear = np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_up.weight", linear)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gguf = _open(path, _config("llama"))
+    for name in ("model.layers.0.pre_feedforward_layernorm.weight", "model.norm.weight"):
+        assert torch.equal(gguf.dequantize(name), torch.from_numpy(norm - 1))
+    assert torch.equal(
+        gguf.dequantize("model.layers.0.mlp.up_proj.weight"), torch.from_numpy(linear)
+    )
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("layer_type", [Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_0, Q.F16])
 def test_dequantized_tensors_are_the_files_values_in_hf_row_order(
