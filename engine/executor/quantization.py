@@ -282,6 +282,41 @@ class QuantizedLinear(nn.Module):
         return self.quantized.num_bytes
 
 
+def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of the weight as float32 [len(rows), K], `pack_weight` undone and
+    w = code * d + m computed as `engine.loading.gguf.GroupCodes.dequantize` computes it (so
+    the values are the same floats, bit for bit)."""
+    tiles, groups = weight.codes.shape[:2]
+    tile, row = rows // TILE_ROWS, rows % TILE_ROWS
+    if weight.bits == 4:  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
+        packed = weight.codes.view(tiles, groups, 4, TILE_ROWS, 4)[tile, :, :, row]
+        steps = torch.stack((packed & 15, packed >> 4), 3)  # [n, G, 4, 2, 4]
+        codes = steps.reshape(len(rows), groups, GROUP_SIZE).float()
+    else:
+        packed = weight.codes.view(torch.int8).view(tiles, groups, 8, TILE_ROWS, 4)
+        codes = packed[tile, :, :, row].reshape(len(rows), groups, GROUP_SIZE).float()
+    scales = weight.scales[tile, :, :, row].float()  # [n, parts, G]
+    if scales.shape[1] == 3:  # a d per 16-column half, then m
+        d = scales[:, :2].transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)
+    else:
+        d = scales[:, 0, :, None]
+    return codes.mul_(d).add_(scales[:, -1, :, None]).flatten(1)
+
+
+class HeadRowsEmbedding(nn.Module):
+    """A tied embedding read from the quantized head's rows, where those rows are exactly the
+    embedding's values (a GGUF's own blocks): no float copy of a vocabulary-sized table
+    (Gemma 3's 262,144 x 640 in float32 is 671 MB)."""
+
+    def __init__(self, head: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = head  # not a submodule: the head's module owns it
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.head, input_ids).to(self.dtype)
+
+
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`linear(x)` inside a decoder layer, through `.forward`: no hooks are ever set here, and
     the module call's bookkeeping was ~2 us x 120 projections a step."""

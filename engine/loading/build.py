@@ -11,6 +11,8 @@ from engine.core.memory import return_freed_memory
 from engine.executor.models import MODEL_CLASSES, CausalLM
 from engine.executor.models.layers import can_pack_linears, pack_linears
 from engine.executor.quantization import (
+    HeadRowsEmbedding,
+    QuantizedLinear,
     WeightFormat,
     quantize_linears,
     relink_dense_biases,
@@ -50,10 +52,13 @@ def restore_quantized_model(
     weights: WeightFormat,
 ) -> CausalLM:
     """The model `load_model_weights` built, from its `quantized_state` (consumed): no float
-    weights read, nothing quantized again."""
+    weights read, nothing quantized again. A tied model whose state holds no embedding reads
+    it from the quantized head's rows (`HeadRowsEmbedding`: a GGUF's own blocks)."""
     model = _on_meta(hf_config, max_positions, dtype)
     restore_linears(model, state, weights)
     tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
+    if tied and "embed_tokens.weight" not in state and isinstance(model.lm_head, QuantizedLinear):
+        model.embed_tokens = HeadRowsEmbedding(model.lm_head.quantized, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     state.clear()
     if set(missing) - tied or unexpected:

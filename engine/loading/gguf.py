@@ -452,9 +452,15 @@ def blocks_quantized_state(
     requantized: Counter[str] = Counter()
     for full, _parent, _name, _child, kind in quantizable_linears(model, weights):
         key = f"{full}.weight"
-        names = sources.pop(key) if key in sources else sources["embed_tokens.weight"]  # tied
+        tied = key not in sources
+        names = sources["embed_tokens.weight"] if tied else sources.pop(key)
         bits = BITS[kind] if kind in BITS else max(gguf.bits_of(name) for name in names)
+        before = sum(requantized.values())
         codes = _fused_codes(gguf, names, bits, requantized)
+        if tied and sum(requantized.values()) == before:
+            # the head's codes are the embedding's values: it is read from them
+            # (`HeadRowsEmbedding`), with no float copy of the table
+            del sources["embed_tokens.weight"]
         packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
         state[f"{full}.quantized.codes"] = packed.codes
         state[f"{full}.quantized.scales"] = packed.scales

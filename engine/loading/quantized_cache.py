@@ -23,7 +23,9 @@ from engine.loading.source import ModelSource, weight_files
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when quantized_state's layout changes
+# bump when quantized_state's layout changes (3: a tied embedding may be absent, read from the
+# head's rows)
+CACHE_VERSION = 3
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from engine.core.errors import ModelLoadError
 from engine.core.memory import return_freed_memory
 from engine.executor.kernels import NOT_BUILT, KernelBuild, build_cpu_kernels
 from engine.executor.models import CausalLM
-from engine.executor.quantization import WeightFormat
+from engine.executor.quantization import HeadRowsEmbedding, WeightFormat
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
 from engine.loading import quantized_cache
 from engine.loading.build import (
@@ -111,7 +111,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         torch.get_num_threads(),
         str(dtype).removeprefix("torch."),
         " (--dtype auto)" if config.dtype == "auto" else "",
-        weights.describe(dtype),
+        weights.describe(dtype) + _embedding_note(model),
         kernels.describe(),
         time.perf_counter() - start,
     )
@@ -186,6 +186,12 @@ def weight_format(config: EngineConfig, source: ModelSource, kernels_built: bool
     else:
         weights = WeightFormat(layers=choice, head="int8")
     return dataclasses.replace(weights, dense_copies=not kernels_built)
+
+
+def _embedding_note(model: CausalLM) -> str:
+    if isinstance(getattr(model, "embed_tokens", None), HeadRowsEmbedding):
+        return " (the tied embedding read from the head's blocks: no float table)"
+    return ""
 
 
 def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:

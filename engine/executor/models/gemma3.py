@@ -131,8 +131,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cfg, max_positions, dtype = self._rotary_args
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype, "full_attention")
         self.local_rotary = RotaryEmbedding(cfg, max_positions, dtype, "sliding_attention")
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        embedding = getattr(self.embed_tokens, "weight", None)  # None: read from the head
+        if self.tie_word_embeddings and embedding is not None:
+            self.lm_head.weight = embedding
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.refresh()

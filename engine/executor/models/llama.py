@@ -152,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
         Called again after the model was materialised from the meta device.
         """
         self.rotary = RotaryEmbedding(*self._rotary_args)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        embedding = getattr(self.embed_tokens, "weight", None)  # None: read from the head
+        if self.tie_word_embeddings and embedding is not None:
+            self.lm_head.weight = embedding
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(batch.input_ids)

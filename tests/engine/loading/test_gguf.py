@@ -15,10 +15,16 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.executor.kernels import load_cpu_kernels
-from engine.executor.quantization import FILE_BLOCKS, WeightFormat, pack_weight
+from engine.executor.quantization import (
+    FILE_BLOCKS,
+    HeadRowsEmbedding,
+    WeightFormat,
+    dequantize_rows,
+    pack_weight,
+)
 from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
-from engine.loading.build import _on_meta, load_model_weights
+from engine.loading.build import _on_meta, load_gguf_quantized, load_model_weights
 from engine.loading.gguf import (
     EXACT_BLOCKS,
     TABLE_RECORD,
@@ -309,6 +315,9 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     assert torch.equal(dense.view(torch.int32), expected.view(torch.int32))
     packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
     assert packed.scales.dtype == torch.float32
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+    unpacked = dequantize_rows(packed, order)  # the rows back out of the kernel's layout
+    assert torch.equal(unpacked.view(torch.int32), dense[order].view(torch.int32))
     assert load_cpu_kernels(default_cache_dir())
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
     out = torch.ops.prefixgate.quant_matmul(x, packed.codes, packed.scales, bits)
@@ -398,13 +407,18 @@ def test_quantized_state_from_blocks_equals_quantizing_the_dequantized_floats(
 ) -> None:
     """The GGUF route and the float route (the file dequantized, then quantized at load) give
     the same model, tensor for tensor: the file's own codes where its blocks are the
-    kernel's schemes, the same re-quantization where they are not."""
+    kernel's schemes, the same re-quantization where they are not; the tied embedding read
+    from the head's blocks where they are its values."""
     path = tmp_path / "tiny.gguf"
     floats = _write_gguf(path, model_type, layer_type, head_type)
     cfg = _config(model_type)
     direct = blocks_quantized_state(_on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
     model = load_model_weights(cfg, dict(floats), 64, dtype, torch.device("cpu"), weights)
     reference = float_route_state(model)
+    # a Q8_0 head in its own blocks holds the tied embedding's values: no float copy of it
+    assert ("embed_tokens.weight" in direct) == (head_type == Q.F16)
+    if head_type != Q.F16:
+        del reference["embed_tokens.weight"]
     assert sorted(direct) == sorted(reference)
     for name, tensor in reference.items():
         assert direct[name].dtype == tensor.dtype, name
@@ -430,6 +444,39 @@ def test_quantized_weights_are_exactly_the_files(
         state["layers.1.mlp.down_proj.dense.weight"], floats[f"{layer}.mlp.down_proj.weight"]
     )
     assert torch.equal(state["lm_head.dense.weight"], floats["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize(
+    ("head_type", "from_head"), [(Q.Q8_0, True), (Q.Q4_1, True), (Q.Q4_0, True), (Q.F16, False)]
+)
+def test_a_tied_embedding_is_read_from_the_heads_blocks_where_they_are_its_values(
+    tmp_path: Path, head_type: GGMLQuantizationType, from_head: bool
+) -> None:
+    """A tied head served in the file's own blocks holds the embedding's values exactly: the
+    model reads the embedding from those rows (no float table, no float copy in the state),
+    bit for bit the float table it would otherwise hold. A head re-quantized from its floats
+    (F16 here) does not: the float embedding stays."""
+    path = tmp_path / "tiny.gguf"
+    floats = _write_gguf(path, "llama", Q.Q4_1, head_type)
+    cfg = _config("llama")
+    weights = WeightFormat(FILE_BLOCKS, FILE_BLOCKS, dense_copies=False)
+    state = blocks_quantized_state(
+        _on_meta(cfg, 64, torch.float32), _open(path, cfg), weights, torch.float32
+    )
+    assert ("embed_tokens.weight" not in state) == from_head
+    model = load_gguf_quantized(cfg, _open(path, cfg), 64, torch.float32, weights)
+    embedding = model.embed_tokens  # type: ignore[attr-defined]
+    assert isinstance(embedding, HeadRowsEmbedding) == from_head
+    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(2))
+    rows = embedding(ids)
+    expected = floats["model.embed_tokens.weight"][ids]
+    if not from_head:  # the re-quantized head; the embedding is the file's floats
+        assert torch.equal(rows, expected)
+        return
+    assert rows.dtype == torch.float32
+    assert torch.equal(rows, expected)  # the file's values (Q4_0's zeros may be -0 there)
+    table = _open(path, cfg).dequantize("model.embed_tokens.weight")  # the table it replaces
+    assert torch.equal(rows.view(torch.int32), table[ids].view(torch.int32))
 
 
 def test_a_model_without_gguf_fusion_is_refused(tmp_path: Path) -> None:
