@@ -5,12 +5,14 @@ engine tests generate from."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import openai
 import pytest
 
-from engine import LLMEngine, chat_prompt_ids
+from engine import LLMEngine, SamplingParams, chat_prompt_ids
+from engine.core.outputs import SampleLogprobs
 from engine.loading.source import ModelSource
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
 
@@ -35,6 +37,34 @@ QUESTIONS = [
     "Explain gravity in one sentence to a child who is five years old and likes dinosaurs.",
     "Hi",
 ]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A request's whole answer: what "same request, same answer" compares, bit for bit."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampleLogprobs, ...]
+
+
+def run_requests(
+    engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams, int]]
+) -> dict[str, Answer]:
+    """Add each (id, prompt, params, arrival step) before its step; step to the end."""
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+    logprobs: dict[str, list[SampleLogprobs]] = {rid: [] for rid, *_ in requests}
+    last = max(arrival for *_, arrival in requests)
+    step = 0
+    while step <= last or engine.has_unfinished_requests():
+        for rid, prompt, params, arrival in requests:
+            if arrival == step:
+                engine.add_request(rid, prompt, params)
+        for output in engine.step():
+            tokens[output.request_id] += output.token_ids
+            logprobs[output.request_id] += output.logprobs or []
+        step += 1
+    engine.check_integrity()
+    return {rid: Answer(tuple(tokens[rid]), tuple(logprobs[rid])) for rid in tokens}
 
 
 def registry_chat(engine: LLMEngine, name: str, question: str) -> list[int]:

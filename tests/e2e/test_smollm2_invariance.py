@@ -13,16 +13,14 @@ to the request's lone answer, greedy and seeded at temperature 0.8 alike.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids, text_prompt_ids
-from engine.core.outputs import SampleLogprobs
 from engine.loading.source import ModelSource
-from tests.e2e.conftest import registry_chat
+from tests.e2e.conftest import Answer, registry_chat, run_requests
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.e2e
@@ -59,12 +57,6 @@ WARMUP_QUESTIONS = [
     "List three prime numbers and explain why each one is odd.",
     "Explain gravity in one sentence to a child who is five years old and likes cats.",
 ]
-
-
-@dataclass(frozen=True)
-class Answer:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[SampleLogprobs, ...]
 
 
 def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
@@ -108,27 +100,6 @@ def _seeded(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=MAX_TOKENS, logprobs=3)
 
 
-def _run(
-    engine: LLMEngine,
-    requests: list[tuple[str, list[int], SamplingParams, int]],
-) -> dict[str, Answer]:
-    """Add each (id, prompt, params, arrival step) before its step; step to the end."""
-    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
-    logprobs: dict[str, list[SampleLogprobs]] = {rid: [] for rid, *_ in requests}
-    last = max(arrival for *_, arrival in requests)
-    step = 0
-    while step <= last or engine.has_unfinished_requests():
-        for rid, prompt, params, arrival in requests:
-            if arrival == step:
-                engine.add_request(rid, prompt, params)
-        for output in engine.step():
-            tokens[output.request_id] += output.token_ids
-            logprobs[output.request_id] += output.logprobs or []
-        step += 1
-    engine.check_integrity()
-    return {rid: Answer(tuple(tokens[rid]), tuple(logprobs[rid])) for rid in tokens}
-
-
 @pytest.fixture(scope="module")
 def alone(smollm2_source: ModelSource, prompts: list[list[int]]) -> dict[str, Answer]:
     """Each request by itself, greedy ("g<i>") and seeded ("s<i>"), on an engine with the
@@ -137,8 +108,8 @@ def alone(smollm2_source: ModelSource, prompts: list[list[int]]) -> dict[str, An
     engine = _engine(smollm2_source, enable_auto_prefix_cache=False)
     answers: dict[str, Answer] = {}
     for i, prompt in enumerate(prompts):
-        answers.update(_run(engine, [(f"g{i}", prompt, GREEDY, 0)]))
-        answers.update(_run(engine, [(f"s{i}", prompt, _seeded(i), 0)]))
+        answers.update(run_requests(engine, [(f"g{i}", prompt, GREEDY, 0)]))
+        answers.update(run_requests(engine, [(f"s{i}", prompt, _seeded(i), 0)]))
     assert all(len(a.token_ids) > 0 for a in answers.values())
     return answers
 
@@ -173,12 +144,12 @@ def test_alone_is_alone_without_any_cache(
     cases = (0, 8, 11, 13, 14)
     uncached = _engine(smollm2_source, prefix_file=None, enable_prefix_cache=False)
     for i in cases:
-        _assert_same(_run(uncached, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
+        _assert_same(run_requests(uncached, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
     assert_all_free(uncached)
     serving = _engine(smollm2_source)
     for i in cases:
-        _assert_same(_run(serving, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
-        _assert_same(_run(serving, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
+        _assert_same(run_requests(serving, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
+        _assert_same(run_requests(serving, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
 
 
 def test_all_at_once_with_duplicates_then_cached_at_random_steps(
@@ -186,11 +157,11 @@ def test_all_at_once_with_duplicates_then_cached_at_random_steps(
 ) -> None:
     tok = served.tokenizer
     warmup = [(f"w{i}", _plain(tok, q), GREEDY, 0) for i, q in enumerate(WARMUP_QUESTIONS)]
-    _run(served, warmup)
+    run_requests(served, warmup)
     rng = random.Random(24)
-    _assert_same(_run(served, _mix(prompts, rng, spread=0, copies=2)), alone)
+    _assert_same(run_requests(served, _mix(prompts, rng, spread=0, copies=2)), alone)
     # every prompt is in the automatic cache now: exact hits, at random steps
-    _assert_same(_run(served, _mix(prompts, rng, spread=30, copies=2)), alone)
+    _assert_same(run_requests(served, _mix(prompts, rng, spread=30, copies=2)), alone)
 
 
 # and the default 128 above; tests/engine/test_batch_invariance.py runs chunks of 7, 64 and 128
@@ -202,7 +173,7 @@ def test_chunked_prefill_at_random_steps(
     budget: int,
 ) -> None:
     engine = _engine(smollm2_source, max_num_batched_tokens=budget)
-    _assert_same(_run(engine, _mix(prompts, random.Random(budget), spread=40)), alone)
+    _assert_same(run_requests(engine, _mix(prompts, random.Random(budget), spread=40)), alone)
 
 
 def test_preempted_and_recomputed(
@@ -222,5 +193,5 @@ def test_preempted_and_recomputed(
         kv_cache_memory=None,
         max_model_len=max_model_len,
     )
-    _assert_same(_run(engine, _mix(prompts, random.Random(7), spread=10)), alone)
+    _assert_same(run_requests(engine, _mix(prompts, random.Random(7), spread=10)), alone)
     assert engine.scheduler.num_preemptions > 0
