@@ -6,10 +6,11 @@ order), then one token per decoding sequence. New K/V rows are written into the 
 `slot_mapping` before attention reads them.
 
 The kernel (`torch.ops.prefixgate.paged_attention`, engine/executor/kernels/paged_attention.cpp)
-serves every query the same way: a query at position p attends to keys 0..p in fixed
-positional chunks merged in a fixed order, so its result does not depend on whether it came
-in a whole prefill, a suffix after a cache hit, a decode step, a recompute, or beside which
-other sequences. `KernelPlan` is what it reads, built once per forward.
+serves every query the same way: a query at position p attends to keys 0..p (its last
+`window` keys in a sliding-window layer) in fixed positional chunks merged in a fixed order,
+so its result does not depend on whether it came in a whole prefill, a suffix after a cache
+hit, a decode step, a recompute, or beside which other sequences. `KernelPlan` is what it
+reads, built once per forward (and once more for a window).
 
 The torch path (`TorchAttention`) is for devices without the kernel: prefill spans through
 SDPA, decodes gathered and masked, and decodes that share a registry prefix's blocks as a
@@ -34,7 +35,8 @@ class PrefillSpan:
     num_new_tokens: int
     num_cached: int
     block_ids: torch.Tensor  # [num_blocks] long, on the device
-    # additive [group * num_new, num_cached + num_new] (see `prefill_mask`); None: nothing cached
+    # additive [group * num_new, num_cached + num_new] (see `prefill_mask`); None: plain causal
+    # (nothing cached, no window cutting the span)
     mask: torch.Tensor | None
 
 
@@ -48,13 +50,14 @@ class DecodeGroup:
     prefix_blocks: slice | torch.Tensor | None
     block_tables: torch.Tensor  # [G, max_blocks] long: each sequence's blocks after the prefix
     context_lens: torch.Tensor  # [G] long: tokens each sequence attends to after the prefix
-    mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding
+    # [G, 1, 1, max_blocks * block_size] additive: 0 valid, -inf padding (and outside a window)
+    mask: torch.Tensor
 
 
 @dataclass(slots=True)
 class KernelPlan:
     """The kernel's view of a step: each query's sequence row in the block table and the
-    work split `attention_plan` made of them (shared by every layer)."""
+    work split `attention_plan` made of them (shared by every layer with its window)."""
 
     block_tables: torch.Tensor  # [rows, max_blocks] long: the input batch's table
     seq_rows: torch.Tensor  # [num_tokens] long: each query's row

@@ -452,8 +452,8 @@ def blocks_quantized_state(
     requantized: Counter[str] = Counter()
     for full, _parent, _name, _child, kind in quantizable_linears(model, weights):
         key = f"{full}.weight"
-        tied = key not in sources
-        names = sources["embed_tokens.weight"] if tied else sources.pop(key)
+        tied = key not in sources and getattr(model, "tie_word_embeddings", False)
+        names = sources["embed_tokens.weight"] if key not in sources else sources.pop(key)
         bits = BITS[kind] if kind in BITS else max(gguf.bits_of(name) for name in names)
         before = sum(requantized.values())
         codes = _fused_codes(gguf, names, bits, requantized)

@@ -30,7 +30,8 @@ _UNSTABLE_TEMPLATE = (
 
 
 def render_chat_prefix(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
-    """The ids that `messages` followed by any user turn all start with.
+    """The ids that `messages` followed by any user turn all start with, and (unless they
+    are system messages only) `messages` rendered alone too.
 
     Chat templates are often not prefix-stable: the last message may be closed differently
     when nothing follows it, BPE may merge tokens across the boundary, and some render a
@@ -38,14 +39,18 @@ def render_chat_prefix(tokenizer: PreTrainedTokenizerBase, messages: Messages) -
     messages are `<bos>` and nothing else). Registering the naive rendering would then match
     no real request, or pin nothing of the prompt. The longest prefix common to renderings
     with several different probe user turns is what real conversations share (the opening of
-    the user turn included, where the template writes one). An empty result means the
-    template renders the prefix unstably.
+    the user turn included, where the template writes one). An entry ending in a user or
+    assistant turn may also be continued by the generation prompt or another role, so its
+    rendering alone joins the comparison; a system prompt is always followed by a user turn.
+    An empty result means the template renders the prefix unstably.
     """
     base = [{"role": role, "content": content} for role, content in messages]
     renderings = [
         chat_prompt_ids(tokenizer, [*base, {"role": "user", "content": probe}])
         for probe in PROBE_USER_TEXTS
     ]
+    if any(role != "system" for role, _ in messages):
+        renderings.append(chat_prompt_ids(tokenizer, base, add_generation_prompt=False))
     return _common_prefix(renderings)
 
 

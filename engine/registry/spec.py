@@ -44,9 +44,9 @@ class PrefixSpec:
     """One validated entry of the prefixes file and the token ids the registry pins for it.
 
     For chat entries `token_ids` is the part of the rendering that every conversation
-    continuing these messages with a user turn starts with (see `render_chat_prefix`): the
-    messages rendered alone, a few tokens more (the user turn's opening) or fewer (a last
-    message closed differently when nothing follows it).
+    continuing these messages starts with (see `render_chat_prefix`): system messages only,
+    with the next user turn's opening; other entries, the messages rendered alone or a few
+    tokens fewer (a last message closed differently when nothing follows it).
     """
 
     name: str

@@ -4,11 +4,14 @@ sees the whole context, with its own RoPE base), four norms a layer (each sublay
 normalised before its residual add), GeGLU, and embeddings scaled by sqrt(hidden_size).
 
 Gemma's RMSNorm multiplies by (1 + weight): `GemmaRMSNorm` keeps Gemma's weight and computes
-1 + weight once after loading, in float32 as transformers does at each call; the norm itself
-is Llama's, C++ kernel included. Every sliding-window layer reads the step's `windowed` view of
-attention (engine/executor/attention.py): a query at position p attends to keys
-p - window + 1..p, in the same fixed positional chunks as every other query, so the promise
-"same request, same answer" holds here too. Blocks that fell out of every window are kept
+1 + weight once after loading, in float32 as transformers does at each call, then held in the
+compute dtype; the norm itself is Llama's, C++ kernel included (in bfloat16 that rounds 1 + w
+and the normalised row apart, where transformers rounds their float32 product once).
+
+Every sliding-window layer reads the step's `windowed` view of attention
+(engine/executor/attention.py): a query at position p attends to keys p - window + 1..p, in
+the same fixed positional chunks as every other query, so the promise "same request, same
+answer" holds here too. Blocks that fell out of every window are kept
 (the full-attention layers still read them).
 """
 
@@ -32,8 +35,8 @@ from engine.executor.quantization import project
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the normalised row times (1 + weight), 1 + weight computed once in
-    float32 (`refresh`, after the weights are loaded), as transformers computes it per call.
-    The weight stays Gemma's own (what a checkpoint and transformers hold)."""
+    float32 (`refresh`, after the weights are loaded) and held in the compute dtype. The
+    weight stays Gemma's own (what a checkpoint and transformers hold)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps)

@@ -205,7 +205,11 @@ def sliding_layers(hf_config: Any) -> tuple[list[bool], int]:
     if unknown:
         raise ValueError(f"layer types {sorted(unknown)} are not served")
     flags = [kind == "sliding_attention" for kind in types]
-    return flags, int(hf_config.sliding_window) if any(flags) else 0
+    if not any(flags):
+        return flags, 0
+    if not getattr(hf_config, "sliding_window", None):
+        raise ValueError("sliding-window layers without a sliding_window in the config")
+    return flags, int(hf_config.sliding_window)
 
 
 def stack_weights(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -70,10 +70,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:  # in place, head by head (rows of head_dim), as every other norm
             heads, kv_end = self.num_heads, self.num_heads + self.num_kv_heads
             for norm, part in ((self.q_norm, slice(0, heads)), (self.k_norm, slice(heads, kv_end))):
-                x = qkv[:, part]
+                rows = qkv[:, part]
                 qkv[:, part] = norm(
-                    x.reshape(-1, self.head_dim).contiguous(), batch.use_cpu_kernels
-                ).view(x.shape)
+                    rows.reshape(-1, self.head_dim).contiguous(), batch.use_cpu_kernels
+                ).view(rows.shape)
         q, k, v = rope_and_store(qkv, rope, self.k_cache, self.v_cache, batch, self.num_heads)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale, sliding)
         return project(self.o_proj, o.reshape(n, self.q_size))

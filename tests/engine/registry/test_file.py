@@ -103,9 +103,10 @@ def test_valid_file_renders_exact_ids(
 ) -> None:
     path = tmp_path / "prefixes.yaml"
     path.write_text(VALID_FILE)
-    alone = chat_prompt_ids(tiny_tokenizer, _as_dicts(HELPER_MESSAGES), add_generation_prompt=False)
-    # ChatML is prefix-stable: the messages rendered alone, then the next user turn's opening
-    chat_ids = alone + tiny_tokenizer.encode("<|im_start|>user\n")
+    # ChatML is prefix-stable and the entry ends with an assistant turn: nothing is cut
+    chat_ids = chat_prompt_ids(
+        tiny_tokenizer, _as_dicts(HELPER_MESSAGES), add_generation_prompt=False
+    )
     specs = load_prefix_file(path, tiny_tokenizer, MAX_MODEL_LEN)
     assert specs == [
         PrefixSpec(
@@ -125,7 +126,7 @@ def test_valid_file_renders_exact_ids(
             token_ids=(285, 324, 375, 85, 264, 383, 16),
         ),
     ]
-    assert alone[-2:] == [2, 201]  # ...Paris.<|im_end|>\n
+    assert chat_ids[-2:] == [2, 201]  # ...Paris.<|im_end|>\n
     assert specs[0].num_tokens == len(chat_ids)
 
 
@@ -448,7 +449,7 @@ def test_unstable_template_registers_only_the_shared_ids(
     ids = list(spec.token_ids)
     naive = chat_prompt_ids(tokenizer, messages, add_generation_prompt=False)
     assert naive[-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    assert ids[: len(naive) - 1] == naive[:-1] and ids[len(naive) - 1] != naive[-1]
+    assert ids == naive[:-1]
     follow_ups = [
         [{"role": "user", "content": "anything at all"}],
         [{"role": "user", "content": "Hello"}],
@@ -484,6 +485,17 @@ def test_a_system_message_folded_into_the_user_turn_is_registered(
         turn = {"role": "user", "content": question}
         rendered = chat_prompt_ids(tokenizer, [*messages, turn])
         assert rendered[: len(spec.token_ids)] == list(spec.token_ids)
+
+
+def test_a_system_prompt_pins_the_next_user_turns_opening(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """A system prompt is always followed by a user turn: its entry pins that turn's opening
+    too; an entry ending in another turn pins no more than its rendering alone."""
+    system = [{"role": "system", "content": "Be brief."}]
+    spec = parse_prefix_text(_chat_entry(GOOD_MESSAGE), Path("p.yaml"), tiny_tokenizer, 256)[0]
+    alone = chat_prompt_ids(tiny_tokenizer, system, add_generation_prompt=False)
+    assert list(spec.token_ids) == alone + tiny_tokenizer.encode("<|im_start|>user\n")
 
 
 def test_template_sharing_nothing_is_reported(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
