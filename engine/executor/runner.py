@@ -184,20 +184,24 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
         rows = self.input_batch.rows([item.seq for item in ordered])
         position_tensor = self._tensor(positions)
-        seq_rows = self._tensor(
-            [
-                row
-                for item, row in zip(ordered, rows, strict=True)
-                for _ in range(item.num_new_tokens)
-            ]
+        seq_rows = (  # each query's row of the block table: what the kernel's plans read
+            self._tensor(
+                [
+                    row
+                    for item, row in zip(ordered, rows, strict=True)
+                    for _ in range(item.num_new_tokens)
+                ]
+            )
+            if self.use_cpu_kernels
+            else None
         )
 
         def view(window: int) -> KernelPlan | TorchAttention:
-            if self.use_cpu_kernels:
-                return KernelPlan.build(
-                    self.input_batch.block_tables, seq_rows, position_tensor, block_size, window
-                )
-            return self._torch_attention(ordered, rows, window)
+            if seq_rows is None:
+                return self._torch_attention(ordered, rows, window)
+            return KernelPlan.build(
+                self.input_batch.block_tables, seq_rows, position_tensor, block_size, window
+            )
 
         window = self.model.sliding_window
         return ForwardBatch(
