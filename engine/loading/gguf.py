@@ -47,7 +47,13 @@ from engine.executor.quantization import (
 logger = logging.getLogger(__name__)
 
 # GGUF architectures read here, by the Hugging Face model_type they convert to.
-ARCH_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ARCH_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
 HF_LAYOUT_ARCHS = frozenset({"llama"})  # q/k rows permuted by llama.cpp's converter
 # Gemma's norms multiply by (1 + w); llama.cpp's converter stores 1 + w, Hugging Face w.
 NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
@@ -62,6 +68,7 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # stored fused (Phi-3)
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -71,7 +78,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Where an architecture names a block tensor otherwise: Gemma 3's four norms a layer.
+# Where an architecture names a block tensor otherwise: Gemma 3's four norms a layer, Phi-3's
+# gate and up projections stored as one `ffn_up`.
 _ARCH_BLOCK_NAMES = {
     "gemma3": {
         **_BLOCK_NAMES,
@@ -79,7 +87,11 @@ _ARCH_BLOCK_NAMES = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "phi3": {**_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"},
 }
+# Per-frequency RoPE divisors llama.cpp's converter stores as tensors: Llama 3.x's scaling
+# (`rope_freqs`), Phi-3.5/4's LongRoPE (`rope_factors_long`, `rope_factors_short`).
+ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
 @dataclass(frozen=True)
@@ -147,16 +159,20 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class GGUFTable:
-    """A GGUF file's architecture and tensor table, by GGUF tensor name."""
+    """A GGUF file's architecture and tensor table, by GGUF tensor name, and its RoPE
+    metadata (`rope`: the `{arch}.rope.*` fields without the prefix, and the values of the
+    `ROPE_FACTOR_TENSORS` it holds), which transformers' reading of a GGUF's config drops."""
 
     arch: str
     tensors: dict[str, TensorEntry]
+    rope: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def parse(cls, path: Path) -> GGUFTable:
         from gguf import GGUFReader
 
         reader = GGUFReader(path)
+        arch = str(reader.fields["general.architecture"].contents())
         tensors = {
             t.name: TensorEntry(
                 t.tensor_type.name,
@@ -166,13 +182,23 @@ class GGUFTable:
             )
             for t in reader.tensors
         }
-        table = cls(str(reader.fields["general.architecture"].contents()), tensors)
+        prefix = f"{arch}.rope."
+        rope: dict[str, Any] = {
+            key.removeprefix(prefix): field.contents()
+            for key, field in reader.fields.items()
+            if key.startswith(prefix)
+        }
+        for t in reader.tensors:
+            stem = t.name.removesuffix(".weight")
+            if stem in ROPE_FACTOR_TENSORS:
+                rope[stem] = np.asarray(t.data, dtype=np.float32).ravel().tolist()
+        table = cls(arch, tensors, rope)
         del reader
         return_freed_memory()
         return table
 
     def to_json(self) -> str:
-        return json.dumps({"arch": self.arch, "tensors": {
+        return json.dumps({"arch": self.arch, "rope": self.rope, "tensors": {
             name: dataclasses.asdict(entry) for name, entry in self.tensors.items()
         }})  # fmt: skip
 
@@ -184,7 +210,61 @@ class GGUFTable:
             name: TensorEntry(e["kind"], tuple(e["shape"]), int(e["offset"]), int(e["num_bytes"]))
             for name, e in data["tensors"].items()
         }
-        return cls(str(data["arch"]), tensors)
+        return cls(str(data["arch"]), tensors, dict(data["rope"]))
+
+
+def complete_rope(table: GGUFTable, config: Any) -> None:
+    """Give `config` (transformers' reading of the file's metadata) the RoPE llama.cpp applies
+    to the file (`rope_parameters`), where the config class keeps some of it outside
+    `rope_parameters` too (Phi-3's `original_max_position_embeddings`, which it would copy
+    over them when the saved config is read back) there as well."""
+    params = rope_parameters(table, config)
+    config.rope_parameters = params
+    flat = params.get("full_attention", params)
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+        if key in flat and hasattr(config, key):
+            setattr(config, key, flat[key])
+
+
+def rope_parameters(table: GGUFTable, config: Any) -> dict[str, Any]:
+    """`config.rope_parameters` (transformers' reading of the file's metadata) completed with
+    the RoPE llama.cpp applies to the file, which that reading drops: a rotary width below
+    head_dim (`rope.dimension_count`: Phi-4-mini's partial rotary), per-frequency divisors
+    (`rope_freqs`, `rope_factors_long` / `_short`), linear scaling. Divisors become
+    transformers' "longrope" parameters, whose inverse frequencies are exactly base ** -(2i /
+    d) / factor_i as llama.cpp's: short and long factors with Phi's pretraining length and
+    attention factor, or one set for both (Llama 3.x) with an attention factor of 1.
+
+    ValueError for a RoPE scaling this reading does not reproduce (YaRN)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    layered = "full_attention" in params  # Gemma 3: one set per layer kind
+    target = dict(params["full_attention"]) if layered else params
+    rope = table.rope
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dims = int(rope.get("dimension_count", head_dim))
+    if dims < head_dim:
+        target["partial_rotary_factor"] = dims / head_dim
+    short = rope.get("rope_factors_short") or rope.get("rope_freqs")
+    long = rope.get("rope_factors_long") or rope.get("rope_freqs")
+    scaling = str(rope.get("scaling.type", "none"))
+    if short is not None and long is not None:
+        if len(short) != dims // 2 or len(long) != dims // 2:
+            raise ValueError(f"RoPE factors of {len(short)} / {len(long)} for {dims} rotary dims")
+        original = rope.get("scaling.original_context_length", config.max_position_embeddings)
+        target.update(
+            rope_type="longrope",
+            short_factor=[float(x) for x in short],
+            long_factor=[float(x) for x in long],
+            original_max_position_embeddings=int(original),
+            attention_factor=float(rope.get("scaling.attn_factor", 1.0)),
+        )
+    elif scaling == "linear":
+        target.update(rope_type="linear", factor=float(rope["scaling.factor"]))
+    elif scaling not in ("none", "longrope"):
+        raise ValueError(f"RoPE scaling {scaling!r} of a GGUF is not served")
+    if layered:
+        params["full_attention"] = target
+    return params
 
 
 def gguf_table(gguf_path: Path, folder: Path) -> GGUFTable:

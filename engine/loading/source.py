@@ -41,7 +41,13 @@ from engine.core.errors import ModelLoadError
 from engine.executor.models import SUPPORTED_MODEL_TYPES
 from engine.executor.quantization import BITS, FILE_BLOCKS, WeightFormat
 from engine.loading import safetensors_io
-from engine.loading.gguf import ARCH_MODEL_TYPES, GGML_BITS, GGUFWeights, gguf_table
+from engine.loading.gguf import (
+    ARCH_MODEL_TYPES,
+    GGML_BITS,
+    GGUFWeights,
+    complete_rope,
+    gguf_table,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -57,7 +63,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the converted folder's layout changes: the cache key changes, so old folders are
 # ignored rather than half-understood.
-_CONVERSION_VERSION = 2  # 2: Llama-family tensors read by engine.gguf_weights
+_CONVERSION_VERSION = 3  # 2: Llama-family tensors read directly; 3: the file's RoPE kept
 _HASH_WINDOW_BYTES = 1 << 20
 _STALE_TEMP_SECONDS = 3600.0
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -385,6 +391,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
         if table.arch in ARCH_MODEL_TYPES:
+            complete_rope(table, config)
             _stream_float_weights(GGUFWeights(gguf_path, table, config), config, out_dir)
     except (ValueError, KeyError) as exc:  # a damaged tensor table or tensor
         raise ModelLoadError(f"cannot read the tensors of GGUF {gguf_path}: {exc}") from exc

@@ -10,8 +10,9 @@
 //   silu_and_mul(gate_up)                    round(silu(gate)) * up, gate_up = [gate | up]
 //   gelu_tanh_and_mul(gate_up)               round(gelu_tanh(gate)) * up (GeGLU: Gemma)
 //   rope_and_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
-//       rotates the q and k heads of qkv in place (rotate-half RoPE) and writes k and v into
-//       the paged cache at their slots
+//       rotates the q and k heads of qkv in place (rotate-half RoPE over the first cos.size(-1)
+//       dims of each head: all of it, or Phi's partial rotary) and writes k and v into the
+//       paged cache at their slots
 //
 // Registered under torch.ops.prefixgate next to the decode attention kernel.
 
@@ -206,13 +207,14 @@ void store_row(const T* src, KV* dst, int64_t n) {
   }
 }
 
-// One token: x * cos + rotate_half(x) * sin for each q and k head, rounded as torch rounds
-// each product and the sum; then the k and v heads stored at the token's cache slot.
+// One token: x * cos + rotate_half(x) * sin over the first `rot` dims of each q and k head
+// (the rest pass as they are), rounded as torch rounds each product and the sum; then the k
+// and v heads stored at the token's cache slot.
 template <typename T, typename KV>
 void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                      int64_t num_heads) {
-  const int64_t n = qkv.size(0), d = qkv.size(2), half = d / 2;
+  const int64_t n = qkv.size(0), d = qkv.size(2), rot = cos.size(-1), half = rot / 2;
   const int64_t num_kv_heads = k_cache.size(2);
   const int64_t row = qkv.size(1) * d, kv_row = num_kv_heads * d;
   T* x = qkv.data_ptr<T>();
@@ -223,8 +225,8 @@ void rope_cache_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos_ptr + t * d;
-      const T* s = sin_ptr + t * d;
+      const T* c = cos_ptr + t * rot;
+      const T* s = sin_ptr + t * rot;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         T* head = x + t * row + h * d;
         int64_t i = 0;
@@ -279,10 +281,11 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == qkv.size(2));
   TORCH_CHECK(qkv.size(1) == num_heads + 2 * k_cache.size(2), "qkv holds q, k and v heads");
-  TORCH_CHECK(qkv.size(2) % 2 == 0);
-  const int64_t n = qkv.size(0), d = qkv.size(2);
+  const int64_t n = qkv.size(0), rot = cos.size(-1);
+  TORCH_CHECK(rot % 2 == 0 && rot <= qkv.size(2), "rotary dims: even, at most head_dim");
   for (const at::Tensor* table : {&cos, &sin})
-    TORCH_CHECK(table->is_contiguous() && table->numel() == n * d, "cos/sin: [tokens, 1, d]");
+    TORCH_CHECK(table->is_contiguous() && table->numel() == n * rot && table->size(-1) == rot,
+                "cos/sin: [tokens, 1, rotary dims]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "one dtype for qkv and RoPE");

@@ -41,6 +41,7 @@ MODEL_CLASSES: dict[str, type[Any]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }

@@ -124,7 +124,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         with torch.device("cpu"):  # real numbers even while the model is built on meta
-            inv_freq, scaling = _inv_freq(hf_config, layer_type)
+            inv_freq, scaling = _inv_freq(hf_config, layer_type, max_positions)
             t = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)  # [max_positions, rot_dim / 2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rot_dim]
@@ -165,16 +165,27 @@ def rope_and_store(
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """RoPE (rotate-half form) of x [num_tokens, heads, head_dim]; q and k heads go in
-    together as one tensor, one set of ops for both."""
+    together as one tensor, one set of ops for both. Tables narrower than head_dim rotate
+    its first dims only and pass the rest (Phi's partial rotary)."""
     cos, sin = rope
-    half = x.shape[-1] // 2
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((rotate(x[..., :rot], rope), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
-def _inv_freq(hf_config: Any, layer_type: str) -> tuple[torch.Tensor, float]:
+def _inv_freq(hf_config: Any, layer_type: str, max_positions: int) -> tuple[torch.Tensor, float]:
     """`layer_type`: for a model whose RoPE differs by layer kind (Gemma 3's sliding and full
-    attention), whose parameters; "" for the one set of the others."""
+    attention), whose parameters; "" for the one set of the others.
+
+    LongRoPE (Phi-3.5, Phi-4-mini) has two sets of factors: transformers switches from the
+    short to the long ones once a forward's longest sequence passes the pretraining length,
+    which would rotate a token differently by what else is in its batch and re-rotate nothing
+    already cached. Here, as in llama.cpp, the served context decides once: the long factors
+    where `max_positions` exceeds the pretraining length, else the short ones, for every
+    position, so a position's rotation never depends on anything else."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -182,14 +193,17 @@ def _inv_freq(hf_config: Any, layer_type: str) -> tuple[torch.Tensor, float]:
         params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        kwargs = {"layer_type": layer_type} if layer_type else {}
+        kwargs: dict[str, Any] = {"layer_type": layer_type} if layer_type else {}
+        if rope_type == "longrope":
+            kwargs["seq_len"] = max_positions
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         return inv_freq.float(), float(scaling)
     base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # Phi-4-mini's 0.75
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     return inv_freq, 1.0
 
 

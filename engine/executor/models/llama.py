@@ -1,5 +1,6 @@
 """The Llama family: Llama 2/3.x, SmolLM2, TinyLlama, Mistral, Qwen2 (qkv bias), Qwen3 (an
-RMSNorm over each query and key head before RoPE), SmolLM3 (no RoPE in every fourth layer).
+RMSNorm over each query and key head before RoPE), SmolLM3 (no RoPE in every fourth layer),
+Phi-3/3.5/4-mini (q/k/v and gate/up stored fused, LongRoPE, Phi-4-mini's partial rotary).
 
 Projections that read the same input are fused at load time (q/k/v into `qkv_proj`,
 gate/up into `gate_up_proj`): fewer, larger matmuls per layer, which is what a small model on
@@ -198,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
                 names = [f"{p}self_attn.{x}_proj.{kind}" for x in ("q", "k", "v")]
                 if names[0] in sd:
                     sd[f"{p}self_attn.qkv_proj.{kind}"] = stack([sd.pop(n) for n in names])
-            gate_up = [sd.pop(f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")]
-            sd[f"{p}mlp.gate_up_proj.weight"] = stack(gate_up)
+            names = [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up")]
+            if names[0] in sd:  # Phi-3's come fused already
+                sd[f"{p}mlp.gate_up_proj.weight"] = stack([sd.pop(n) for n in names])
         return sd

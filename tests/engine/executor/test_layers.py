@@ -11,6 +11,7 @@ from engine.executor.attention import ForwardBatch, KernelPlan, TorchAttention
 from engine.executor.kernels import load_cpu_kernels
 from engine.executor.models.layers import (
     RMSNorm,
+    RotaryEmbedding,
     gelu_tanh_and_mul,
     rope_and_store,
     silu_and_mul,
@@ -104,16 +105,19 @@ def _batch(slots: list[int], use_kernels: bool) -> ForwardBatch:
     )
 
 
+@pytest.mark.parametrize("rotary", [16, 12], ids=["full", "partial"])
 @pytest.mark.parametrize("cache_dtype", [None, torch.float16], ids=["same", "float16-cache"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_rope_and_store_kernel_rotates_and_writes_the_cache_like_torch(
-    dtype: torch.dtype, rows: int, cache_dtype: torch.dtype | None
+    dtype: torch.dtype, rows: int, cache_dtype: torch.dtype | None, rotary: int
 ) -> None:
+    """`rotary`: the dims RoPE turns, all 16 of a head or Phi-4-mini's 3/4 (12: the 8-lane
+    loop and its tail), the rest passed as they are."""
     heads, kv_heads, dim, blocks, block_size = 6, 2, 16, 12, 4
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
-    angles = torch.rand(rows, 1, dim // 2, generator=gen) * 6
+    angles = torch.rand(rows, 1, rotary // 2, generator=gen) * 6
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
     slots = torch.randperm(blocks * block_size, generator=gen)[:rows].tolist()
@@ -129,9 +133,43 @@ def test_rope_and_store_kernel_rotates_and_writes_the_cache_like_torch(
         _close(actual.contiguous(), expected.contiguous())
     q, k, v, k_cache, v_cache = results[1]
     assert torch.equal(v, qkv[:, heads + kv_heads :])  # v is not rotated
-    assert not torch.equal(q, qkv[:, :heads])
+    assert not torch.equal(q[..., :rotary], qkv[:, :heads, :rotary])
+    assert torch.equal(q[..., rotary:], qkv[:, :heads, rotary:])  # past the rotary dims
+    assert torch.equal(k[..., rotary:], qkv[:, heads : heads + kv_heads, rotary:])
     flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     assert torch.equal(flat_k[slots], k.to(k_cache.dtype))  # rounded to nearest even once
     assert torch.equal(flat_v[slots], v.to(v_cache.dtype))
     untouched = [s for s in range(blocks * block_size) if s not in slots]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("context", [8, 40], ids=["within-pretraining", "beyond"])
+def test_longrope_factors_follow_the_served_context_for_every_position(context: int) -> None:
+    """LongRoPE: the short factors when the served context fits the pretraining length (8),
+    the long ones otherwise, for every position alike (transformers' rotary on a sequence of
+    the context's length picks the same), with the attention factor of the extension."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+        "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
+        "partial_rotary_factor": 0.75,
+    }
+    cfg = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        original_max_position_embeddings=8,
+        rope_parameters=rope,
+        pad_token_id=None,
+    )
+    ours = RotaryEmbedding(cfg, context, torch.float32)
+    positions = torch.arange(context)
+    cos, sin = Phi3RotaryEmbedding(cfg)(torch.zeros(1), positions[None])
+    assert ours.cos.shape == (context, 12)  # 3/4 of head_dim 16
+    assert torch.equal(ours(positions)[0][:, 0], cos[0])
+    assert torch.equal(ours(positions)[1][:, 0], sin[0])
+    other = RotaryEmbedding(cfg, 48 if context == 8 else 8, torch.float32)
+    assert not torch.equal(other.cos[:8], ours.cos[:8])  # the other factors: other angles

@@ -20,6 +20,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -121,6 +123,30 @@ def _gemma3_sliding() -> Any:
     return model
 
 
+def _phi3_longrope_partial() -> Any:
+    """Phi-4-mini's shape: q/k/v and gate/up stored fused, RoPE over 3/4 of each head (12 of
+    16 dims: the kernel's 8-lane loop and its tail both run), LongRoPE factors that differ per
+    frequency, a tied head. The pretraining length (3) is below every sequence the test
+    compares, so transformers takes the long factors as the engine does for its context."""
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+        "long_factor": [1.5, 2.0, 3.5, 5.0, 7.5, 11.0],
+        "partial_rotary_factor": 0.75,
+    }
+    cfg = Phi3Config(
+        **SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        original_max_position_embeddings=3,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+        pad_token_id=None,
+    )
+    return Phi3ForCausalLM(cfg)
+
+
 def _mistral() -> Any:
     cfg = MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
     return MistralForCausalLM(cfg)
@@ -152,6 +178,7 @@ ARCHITECTURES = {
     "qwen3-qk-norm": _qwen3_qk_norm,
     "smollm3-nope": _smollm3_nope,
     "gemma3-sliding": _gemma3_sliding,
+    "phi3-longrope-partial": _phi3_longrope_partial,
     "mistral": _mistral,
     "mistral-sliding": _mistral_sliding,
     "gpt2": _gpt2,
@@ -305,6 +332,7 @@ def test_float16_kv_cache_tracks_float32(use_cpu_kernels: bool) -> None:
         "qwen3-qk-norm",
         "smollm3-nope",
         "gemma3-sliding",
+        "phi3-longrope-partial",
     ],
 )
 def test_quantized_model_matches_transformers_on_the_dequantized_weights(

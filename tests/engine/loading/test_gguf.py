@@ -3,14 +3,25 @@ q/k row permutation, each block type, and the quantized state against the float 
 
 from __future__ import annotations
 
+import copy
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
@@ -33,10 +44,13 @@ from engine.loading.gguf import (
     GroupCodes,
     block_group_codes,
     blocks_quantized_state,
+    complete_rope,
     gguf_table,
     hf_tensor_name,
+    rope_parameters,
 )
 from engine.loading.source import ModelSource, shipped_weight_format
+from tests.engine.executor.test_models import ARCHITECTURES, PagedHarness, _reference_logits
 from tests.helpers import TINY_LLAMA_SHAPE
 
 Q = GGMLQuantizationType
@@ -49,11 +63,15 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _config(model_type: str) -> LlamaConfig | Qwen2Config | Qwen3Config:
+def _config(model_type: str) -> Any:
     if model_type == "qwen3":  # head_dim as the others' (Qwen3's own default is 128)
         head_dim = TINY_LLAMA_SHAPE["hidden_size"] // TINY_LLAMA_SHAPE["num_attention_heads"]
         return Qwen3Config(
             vocab_size=96, tie_word_embeddings=True, head_dim=head_dim, **TINY_LLAMA_SHAPE
+        )
+    if model_type == "phi3":
+        return Phi3Config(
+            vocab_size=96, tie_word_embeddings=True, pad_token_id=None, **TINY_LLAMA_SHAPE
         )
     cls = LlamaConfig if model_type == "llama" else Qwen2Config
     return cls(vocab_size=96, tie_word_embeddings=True, **TINY_LLAMA_SHAPE)
@@ -83,6 +101,14 @@ def _write_gguf(
         "ffn_up": (inter, hidden),
         "ffn_down": (hidden, inter),
     }
+    if model_type == "phi3":  # q/k/v and gate/up stored fused
+        for part in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            del shapes[part]
+        shapes = {
+            "attn_qkv": (q_rows + 2 * kv_rows, hidden),
+            **shapes,
+            "ffn_up": (2 * inter, hidden),
+        }
     writer = GGUFWriter(path, model_type)
     expected: dict[str, torch.Tensor] = {}
 
@@ -99,7 +125,7 @@ def _write_gguf(
             hf_order = np.empty_like(values)
             hf_order[source] = values
             values = hf_order
-        name = hf_tensor_name(gguf_name)
+        name = hf_tensor_name(gguf_name, model_type)
         assert name is not None
         expected[name] = torch.from_numpy(np.asarray(values, dtype=np.float32))
 
@@ -125,7 +151,7 @@ def _write_gguf(
     return expected
 
 
-def _open(path: Path, cfg: LlamaConfig | Qwen2Config | Qwen3Config) -> GGUFWeights:
+def _open(path: Path, cfg: Any) -> GGUFWeights:
     return GGUFWeights(path, GGUFTable.parse(path), cfg)
 
 
@@ -161,6 +187,19 @@ def test_gguf_names_map_to_hugging_face_names(gguf_name: str, hf_name: str | Non
 )
 def test_gemma3_names_its_four_norms(gguf_name: str, hf_name: str) -> None:
     assert hf_tensor_name(gguf_name, "gemma3") == hf_name
+
+
+@pytest.mark.parametrize(
+    ("gguf_name", "hf_name"),
+    [
+        ("blk.2.attn_qkv.weight", "model.layers.2.self_attn.qkv_proj.weight"),
+        ("blk.2.ffn_up.weight", "model.layers.2.mlp.gate_up_proj.weight"),
+        ("blk.2.ffn_down.weight", "model.layers.2.mlp.down_proj.weight"),
+        ("rope_factors_long.weight", None),
+    ],
+)
+def test_phi3_names_its_fused_projections(gguf_name: str, hf_name: str | None) -> None:
+    assert hf_tensor_name(gguf_name, "phi3") == hf_name
 
 
 def test_gemma3_norms_are_read_as_hugging_face_holds_them(tmp_path: Path) -> None:
@@ -386,7 +425,7 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
         torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize(
     ("layer_type", "head_type", "weights"),
     [
@@ -555,3 +594,162 @@ def test_a_damaged_gguf_fails_the_load_with_a_model_load_error(
         model_setup._quantized_model(
             _config("llama"), source, 64, torch.float32, WeightFormat("int4", "int8")
         )
+
+
+# --- RoPE as llama.cpp's converter writes it ----------------------------------------------------
+
+
+def _llama3_factors(cfg: Any) -> np.ndarray:
+    """Llama 3.x's per-frequency divisors as llama.cpp's converter computes `rope_freqs`."""
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old = rope["original_max_position_embeddings"]
+    low, high = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _write_like_llama_cpp(path: Path, hf: Any, arch: str) -> None:
+    """`hf`'s float32 weights and config as llama.cpp's converter writes them for `arch`:
+    its metadata keys, llama's permuted q/k rows, Phi-3's fused qkv and gate_up, RoPE
+    scaling as factor tensors (llama's `rope_freqs`, Phi's long and short factors with the
+    pretraining length and attention factor)."""
+    cfg = hf.config
+    rope = cfg.rope_parameters
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    writer = GGUFWriter(path, arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+
+    def add(name: str, values: np.ndarray) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", sd[f"{p}input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[f"{p}post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_output.weight", sd[f"{p}self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", sd[f"{p}mlp.down_proj.weight"])
+        if arch == "phi3":
+            add(f"blk.{i}.attn_qkv.weight", sd[f"{p}self_attn.qkv_proj.weight"])
+            add(f"blk.{i}.ffn_up.weight", sd[f"{p}mlp.gate_up_proj.weight"])
+            continue
+        heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
+        for x in "qkv":
+            w = sd[f"{p}self_attn.{x}_proj.weight"]
+            add(f"blk.{i}.attn_{x}.weight", _llama_permute(w, heads[x]) if x in heads else w)
+        add(f"blk.{i}.ffn_gate.weight", sd[f"{p}mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", sd[f"{p}mlp.up_proj.weight"])
+    if rope["rope_type"] == "llama3":
+        add("rope_freqs.weight", _llama3_factors(cfg))
+    elif rope["rope_type"] == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_type(RopeScalingType.LONGROPE)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        add("rope_factors_long.weight", np.array(rope["long_factor"]))
+        add("rope_factors_short.weight", np.array(rope["short_factor"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "model"), [("llama", "llama3-rope-tied"), ("phi3", "phi3-longrope-partial")]
+)
+def test_a_gguf_keeps_its_rope_through_conversion(tmp_path: Path, arch: str, model: str) -> None:
+    """A tiny Llama 3.x (RoPE scaling stored as `rope_freqs`) and Phi-4-mini-shaped model
+    (LongRoPE factors as tensors, partial rotary as `rope.dimension_count`, fused qkv and
+    gate_up) written as llama.cpp writes them: transformers' reading of the file's config
+    drops that RoPE; completed (`complete_rope`) and read back as the conversion saves it,
+    the engine built from the config and the file's tensors gives the original model's
+    logits, in a batch mixing prefill, chunks over cached blocks and decodes."""
+    torch.manual_seed(0)
+    hf = ARCHITECTURES[model]().eval()
+    path = tmp_path / "tiny.gguf"
+    _write_like_llama_cpp(path, hf, arch)
+    read = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    table = GGUFTable.parse(path)
+    assert GGUFTable.from_json(table.to_json()) == table  # the record keeps the RoPE
+
+    def engine_logits(config: Any) -> list[torch.Tensor]:
+        config.pad_token_id = None  # the reader's default is outside the tiny vocabulary
+        weights = GGUFWeights(path, table, config)
+        rebuilt = AutoModelForCausalLM.from_config(config).eval()
+        rebuilt.load_state_dict({n: weights.dequantize(n) for n in weights.names()}, strict=False)
+        harness = PagedHarness(rebuilt)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 17)]
+        a, b = (harness.add(str(i), p) for i, p in enumerate(prompts))
+        harness.run([(a, 9), (b, 6)])
+        harness.run([(b, 11)])
+        for _ in range(3):
+            for seq in (a, b):
+                seq.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
+            harness.run([(a, 1), (b, 1)])
+        return [harness.all_logits(s) for s in (a, b)] + [
+            _reference_logits(hf, s.token_ids) for s in (a, b)
+        ]
+
+    completed = copy.deepcopy(read)
+    complete_rope(table, completed)
+    saved = type(completed).from_dict(completed.to_dict())  # as the conversion's config.json
+    assert saved.rope_parameters == completed.rope_parameters
+    assert saved.rope_parameters["rope_type"] == "longrope"
+    ours_a, ours_b, expected_a, expected_b = engine_logits(saved)
+    torch.testing.assert_close(ours_a, expected_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours_b, expected_b, rtol=1e-4, atol=1e-4)
+    # the config as transformers reads it alone is another model
+    plain_a, _, expected_a, _ = engine_logits(read)
+    assert not torch.allclose(plain_a, expected_a, rtol=1e-3, atol=1e-3)
+
+
+def _rope_table(rope: dict[str, Any]) -> GGUFTable:
+    return GGUFTable("llama", {}, rope)
+
+
+def test_linear_rope_scaling_is_kept_and_yarn_is_refused() -> None:
+    cfg = LlamaConfig(vocab_size=96, **TINY_LLAMA_SHAPE)
+    params = rope_parameters(_rope_table({"scaling.type": "linear", "scaling.factor": 4.0}), cfg)
+    assert params["rope_type"] == "linear" and params["factor"] == 4.0
+    assert rope_parameters(_rope_table({"dimension_count": 16}), cfg) == cfg.rope_parameters
+    with pytest.raises(ValueError, match="yarn"):
+        rope_parameters(_rope_table({"scaling.type": "yarn", "scaling.factor": 4.0}), cfg)
+    with pytest.raises(ValueError, match="RoPE factors of 3"):
+        rope_parameters(_rope_table({"rope_freqs": [1.0, 2.0, 3.0]}), cfg)
+
+
+def test_a_per_layer_kind_rope_takes_the_files_scaling_on_its_full_attention_layers() -> None:
+    """Gemma 3's RoPE is one set per layer kind: the file's linear scaling (the 4B's) is the
+    full-attention layers'; the sliding ones keep theirs."""
+    cfg = Gemma3TextConfig(vocab_size=96, **TINY_LLAMA_SHAPE, pad_token_id=None)
+    table = GGUFTable("gemma3", {}, {"scaling.type": "linear", "scaling.factor": 8.0})
+    params = rope_parameters(table, cfg)
+    assert params["full_attention"]["rope_type"] == "linear"
+    assert params["full_attention"]["factor"] == 8.0
+    assert params["sliding_attention"] == cfg.rope_parameters["sliding_attention"]

@@ -145,7 +145,7 @@ def _bert(tmp_path: Path) -> Path:
         (
             _bert,
             "unsupported architecture 'bert' in {path}/config.json; "
-            "supported: gemma3_text, gpt2, llama, mistral, qwen2, qwen3, smollm3",
+            "supported: gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3, smollm3",
         ),
     ],
 )
