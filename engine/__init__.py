@@ -34,9 +34,17 @@ from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.pacing import HistogramCounts
 from engine.stats import EngineStats, PrefixInfo
 from engine.text.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
-from engine.text.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
+from engine.text.tool_format import (
+    HERMES,
+    LLAMA3_JSON,
+    ParsedToolCall,
+    ToolFormat,
+    tool_format_of,
+)
 
 __all__ = [
+    "HERMES",
+    "LLAMA3_JSON",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "AsyncEngine",
@@ -71,14 +79,14 @@ __all__ = [
     "SampleLogprobs",
     "SamplingParams",
     "TokenLogprob",
+    "ToolFormat",
     "chat_prompt_ids",
     "extend_block_hashes",
     "fim_prompt_ids",
     "load_prefix_file",
     "option",
-    "parse_tool_calls",
     "registry_digest",
     "scope_seed",
     "text_prompt_ids",
-    "tool_call_grammar",
+    "tool_format_of",
 ]

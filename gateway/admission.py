@@ -65,7 +65,7 @@ async def admit(request: Request, body_type: type[Generation]) -> Admitted[Gener
     ticket = gateway.open_ticket()
     try:
         engine = gateway.ready_engine()
-        body = await read_model(request, body_type)
+        body = await read_model(request, body_type, {"tool_format": gateway.tool_format})
         gateway.check_model(body.model)
         _check_num_prompts(body.num_prompts, gateway.config.max_prompts)
         ticket.hold(body.num_sequences)
@@ -86,16 +86,19 @@ def _check_num_prompts(num_prompts: int, max_prompts: int) -> None:
         )
 
 
-async def read_model(request: Request, body_type: type[Body]) -> Body:
-    """Read the body (limits, content type) and validate it off the event loop."""
+async def read_model(
+    request: Request, body_type: type[Body], context: dict[str, Any] | None = None
+) -> Body:
+    """Read the body (limits, content type) and validate it off the event loop (`context`:
+    pydantic's validation context)."""
     gateway = gateway_of(request)
     raw = await read_body(request, gateway.config.max_request_bytes)
-    return await gateway.run_blocking(parse_model, raw, body_type)
+    return await gateway.run_blocking(parse_model, raw, body_type, context)
 
 
-def parse_model(raw: bytes, body_type: type[Body]) -> Body:
+def parse_model(raw: bytes, body_type: type[Body], context: dict[str, Any] | None = None) -> Body:
     """JSON object -> valid text -> the pydantic model; every failure an OpenAIError (400)."""
-    return errors.validate(body_type, parse_json(raw))
+    return errors.validate(body_type, parse_json(raw), context)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

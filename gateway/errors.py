@@ -184,9 +184,11 @@ def invalid_json(detail: str) -> OpenAIError:
     return OpenAIError(400, message, code="invalid_json")
 
 
-def validate(model: type[T], body: dict[str, Any]) -> T:
+def validate(model: type[T], body: dict[str, Any], context: dict[str, Any] | None = None) -> T:
+    """`context`: pydantic's validation context (a chat request reads the served model's
+    "tool_format" from it)."""
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, context=context)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from starlette.requests import Request
 
-from engine import AsyncEngine, EngineStats
+from engine import AsyncEngine, EngineStats, ToolFormat, tool_format_of
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ReplicaHealth, ReplicaSetView
@@ -159,6 +159,11 @@ class Gateway:
     @property
     def tokenizer(self) -> Any:
         return self.ready_engine().tokenizer
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the served model writes tool calls, from its chat template."""
+        return tool_format_of(self.tokenizer.chat_template)
 
     @property
     def max_model_len(self) -> int:

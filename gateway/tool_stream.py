@@ -1,36 +1,42 @@
 """Streaming text that may turn out to be tool calls.
 
-With tools offered, a choice whose text starts with '<' is writing calls (the tool grammar
-lets a text answer start with anything else): that text is held back until the choice ends
-and then read as calls; any other text streams as it comes.
+With tools offered, a choice whose text starts as the model's calls start ('<' of Hermes'
+`<tool_call>`, '{' of Llama 3's bare objects: the tool grammar lets a text answer start with
+anything else) is writing calls: that text is held back until the choice ends and then read
+as calls; any other text streams as it comes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import ParsedToolCall, parse_tool_calls
+from engine import ParsedToolCall, ToolFormat
 
 
 @dataclass(slots=True)
 class ToolCallText:
     held: str | None  # the text held back so far; None: the text streams through
+    tool_format: ToolFormat | None
 
     @classmethod
-    def of(cls, uses_tools: bool) -> ToolCallText:
-        return cls("" if uses_tools else None)
+    def of(cls, tool_format: ToolFormat | None) -> ToolCallText:
+        """`tool_format`: the format calls come in; None where no tools are in use."""
+        return cls("" if tool_format is not None else None, tool_format)
 
     def feed(self, text: str) -> str:
         """The part of `text` to stream now ("" while it may still be a call)."""
         if self.held is None:
             return text
         pending = self.held + text
-        is_call = pending.lstrip().startswith("<")
+        assert self.tool_format is not None
+        is_call = pending.lstrip().startswith(self.tool_format.first_char)
         self.held = pending if is_call or not pending.strip() else None
         return "" if self.held is not None else pending
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """At the end: the held text that is not calls (to stream last), and the calls."""
-        content, calls = parse_tool_calls(self.held or "")
+        if self.tool_format is None:
+            return "", []
+        content, calls = self.tool_format.parse(self.held or "")
         self.held = None
         return content or "", calls

@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from engine.core.errors import InvalidRequestError
-from engine.text.tool_format import messages_for_template, template_takes_tools
+from engine.text.tool_format import (
+    messages_for_template,
+    template_takes_tools,
+    with_argument_objects,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,6 +51,8 @@ def chat_prompt_ids(
     has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
     if (tools or has_tool_turns) and not template_takes_tools(tokenizer.chat_template):
         conversation, tools = messages_for_template(conversation, tools or []), None
+    elif has_tool_turns:
+        conversation = with_argument_objects(conversation)
     text = _render(tokenizer, conversation, add_generation_prompt, tools)
     pattern = _special_token_pattern(tokenizer)
     if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):

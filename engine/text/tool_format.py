@@ -1,12 +1,17 @@
-"""Tool calling in one format: the model writes each call as
-`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (the Hermes / Qwen layout).
+"""Tool calls in the format the served model was trained to write, chosen once from its
+chat template (`tool_format_of`):
+
+- `HERMES`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per
+  call (Qwen2.5/3, SmolLM3, Hermes; and every template that takes no tools, see below);
+- `LLAMA3_JSON`: the bare object `{"name": ..., "parameters": {...}}`, calls separated by
+  "; " (Llama 3.1/3.2/3.3's templates ask for it and render past calls that way).
 
 Chat templates that take `tools` get them and render the conversation themselves; for a
 template without tool support (SmolLM2's ChatML, for one) the tools are described in the
-system turn below, an assistant turn's calls are written back in the same tags, and a tool
-result becomes a user turn wrapped in `<tool_response>` tags. `tool_call_grammar` makes the
-calls a grammar (so `required` and a named function produce valid calls from the first
-token), and `parse_tool_calls` reads them back out of the generated text.
+system turn in Hermes' words, an assistant turn's calls are written back in the same tags,
+and a tool result becomes a user turn wrapped in `<tool_response>` tags. A format's
+`grammar` makes the calls a grammar (so `required` and a named function produce valid calls
+from the first token), and its `parse` reads them back out of the generated text.
 """
 
 from __future__ import annotations
@@ -68,6 +73,23 @@ def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": message["role"], "content": "\n".join(filter(None, [content, *written]))}
 
 
+def with_argument_objects(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that takes tools: each assistant call's `arguments`
+    as the object, not OpenAI's JSON text of it. Hugging Face templates take objects and
+    write them with `tojson` (Llama 3.x's would write JSON text as one quoted string)."""
+    converted = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            calls = [
+                {**call, "function": {**call["function"], "arguments": _args(call)}}
+                for call in calls
+            ]
+            message = {**message, "tool_calls": calls}
+        converted.append(dict(message))
+    return converted
+
+
 def _args(call: Mapping[str, Any]) -> Any:
     arguments = call["function"].get("arguments", "{}")
     try:
@@ -76,55 +98,127 @@ def _args(call: Mapping[str, Any]) -> Any:
         return arguments
 
 
-def tool_call_grammar(
-    tools: Sequence[Mapping[str, Any]],
-    only: str | None,
-    is_required: bool,
-    parallel: bool,
-    answer: GrammarSpec | None = None,
-) -> GrammarSpec:
-    """Calls as a grammar: one call (several if `parallel`) of any tool, or of `only`; when
-    not `is_required` the model may instead answer in text that does not start with '<', or,
-    given an `answer` JSON schema (the request's response format), in JSON of that schema:
-    an agent with tools and a structured final output gets either a call or its output."""
-    schemas, defs = [], {}
-    for tool in tools:
-        name = tool["function"]["name"]
-        if only is not None and name != only:
-            continue
-        parameters = dict(tool["function"].get("parameters") or {"type": "object"})
-        # Pydantic-made schemas refer to "#/$defs/...": the definitions move to the root of
-        # the call's schema, where those references resolve.
-        defs.update(parameters.pop("$defs", {}))
-        schemas.append(
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": name},
-                    "arguments": parameters,
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
+@dataclass(frozen=True)
+class ToolFormat:
+    """How the model writes its calls: each call's JSON object (`arguments_key` holds the
+    arguments) inside `opener` ... `closer`, calls joined by `separator`. A text answer never
+    starts with `opener`'s first character: that is how a stream tells text from calls as
+    soon as it begins (gateway/tool_stream.py)."""
+
+    name: str
+    opener: str
+    closer: str
+    separator: str
+    arguments_key: str
+
+    @property
+    def first_char(self) -> str:
+        return self.opener[0] if self.opener else "{"
+
+    def grammar(
+        self,
+        tools: Sequence[Mapping[str, Any]],
+        only: str | None,
+        is_required: bool,
+        parallel: bool,
+        answer: GrammarSpec | None = None,
+    ) -> GrammarSpec:
+        """Calls as a grammar: one call (several if `parallel`) of any tool, or of `only`;
+        when not `is_required` the model may instead answer in text that does not start as
+        a call does, or, given an `answer` JSON schema (the request's response format), in
+        JSON of that schema: an agent with tools and a structured final output gets either
+        a call or its output."""
+        schemas, defs = [], {}
+        for tool in tools:
+            name = tool["function"]["name"]
+            if only is not None and name != only:
+                continue
+            parameters = dict(tool["function"].get("parameters") or {"type": "object"})
+            # Pydantic-made schemas refer to "#/$defs/...": the definitions move to the root
+            # of the call's schema, where those references resolve.
+            defs.update(parameters.pop("$defs", {}))
+            schemas.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, self.arguments_key: parameters},
+                    "required": ["name", self.arguments_key],
+                    "additionalProperties": False,
+                }
+            )
+        compact = {"x-guidance": {"whitespace_flexible": False}}  # as for response_format
+        one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        call_schema = json.dumps({**one_of, **compact, **({"$defs": defs} if defs else {})})
+        calls = f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
+        call = " ".join(
+            part
+            for part in (
+                _lark_string(self.opener),
+                f"%json {call_schema}",
+                _lark_string(self.closer),
+            )
+            if part
         )
-    compact = {"x-guidance": {"whitespace_flexible": False}}  # as for response_format
-    one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    call_schema = json.dumps({**one_of, **compact, **({"$defs": defs} if defs else {})})
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    lark = f'calls: {calls}\ncall: "{OPEN}\\n" %json {call_schema} "\\n{CLOSE}"\n'
-    if is_required:
-        start = "start: calls\n"
-    elif answer is not None:
-        assert answer.kind == "json_schema", answer.kind
-        start = f"start: answer | calls\nanswer: %json {answer.source}\n"
-    else:
-        start = "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n"
-    return GrammarSpec("lark", start + lark)
+        lark = f"calls: {calls}\ncall: {call}\n"
+        if is_required:
+            start = "start: calls\n"
+        elif answer is not None:
+            assert answer.kind == "json_schema", answer.kind
+            start = f"start: answer | calls\nanswer: %json {answer.source}\n"
+        else:
+            start = f"start: TEXT | calls\nTEXT: /[^{self.first_char}](.|\\n)*/\n"
+        return GrammarSpec("lark", start + lark)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """(the text outside the calls, or None if nothing is left; the calls in order). A
+        block that is not a JSON object with a name stays in the text."""
+        if self.opener:
+            return _parse_tagged(text)
+        return self._parse_bare(text)
+
+    def _parse_bare(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """Bare objects from the start of the text, joined by the separator; what follows
+        the last call is text. A text that does not start with a call is all text."""
+        decoder = json.JSONDecoder()
+        calls: list[ParsedToolCall] = []
+        position = len(text) - len(text.lstrip())
+        while position < len(text):
+            try:
+                value, end = decoder.raw_decode(text, position)
+            except json.JSONDecodeError:
+                break
+            call = _call_from(value, self.arguments_key)
+            if call is None:
+                break
+            calls.append(call)
+            rest = text[end:]
+            stripped = rest.lstrip()
+            if stripped.startswith(self.separator.strip()):
+                stripped = stripped[len(self.separator.strip()) :].lstrip()
+            position = len(text) - len(stripped)
+        if not calls:
+            return text, []
+        return (text[position:].strip() or None), calls
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
-    """(the text outside the calls, or None if nothing is left; the calls in order). A
-    tagged block that is not a JSON object with a name stays in the text."""
+HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments")
+LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")
+
+
+def tool_format_of(chat_template: str | None) -> ToolFormat:
+    """The format the model's template teaches: Llama 3.x's templates ask for bare objects
+    with "parameters" and return results in an `ipython` turn; every other template (and
+    our own system prompt, for templates that take no tools) speaks Hermes."""
+    if not template_takes_tools(chat_template) or chat_template is None:
+        return HERMES
+    is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
+    return LLAMA3_JSON if is_llama3 else HERMES
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+def _parse_tagged(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     calls: list[ParsedToolCall] = []
     kept: list[str] = []
     position = 0
@@ -145,6 +239,20 @@ def _call_of(body: str) -> ParsedToolCall | None:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return _call_from(value, "arguments")
+
+
+def _call_from(value: Any, arguments_key: str) -> ParsedToolCall | None:
+    """A call of a JSON value: an object with a string name and its arguments object under
+    `arguments_key` (or "arguments", which Llama 3.x also writes at times), or none."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return ParsedToolCall(value["name"], json.dumps(value.get("arguments", {})))
+    arguments = value.get(arguments_key, value.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the object as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedToolCall(value["name"], json.dumps(arguments))

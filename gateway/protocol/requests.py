@@ -11,6 +11,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -19,12 +20,13 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import (
+    HERMES,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     GrammarSpec,
     PrefixContract,
     SamplingParams,
-    tool_call_grammar,
+    ToolFormat,
 )
 from gateway.protocol.common import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -428,6 +430,19 @@ class ChatCompletionRequest(GenerationRequest):
         default=None, json_schema_extra={"items": {"const": "text"}, "minItems": 1, "maxItems": 1}
     )
     prediction: Any = Field(default=None, json_schema_extra={"type": "null"})
+    _tool_format: ToolFormat = PrivateAttr(default=HERMES)
+
+    def model_post_init(self, context: Any, /) -> None:
+        """The served model's tool format (the validation context's "tool_format", which the
+        gateway sets; Hermes' without one), read before the validators that build the tool
+        grammar in it."""
+        if isinstance(context, dict) and isinstance(context.get("tool_format"), ToolFormat):
+            self._tool_format = context["tool_format"]
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The format the output is read for calls in; None where no tools are in use."""
+        return self._tool_format if self.uses_tools else None
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -531,7 +546,7 @@ class ChatCompletionRequest(GenerationRequest):
             return [("response_format", spec)] if spec is not None else []
         choice = self.tool_choice
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        grammar = tool_call_grammar(
+        grammar = self._tool_format.grammar(
             self.tool_dicts(),
             named,
             is_required=choice == "required" or named is not None,

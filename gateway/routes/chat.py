@@ -14,8 +14,8 @@ from engine import (
     GrammarSpec,
     InvalidRequestError,
     ParsedToolCall,
+    ToolFormat,
     chat_prompt_ids,
-    parse_tool_calls,
 )
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -68,10 +68,10 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     )
     if body.stream:
         events = _stream(
-            job, gateway.model_name, body.logprobs, body.include_usage, body.uses_tools
+            job, gateway.model_name, body.logprobs, body.include_usage, body.tool_format
         )
         return sse_response(events, gateway, admitted.ticket)
-    completion = _complete(job, gateway.model_name, body.logprobs, body.uses_tools)
+    completion = _complete(job, gateway.model_name, body.logprobs, body.tool_format)
     return await unless_disconnected(request, completion)
 
 
@@ -116,23 +116,25 @@ def _blame_a_schema(engine: EngineClient, body: ChatCompletionRequest) -> None:
             raise
 
 
-async def _complete(job: Job, model: str, want_logprobs: bool, uses_tools: bool) -> JSONResponse:
+async def _complete(
+    job: Job, model: str, want_logprobs: bool, tool_format: ToolFormat | None
+) -> JSONResponse:
     tokenizer = job.gateway.tokenizer
     await job.collect()
     response = ChatCompletionResponse(
         id=job.request_id,
         created=int(time.time()),
         model=model,
-        choices=[_final_choice(c, tokenizer, want_logprobs, uses_tools) for c in job.choices],
+        choices=[_final_choice(c, tokenizer, want_logprobs, tool_format) for c in job.choices],
         usage=usage_of(job),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
 
 def _final_choice(
-    choice: Choice, tokenizer: object, want_logprobs: bool, uses_tools: bool
+    choice: Choice, tokenizer: object, want_logprobs: bool, tool_format: ToolFormat | None
 ) -> ChatCompletionResponseChoice:
-    content, calls = parse_tool_calls(choice.text) if uses_tools else (choice.text, [])
+    content, calls = tool_format.parse(choice.text) if tool_format else (choice.text, [])
     finish_reason = api_finish_reason(choice.finish_reason) or "stop"
     return ChatCompletionResponseChoice(
         index=choice.index,
@@ -151,14 +153,18 @@ def _call_out(call: ParsedToolCall) -> ToolCallOut:
 
 
 async def _stream(
-    job: Job, model: str, want_logprobs: bool, include_usage: bool, uses_tools: bool
+    job: Job,
+    model: str,
+    want_logprobs: bool,
+    include_usage: bool,
+    tool_format: ToolFormat | None,
 ) -> AsyncIterator[str]:
     """Content deltas as they come; with tools, text that turns out to be calls is held
     (gateway/tool_stream.py) and sent as tool-call deltas when its choice ends, each call
     whole."""
     tokenizer = job.engine.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
-    texts = [ToolCallText.of(True) for _ in job.choices] if uses_tools else None
+    texts = [ToolCallText.of(tool_format) for _ in job.choices] if tool_format else None
 
     def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
         return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, EngineRequest, InvalidRequestError
+from engine import EngineError, EngineRequest, InvalidRequestError, tool_format_of
 from gateway import errors
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -141,7 +141,10 @@ def _prepare(
 ) -> EngineRequest:
     """The chat request this response is, prepared as chats are (worker pool); errors name
     the Responses fields."""
-    chat = errors.validate(ChatCompletionRequest, body.chat_payload(history))
+    tool_format = tool_format_of(engine.tokenizer.chat_template)
+    chat = errors.validate(
+        ChatCompletionRequest, body.chat_payload(history), {"tool_format": tool_format}
+    )
     try:
         return prepare_chat(engine, chat, default_max_tokens, caller)
     except InvalidRequestError as exc:
@@ -203,7 +206,8 @@ class ResponseRun:
         response = self.response
         yield "response.created", {"response": response}
         yield "response.in_progress", {"response": response}
-        calls_or_text = ToolCallText.of(self.body.uses_tools)
+        tool_format = self.job.gateway.tool_format if self.body.uses_tools else None
+        calls_or_text = ToolCallText.of(tool_format)
         held_logprobs: list[OutputLogprob] = []  # of text held back: it may be calls
         async for _, out in self.job.run():
             text = calls_or_text.feed(out.text)

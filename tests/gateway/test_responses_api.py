@@ -17,10 +17,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine import (
+    HERMES,
     EngineDeadError,
     GrammarSpec,
     RequestOutput,
-    tool_call_grammar,
 )
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.response_objects import ResponseObject
@@ -305,7 +305,7 @@ def test_tools_with_a_structured_answer(client: TestClient) -> None:
     [(field, grammar)] = chat.constraints
     answer = GrammarSpec.json_schema(schema)
     assert field == "tools"
-    assert grammar == tool_call_grammar(
+    assert grammar == HERMES.grammar(
         chat.tool_dicts(), None, is_required=False, parallel=True, answer=answer
     )
     response = _post(client, {**body, "tool_choice": "none", "max_output_tokens": 80})

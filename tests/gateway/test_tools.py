@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from engine import HERMES, LLAMA3_JSON, ParsedToolCall, ToolFormat
+from gateway.tool_stream import ToolCallText
 from tests.helpers import tiny_app
 
 MODEL = "tiny-llama"
@@ -131,3 +134,64 @@ def test_bad_tool_requests(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+# --- a template that teaches Llama 3.x's format ----------------------------------------------
+
+LLAMA3_TEMPLATE = Path(__file__).parents[1] / "engine/text/templates/llama-3.2-instruct.jinja"
+
+
+@pytest.fixture(scope="module")
+def llama3_client(
+    tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient]:
+    """The tiny model served with Llama 3.2's chat template (`--chat-template`): the template
+    renders the tools, and calls are bare `{"name", "parameters"}` objects. Its prompts run
+    to ~900 tokens (Llama 3's markup is plain text to the tiny tokenizer): a copy of the
+    model with a 2048-position limit."""
+    path = tmp_path_factory.mktemp("long") / "tiny-llama"  # the model name requests use
+    shutil.copytree(tiny_llama_path, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    app = tiny_app(path, chat_template=str(LLAMA3_TEMPLATE), max_model_len=2048)
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_llama3_calls_come_back_as_tool_calls(llama3_client: TestClient, stream: bool) -> None:
+    """Forced calls in Llama 3.x's own format come back as OpenAI tool calls, whole or
+    streamed (held back from the content: the text starts with '{')."""
+    assert llama3_client.app.state.gateway.tool_format is LLAMA3_JSON  # type: ignore[attr-defined]
+    body = {**TOOL_CHAT, "tool_choice": NAMED}
+    choice = _choice(llama3_client, body)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert list(json.loads(call["function"]["arguments"])) == ["city"]
+    if not stream:
+        return
+    with llama3_client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}
+    ) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert [c["function"] for c in calls] == [call["function"]]
+    assert all(not d["delta"].get("content") for d in deltas)
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
+def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolFormat) -> None:
+    """Text streams through unless it starts as the format's calls start (after any
+    whitespace); held text is read as calls when the choice ends."""
+    text = ToolCallText.of(tool_format)
+    assert text.feed("  ") == ""  # undecided yet
+    assert text.feed("It is sunny.") == "  It is sunny."
+    assert text.feed(" {") == " {"  # once streaming, the rest streams
+    call = {"name": "f", tool_format.arguments_key: {"x": 1}}
+    written = f"{tool_format.opener}{json.dumps(call)}{tool_format.closer}"
+    held = ToolCallText.of(tool_format)
+    assert held.feed(written[:3]) == "" and held.feed(written[3:]) == ""
+    assert held.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
+    assert ToolCallText.of(None).feed("{") == "{"

@@ -1,15 +1,24 @@
-"""engine.text.tool_format: reading calls back out of generated text, and the call grammar."""
+"""engine.text.tool_format: each format's calls read back out of generated text, its call
+grammar, and which format a model's template teaches (real templates under templates/)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
+import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine import GrammarSpec, SamplingParams
+from engine import GrammarSpec, SamplingParams, chat_prompt_ids
 from engine.structured.grammar import GrammarCompiler
-from engine.text.tool_format import ParsedToolCall, parse_tool_calls, tool_call_grammar
+from engine.text.tool_format import (
+    HERMES,
+    LLAMA3_JSON,
+    ParsedToolCall,
+    ToolFormat,
+    tool_format_of,
+)
 from tests.helpers import tiny_engine
 
 PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 9}}}
@@ -24,11 +33,11 @@ PERSON = {
 
 def test_calls_and_the_text_around_them() -> None:
     text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
-    assert parse_tool_calls(text) == ("Let me check.", [ParsedToolCall("f", '{"x": 1}')])
+    assert HERMES.parse(text) == ("Let me check.", [ParsedToolCall("f", '{"x": 1}')])
     two = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
     two += '<tool_call>{"name": "g"}</tool_call>'
     expected = [ParsedToolCall("f", "{}"), ParsedToolCall("g", "{}")]
-    assert parse_tool_calls(two) == (None, expected)
+    assert HERMES.parse(two) == (None, expected)
 
 
 def test_text_without_valid_calls_stays_text() -> None:
@@ -37,19 +46,19 @@ def test_text_without_valid_calls_stays_text() -> None:
         "<tool_call>not json</tool_call>",
         '<tool_call>{"x": 1}</tool_call>',
     ):
-        assert parse_tool_calls(text) == (text, [])
+        assert HERMES.parse(text) == (text, [])
 
 
 def test_the_grammar_resolves_pydantic_defs(tiny_llama_path: Path) -> None:
     """A tool whose parameters use "$defs" (what pydantic writes for nested models)."""
     engine = tiny_engine(tiny_llama_path, max_model_len=256)
     tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
-    grammar = tool_call_grammar(tools, only="make", is_required=True, parallel=False)
+    grammar = HERMES.grammar(tools, only="make", is_required=True, parallel=False)
     prompt = engine.tokenizer("Make one:")["input_ids"]
     params = SamplingParams(temperature=0, max_tokens=120, grammar=grammar)
     [output] = engine.generate([prompt], params)
     text = engine.tokenizer.decode(output, skip_special_tokens=True)
-    content, [call] = parse_tool_calls(text)
+    content, [call] = HERMES.parse(text)
     assert content is None and call.name == "make"
     assert 0 <= json.loads(call.arguments)["pet"]["age"] <= 9
 
@@ -63,7 +72,7 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
         {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     )
     grammar = compiler.compile(
-        tool_call_grammar(tools, only=None, is_required=False, parallel=False, answer=answer)
+        HERMES.grammar(tools, only=None, is_required=False, parallel=False, answer=answer)
     )
     call = '<tool_call>\n{"name":"make","arguments":{"pet":{"age":3}}}\n</tool_call>'
 
@@ -76,7 +85,97 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
     assert accepts(call)
     assert not accepts("Sure, here it is.")
     assert not accepts('{"ok": "yes"}')
-    free = compiler.compile(tool_call_grammar(tools, only=None, is_required=False, parallel=False))
+    free = compiler.compile(HERMES.grammar(tools, only=None, is_required=False, parallel=False))
     matcher = free.new_matcher()
     ids = tiny_tokenizer("Sure, here it is.", add_special_tokens=False)["input_ids"]
     assert matcher.try_consume_tokens(ids) == len(ids)
+
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ((TEMPLATES / "llama-3.2-instruct.jinja").read_text(), LLAMA3_JSON),
+        ((TEMPLATES / "qwen3.jinja").read_text(), HERMES),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # takes no tools
+        (None, HERMES),
+    ],
+    ids=["llama-3.2", "qwen3", "no-tools", "no-template"],
+)
+def test_the_template_decides_the_format(template: str | None, expected: ToolFormat) -> None:
+    assert tool_format_of(template) is expected
+
+
+def test_llama3_calls_are_bare_objects_with_parameters() -> None:
+    one = '{"name": "f", "parameters": {"x": 1}}'
+    assert LLAMA3_JSON.parse(one) == (None, [ParsedToolCall("f", '{"x": 1}')])
+    two = '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": "z"}}'
+    expected = [ParsedToolCall("f", "{}"), ParsedToolCall("g", '{"y": "z"}')]
+    assert LLAMA3_JSON.parse(two) == (None, expected)
+    trailing = '{"name": "f", "parameters": {"x": 1}} and then some words'
+    assert LLAMA3_JSON.parse(trailing) == ("and then some words", [ParsedToolCall("f", '{"x": 1}')])
+    hermes_key = '{"name": "f", "arguments": {"x": 1}}'  # as Llama 3.x writes it at times
+    assert LLAMA3_JSON.parse(hermes_key) == (None, [ParsedToolCall("f", '{"x": 1}')])
+    as_text = '{"name": "f", "parameters": "{\\"x\\": 2}"}'  # arguments written as JSON text
+    assert LLAMA3_JSON.parse(as_text) == (None, [ParsedToolCall("f", '{"x": 2}')])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is 4.",
+        '{"answer": 4}',  # JSON, not a call
+        '{"name": 3, "parameters": {}}',
+        '{"name": "f", "parameters": [1]}',
+        'Sure: {"name": "f", "parameters": {}}',  # a call must come first
+        '<tool_call>{"name": "f", "parameters": {}}</tool_call>',
+    ],
+)
+def test_llama3_text_that_is_not_a_call_stays_text(text: str) -> None:
+    assert LLAMA3_JSON.parse(text) == (text, [])
+
+
+def test_the_llama3_grammar_writes_bare_calls(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    """Calls as Llama 3.x writes them, several joined by "; " where parallel; a text answer
+    may start with anything but '{'; Hermes' tags are not calls here."""
+    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
+    call = '{"name":"make","parameters":{"pet":{"age":3}}}'
+
+    def accepts(grammar: GrammarSpec, text: str) -> bool:
+        matcher = compiler.compile(grammar).new_matcher()
+        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+    required = LLAMA3_JSON.grammar(tools, only=None, is_required=True, parallel=True)
+    assert accepts(required, call)
+    assert accepts(required, f"{call}; {call}")
+    assert not accepts(required, f"<tool_call>\n{call}\n</tool_call>")
+    assert not accepts(required, '{"name":"make","arguments":{"pet":{"age":3}}}')
+    auto = LLAMA3_JSON.grammar(tools, only=None, is_required=False, parallel=False)
+    assert accepts(auto, call)
+    assert not accepts(auto, f"{call}; {call}")  # one call where not parallel
+    assert accepts(auto, "It is sunny.")
+    assert not accepts(auto, '{"weather": "sunny"}')  # '{' opens a call
+
+
+def test_a_template_that_takes_tools_gets_call_arguments_as_objects(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """OpenAI sends a past call's arguments as JSON text; Llama 3.x's template writes them
+    with `tojson`: given the text it would render one quoted string, given the object the
+    call as the model wrote it."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "llama-3.2-instruct.jinja").read_text()
+    call = {"id": "c1", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}  # type: ignore[assignment]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, messages))
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
+    assert "ipython" in text  # the result turn as Llama 3.x takes it
