@@ -1,6 +1,6 @@
 """Start and stop comparison servers ("peers") on 127.0.0.1 with prefixgate's default model.
 
-    python tools/peers.py build llama-cpp [--isa avx2]   # llama-server from the PyPI sdist
+    python tools/peers.py build llama-cpp [--isa avx2]   # llama-server, llama-quantize (PyPI sdist)
     python tools/peers.py build transformers       # /work/peers-venv with torch + transformers
     python tools/peers.py start llama-cpp --port 8081 [--no-build] [--no-cache-prompt]
     python tools/peers.py start transformers --port 8082 [--continuous-batching]
@@ -163,13 +163,26 @@ def llama_server(isa: str) -> Path:
     return llama_build_dir(isa) / "bin" / "llama-server"
 
 
+def llama_quantize(isa: str = "native") -> Path:
+    """llama.cpp's own quantizer, built beside the server: GGUFs for the benchmarks are
+    quantized the way users' files are (tools/make_bench_gguf.py)."""
+    return llama_build_dir(isa) / "bin" / "llama-quantize"
+
+
+def llama_converter() -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py`, in the unpacked sources."""
+    return LLAMA_SRC / "convert_hf_to_gguf.py"
+
+
 def build_llama_cpp(
     jobs: int, isa: str = "native", version: str = LLAMA_CPP_PYTHON_VERSION
 ) -> Path:
-    """Build llama-server once; later calls return at once (ninja/make rebuild nothing)."""
+    """Build llama-server and llama-quantize once; later calls return at once (ninja/make
+    rebuild nothing)."""
     build, server = llama_build_dir(isa), llama_server(isa)
-    if server.is_file() and os.access(server, os.X_OK):
-        print(f"llama-server already built: {server}")
+    built = [server, llama_quantize(isa)]
+    if all(path.is_file() and os.access(path, os.X_OK) for path in built):
+        print(f"llama-server and llama-quantize already built: {build / 'bin'}")
         return server
     t0 = time.monotonic()
     if not (LLAMA_SRC / "CMakeLists.txt").is_file():
@@ -191,7 +204,8 @@ def build_llama_cpp(
     if not (build / "CMakeCache.txt").is_file():
         flags = [*LLAMA_CMAKE_FLAGS, *LLAMA_ISA_FLAGS[isa]]
         _run(["cmake", "-S", str(LLAMA_SRC), "-B", str(build), *generator, *flags])
-    _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"])
+    targets = ["llama-server", "llama-quantize"]
+    _run(["cmake", "--build", str(build), "--target", *targets, f"-j{jobs}"])
     print(f"built {server} in {time.monotonic() - t0:.0f} s")
     return server
 

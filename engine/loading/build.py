@@ -35,7 +35,7 @@ def load_model_weights(
 
     Built on the meta device so no time goes into a random init that the weights overwrite.
     """
-    model = _on_meta(hf_config, max_positions, dtype)
+    model = on_meta(hf_config, max_positions, dtype)
     model.load_weights(state_dict)
     state_dict.clear()  # the model holds the tensors now; drop the caller's references
     model.init_buffers()
@@ -54,7 +54,7 @@ def restore_quantized_model(
     """The model `load_model_weights` built, from its `quantized_state` (consumed): no float
     weights read, nothing quantized again. A tied model whose state holds no embedding reads
     it from the quantized head's rows (`HeadRowsEmbedding`: a GGUF's own blocks)."""
-    model = _on_meta(hf_config, max_positions, dtype)
+    model = on_meta(hf_config, max_positions, dtype)
     restore_linears(model, state, weights)
     tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
     if tied and "embed_tokens.weight" not in state and isinstance(model.lm_head, QuantizedLinear):
@@ -77,7 +77,7 @@ def load_gguf_quantized(
 ) -> CausalLM:
     """The model `load_model_weights` would build from the file's dequantized floats, from
     its quantized blocks directly (see engine/gguf_weights.py)."""
-    state = blocks_quantized_state(_on_meta(hf_config, max_positions, dtype), gguf, weights, dtype)
+    state = blocks_quantized_state(on_meta(hf_config, max_positions, dtype), gguf, weights, dtype)
     model = restore_quantized_model(hf_config, state, max_positions, dtype, weights)
     return_freed_memory()  # the build's temporaries, before packing allocates again
     return model
@@ -90,7 +90,8 @@ def pack_model(model: CausalLM, device: torch.device, dtype: torch.dtype) -> Non
         pack_linears(model)
 
 
-def _on_meta(hf_config: Any, max_positions: int, dtype: torch.dtype) -> Any:
+def on_meta(hf_config: Any, max_positions: int, dtype: torch.dtype) -> Any:
+    """The model built on the meta device: its shape and attributes, no weights in memory."""
     cls = MODEL_CLASSES[hf_config.model_type]
     with torch.device("meta"):
         return cls(hf_config, max_positions, dtype)

@@ -24,6 +24,7 @@ from engine.loading import quantized_cache
 from engine.loading.build import (
     load_gguf_quantized,
     load_model_weights,
+    on_meta,
     pack_model,
     restore_quantized_model,
 )
@@ -79,6 +80,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         logger.info("chat template: none (chat requests get a 400 naming --chat-template)")
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
+    spec = _kv_spec(config, on_meta(hf_config, 1, config.torch_dtype))
+    num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec, max_model_len)
+    max_model_len = _fitted_max_model_len(config, max_model_len, num_blocks)
     kernels = (
         build_cpu_kernels(default_cache_dir())
         if config.enable_compile and config.torch_device.type == "cpu"
@@ -115,7 +119,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         kernels.describe(),
         time.perf_counter() - start,
     )
-    pool = _make_pool(config, model, max_model_len)
+    pool = _make_pool(config, spec, num_blocks)
     if weights.is_quantized and weights.dense_copies:
         logger.info("quantized linears run on their dense copies: no CPU kernels")
     return LoadedModel(
@@ -203,23 +207,44 @@ def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
     return int(requested or limit)
 
 
-def _make_pool(config: EngineConfig, model: CausalLM, max_model_len: int) -> BlockPool:
-    layers = model.attention_layers()
-    spec = KVCacheSpec(
-        num_layers=len(layers),
+def _kv_spec(config: EngineConfig, model: CausalLM) -> KVCacheSpec:
+    """The KV cache's shape for `model` (built on the meta device: its attributes only)."""
+    return KVCacheSpec(
+        num_layers=len(model.attention_layers()),
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         block_size=config.block_size,
         dtype=config.kv_torch_dtype,
     )
-    num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec, max_model_len)
-    needed = num_blocks_for(max_model_len, config.block_size)
-    if num_blocks < needed:
+
+
+def _fitted_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """`max_model_len`, or where the pool cannot hold one such sequence: half the pool when
+    it is the model's own limit (Llama 3.2's 131072 against a 2 GiB default pool: the server
+    starts, saying so, as llama.cpp starts with a smaller context; the other half is for
+    other sequences and the registry's pinned prefixes, which must leave a max_model_len
+    request room), an error when --max-model-len asked for it."""
+    tokens = num_blocks * config.block_size
+    if tokens >= max_model_len:
+        return max_model_len
+    if config.max_model_len is not None:
         raise ModelLoadError(
-            f"the KV cache holds {num_blocks * config.block_size} tokens, less than one "
-            f"max_model_len sequence ({max_model_len}); raise --kv-cache-memory or lower "
-            "--max-model-len"
+            f"the KV cache holds {tokens} tokens, less than one max_model_len sequence "
+            f"({max_model_len}); raise --kv-cache-memory or lower --max-model-len"
         )
+    served = max(1, num_blocks // 2) * config.block_size
+    logger.warning(
+        "max_model_len %d (the model's limit) is more than the KV cache holds (%d tokens): "
+        "serving %d tokens a sequence, half of it (--max-model-len, --kv-cache-memory to "
+        "choose)",
+        max_model_len,
+        tokens,
+        served,
+    )
+    return served
+
+
+def _make_pool(config: EngineConfig, spec: KVCacheSpec, num_blocks: int) -> BlockPool:
     pool = BlockPool(spec, num_blocks)
     logger.info(
         "KV cache: %d blocks of %d tokens in %s (%d tokens, %.2f GiB, %.1f KB/token)",

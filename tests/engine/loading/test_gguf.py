@@ -35,7 +35,7 @@ from engine.executor.quantization import (
 )
 from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
-from engine.loading.build import _on_meta, load_gguf_quantized, load_model_weights
+from engine.loading.build import load_gguf_quantized, load_model_weights, on_meta
 from engine.loading.gguf import (
     EXACT_BLOCKS,
     TABLE_RECORD,
@@ -395,7 +395,7 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
     cfg = _config("llama")
     with caplog.at_level("WARNING", logger="engine.loading.gguf"):
         state = blocks_quantized_state(
-            _on_meta(cfg, 64, torch.float32), _open(path, cfg), weights, torch.float32
+            on_meta(cfg, 64, torch.float32), _open(path, cfg), weights, torch.float32
         )
     assert "re-quantized from their values (a second rounding): F16 x 1" in caplog.text
     widths = {
@@ -451,7 +451,7 @@ def test_quantized_state_from_blocks_equals_quantizing_the_dequantized_floats(
     path = tmp_path / "tiny.gguf"
     floats = _write_gguf(path, model_type, layer_type, head_type)
     cfg = _config(model_type)
-    direct = blocks_quantized_state(_on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
+    direct = blocks_quantized_state(on_meta(cfg, 64, dtype), _open(path, cfg), weights, dtype)
     model = load_model_weights(cfg, dict(floats), 64, dtype, torch.device("cpu"), weights)
     reference = float_route_state(model)
     # a Q8_0 head in its own blocks holds the tied embedding's values: no float copy of it
@@ -474,7 +474,7 @@ def test_quantized_weights_are_exactly_the_files(
     floats = _write_gguf(path, "llama", layer_type, Q.Q8_0)
     cfg = _config("llama")
     weights = WeightFormat("int4", "int8", dense_copies=True)
-    model = _on_meta(cfg, 64, torch.float32)
+    model = on_meta(cfg, 64, torch.float32)
     state = blocks_quantized_state(model, _open(path, cfg), weights, torch.float32)
     layer = "model.layers.1"
     qkv = torch.cat([floats[f"{layer}.self_attn.{x}_proj.weight"] for x in "qkv"])
@@ -500,7 +500,7 @@ def test_a_tied_embedding_is_read_from_the_heads_blocks_where_they_are_its_value
     cfg = _config("llama")
     weights = WeightFormat(FILE_BLOCKS, FILE_BLOCKS, dense_copies=False)
     state = blocks_quantized_state(
-        _on_meta(cfg, 64, torch.float32), _open(path, cfg), weights, torch.float32
+        on_meta(cfg, 64, torch.float32), _open(path, cfg), weights, torch.float32
     )
     assert ("embed_tokens.weight" not in state) == from_head
     model = load_gguf_quantized(cfg, _open(path, cfg), 64, torch.float32, weights)

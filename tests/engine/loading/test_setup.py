@@ -52,6 +52,23 @@ def test_the_default_pool_is_capped_by_memory(
     assert ": capped" in caplog.text
 
 
+def test_a_model_limit_the_pool_cannot_hold_is_served_at_the_pools_size(
+    tiny_llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without --max-model-len the model's own limit (the tiny one's 512; Llama 3.2's 131072)
+    is what a sequence may reach: a pool that holds less (40 blocks of 4 here) serves half
+    its size (room for pinned prefixes and other sequences), with a warning, and the RoPE
+    tables are built for that; asked for explicitly, the same length is an error that says
+    what to change."""
+    with caplog.at_level(logging.WARNING, logger="engine.loading.setup"):
+        loaded = load_model(_config(tiny_llama_path, max_model_len=None, num_kv_blocks=40))
+    assert loaded.max_model_len == 80
+    assert loaded.model.rotary.cos.shape[0] == 80  # type: ignore[attr-defined]
+    assert "max_model_len 512 (the model's limit) is more than the KV cache holds" in caplog.text
+    with pytest.raises(ModelLoadError, match="raise --kv-cache-memory or lower --max-model-len"):
+        load_model(_config(tiny_llama_path, max_model_len=512, num_kv_blocks=40))
+
+
 def test_explicit_sizes_win(tiny_llama_path: Path) -> None:
     assert load_model(_config(tiny_llama_path, num_kv_blocks=17)).pool.num_blocks == 17
     probe = load_model(_config(tiny_llama_path, num_kv_blocks=16)).pool.spec.bytes_per_block
