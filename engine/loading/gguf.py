@@ -2,12 +2,13 @@
 
 Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
-the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are
-exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py: 4-bit
-codes for the Q4 types, 8-bit lanes for Q5, Q6 and Q8; float32 d and m for the K-quants'
-products, two d per group for Q6_K's 16-weight sub-blocks), so they are unpacked into codes,
-d and m with no float round trip (`group_codes`), each linear at its own type's width, a file
-mixing types per tensor included; every other type (F32, F16, BF16, Q2_K, Q3_K, IQ...) is
+the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K blocks
+are exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py:
+4-bit codes for the Q4 types, 8-bit lanes for Q3_K, Q5, Q6 and Q8; float32 d and m for the
+K-quants' products, two d per group for Q3_K's and Q6_K's 16-weight sub-blocks), so they are
+unpacked into codes, d and m with no float round trip (`group_codes`), each linear at its own
+type's width, a file mixing types per tensor included; every other type (F32, F16, BF16,
+Q2_K, IQ...) is
 dequantized by the `gguf` package (`dequantize`) and, for a quantized linear, re-quantized
 with a warning.
 
@@ -449,6 +450,28 @@ def _q6_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return codes, halves, torch.full((*lead, 8), -0.0)
 
 
+def _q3_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., 8, 32], d [..., 8, 2] and m [..., 8] of Q3_K super-blocks [..., 110]: 32
+    bytes of high bits (hmask), 64 of 2-bit low parts, 12 of sixteen packed 6-bit scales, d
+    f16. Sixteen sub-blocks of 16 weights, as Q6_K's: group j's halves are sub-blocks 2j and
+    2j + 1, each with its d = d * (scale - 32) (float32, exact), codes low - 4 where the high
+    bit is clear (-4..3), m = -0: d * code is GGML's value bit for bit."""
+    lead = blocks.shape[:-1]
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = blocks[..., 108:110].contiguous().view(torch.float16)[..., 0].float()
+    nibble_shift = torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+    pair_shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    low = (packed[..., 0:8].reshape(*lead, 1, 8) >> nibble_shift).reshape(*lead, 16) & 0x0F
+    high = (packed[..., 8:12].reshape(*lead, 1, 4) >> pair_shift).reshape(*lead, 16) & 0x03
+    scale = (low | (high << 4)).to(torch.int16) - 32
+    halves = (d[..., None] * scale.float()).reshape(*lead, 8, 2)
+    low_bits = (qs.reshape(*lead, 2, 1, 32) >> pair_shift).reshape(*lead, 16, 16) & 0x03
+    bit_shift = torch.arange(8, dtype=torch.uint8)[:, None]
+    high_bit = (hmask.reshape(*lead, 1, 32) >> bit_shift).reshape(*lead, 16, 16) & 0x01
+    codes = low_bits.to(torch.int8) - ((high_bit ^ 1) << 2).to(torch.int8)
+    return codes.reshape(*lead, 8, 32), halves, torch.full((*lead, 8), -0.0)
+
+
 Decoder = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -463,7 +486,8 @@ class BlockType:
 
 
 # K-quant groups' d and m are float32 products (super-block d times a 6-bit sub-scale), exact
-# there and not in float16; Q6_K's 16-weight sub-blocks are the two halves of a group.
+# there and not in float16; Q3_K's and Q6_K's 16-weight sub-blocks are the two halves of a
+# group (Q2_K's too, but each with its own m as well, which the kernel's groups do not have).
 EXACT_BLOCKS = {
     "Q4_0": BlockType(4, 18, 32, _block_codes),
     "Q4_1": BlockType(4, 20, 32, _block_codes),
@@ -473,14 +497,15 @@ EXACT_BLOCKS = {
     "Q4_K": BlockType(4, 144, 256, _super_block_codes),
     "Q5_K": BlockType(8, 176, 256, _super_block_codes),
     "Q6_K": BlockType(8, 210, 256, _q6_k_codes),
+    "Q3_K": BlockType(8, 110, 256, _q3_k_codes),
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
 # `EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
-# a warning at load (Q2_K and Q3_K, whose 16-weight sub-blocks the reader does not decode yet;
-# IQ types are codebooks).
+# a warning at load (Q2_K, whose 16-weight sub-blocks each have their own min; IQ types are
+# codebooks).
 GGML_BITS = {
     **{kind: block.bits for kind, block in EXACT_BLOCKS.items()},
-    **dict.fromkeys(("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
+    **dict.fromkeys(("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
     **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
     **dict.fromkeys(("Q8_1", "Q8_K"), 8),
 }

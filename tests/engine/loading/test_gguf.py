@@ -288,13 +288,16 @@ def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
 _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+)
 def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
     """Random block bytes with edge d and m (or dmin) values (zero, subnormal, the f16
     extremes, both signs): codes * d + m in float32 is `gguf.quants.dequantize`'s value, bit
     for bit (the sign of zero too), except Q4_0, whose m = -8 d turns a zero weight into +0
     (and overflows for |d| > 8188, which no real weight has: those blocks are left out for
-    it). K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32."""
+    it). K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32; Q3_K's
+    high bits both ways, its signed sub-scales' extremes (0 and 63: -32 and +31)."""
     block = EXACT_BLOCKS[qtype.name]
     block_bytes, block_weights = block.block_bytes, block.block_weights
     gen = np.random.default_rng(int(qtype))
@@ -302,14 +305,15 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
     if qtype == Q.Q4_0:
         d = np.where(np.abs(d.astype(np.float32)) > 8188, np.float16(0.5), d)
-    d_at = block_bytes - 2 if qtype == Q.Q6_K else 0  # Q6_K's d is its last field
+    halves = qtype in (Q.Q3_K, Q.Q6_K)  # a d per 16-weight half; d is their last field
+    d_at = block_bytes - 2 if halves else 0
     blocks[..., d_at : d_at + 2] = d.view(np.uint8).reshape(64, 4, 2)
     if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):  # m or dmin: f16 patterns, extremes included
         m = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))] * np.float16(-1)
         blocks[..., 2:4] = m.view(np.uint8).reshape(64, 4, 2)
     codes = block_group_codes(qtype.name, torch.from_numpy(blocks), 64, 4 * block_weights)
     assert codes.codes.shape == (64, 4 * block_weights // 32, 32)
-    assert codes.d.dim() == (3 if qtype == Q.Q6_K else 2)
+    assert codes.d.dim() == (3 if halves else 2)
     assert codes.d.dtype == (torch.float32 if block_weights > 32 else torch.float16)
     low_code, high_code = (0, 15) if block.bits == 4 else (-32, 31)
     in_range = low_code <= int(codes.codes.min()) and int(codes.codes.max()) <= high_code
@@ -322,7 +326,7 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
 
 
-@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q4_K, 4), (Q.Q5_K, 8), (Q.Q6_K, 8)])
+@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q3_K, 8), (Q.Q4_K, 4), (Q.Q5_K, 8), (Q.Q6_K, 8)])
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
 ) -> None:
@@ -334,7 +338,7 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     gen = np.random.default_rng(5)
     blocks = gen.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
     scales = gen.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)  # d, dmin
-    if qtype == Q.Q6_K:  # d last; no dmin
+    if qtype in (Q.Q3_K, Q.Q6_K):  # d last; no dmin
         blocks[..., -2:] = scales[..., :1].view(np.uint8).reshape(rows, cols // 256, 2)
     else:
         blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
