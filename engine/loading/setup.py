@@ -38,6 +38,7 @@ from engine.loading.source import (
     resolve_model,
     shipped_weight_format,
 )
+from engine.text.tool_format import template_takes_tools, tool_format_of
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
         logger.info("chat template: the model's own")
     else:
         logger.info("chat template: none (chat requests get a 400 naming --chat-template)")
+    if tokenizer.chat_template:
+        takes_tools = template_takes_tools(tokenizer.chat_template)
+        logger.info(
+            "tool calls: %s format (%s)",
+            tool_format_of(tokenizer.chat_template).name,
+            "the template renders the tools"
+            if takes_tools
+            else "tools described in the system turn",
+        )
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
     spec = _kv_spec(config, on_meta(hf_config, 1, config.torch_dtype))
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec, max_model_len)
