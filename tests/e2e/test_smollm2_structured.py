@@ -1,4 +1,4 @@
-"""Structured outputs on the real default model: 100 generated JSON schemas (nested objects,
+"""Structured outputs on the real default model: 60 generated JSON schemas (nested objects,
 arrays, enums, bounded numbers, optional fields, anyOf), greedy, in one continuous batch;
 every output must end by itself and validate against its schema."""
 
@@ -17,7 +17,7 @@ from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.e2e
 
-NUM_SCHEMAS = 100
+NUM_SCHEMAS = 60  # 100 took 43 s of a 15-minute CI budget; 60 keep every schema kind
 MAX_TOKENS = 320
 WORDS = ["red", "green", "blue", "small", "large", "open", "closed", "north", "south", "cat"]
 
@@ -71,7 +71,7 @@ def engine(smollm2_source: ModelSource) -> LLMEngine:
     )
 
 
-def test_one_hundred_generated_schemas_all_validate(engine: LLMEngine) -> None:
+def test_sixty_generated_schemas_all_validate(engine: LLMEngine) -> None:
     rng = random.Random(20261123)
     schemas = [random_schema(rng) for _ in range(NUM_SCHEMAS)]
     for i, schema in enumerate(schemas):
@@ -90,7 +90,10 @@ def test_one_hundred_generated_schemas_all_validate(engine: LLMEngine) -> None:
             tokens[output.request_id] += output.token_ids
             finish[output.request_id] = output.finish_reason
     assert_all_free(engine)
-    texts = [engine.tokenizer.decode(tokens[str(i)], skip_special_tokens=True) for i in range(100)]
+    texts = [
+        engine.tokenizer.decode(tokens[str(i)], skip_special_tokens=True)
+        for i in range(NUM_SCHEMAS)
+    ]
     unfinished = [(i, texts[i]) for i in range(NUM_SCHEMAS) if finish[str(i)] != "stop"]
     assert unfinished == []
     for schema, text in zip(schemas, texts, strict=True):
