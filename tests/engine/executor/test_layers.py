@@ -16,6 +16,7 @@ from engine.executor.models.layers import (
     rope_and_store,
     silu_and_mul,
 )
+from tests.engine.executor.test_models import phi3_longrope_config
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 3, 40]  # 40 > the ops' 16 rows per parallel task
@@ -143,33 +144,19 @@ def test_rope_and_store_kernel_rotates_and_writes_the_cache_like_torch(
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
-@pytest.mark.parametrize("context", [8, 40], ids=["within-pretraining", "beyond"])
+@pytest.mark.parametrize("context", [3, 40], ids=["within-pretraining", "beyond"])
 def test_longrope_factors_follow_the_served_context_for_every_position(context: int) -> None:
-    """LongRoPE: the short factors when the served context fits the pretraining length (8),
+    """LongRoPE: the short factors when the served context fits the pretraining length (3),
     the long ones otherwise, for every position alike (transformers' rotary on a sequence of
     the context's length picks the same), with the attention factor of the extension."""
-    from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    rope = {
-        "rope_type": "longrope",
-        "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
-        "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
-        "partial_rotary_factor": 0.75,
-    }
-    cfg = Phi3Config(
-        hidden_size=64,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        original_max_position_embeddings=8,
-        rope_parameters=rope,
-        pad_token_id=None,
-    )
+    cfg = phi3_longrope_config()
     ours = RotaryEmbedding(cfg, context, torch.float32)
     positions = torch.arange(context)
     cos, sin = Phi3RotaryEmbedding(cfg)(torch.zeros(1), positions[None])
     assert ours.cos.shape == (context, 12)  # 3/4 of head_dim 16
     assert torch.equal(ours(positions)[0][:, 0], cos[0])
     assert torch.equal(ours(positions)[1][:, 0], sin[0])
-    other = RotaryEmbedding(cfg, 48 if context == 8 else 8, torch.float32)
-    assert not torch.equal(other.cos[:8], ours.cos[:8])  # the other factors: other angles
+    other = RotaryEmbedding(cfg, 48 if context == 3 else 3, torch.float32)
+    assert not torch.equal(other.cos[:3], ours.cos[:3])  # the other factors: other angles

@@ -123,18 +123,17 @@ def _gemma3_sliding() -> Any:
     return model
 
 
-def _phi3_longrope_partial() -> Any:
-    """Phi-4-mini's shape: q/k/v and gate/up stored fused, RoPE over 3/4 of each head (12 of
-    16 dims: the kernel's 8-lane loop and its tail both run), LongRoPE factors that differ per
-    frequency, a tied head. The pretraining length (3) is below every sequence the test
-    compares, so transformers takes the long factors as the engine does for its context."""
+def phi3_longrope_config() -> Phi3Config:
+    """Phi-4-mini's shape, small: RoPE over 3/4 of each head (12 of 16 dims: the kernel's
+    8-lane loop and its tail both run), LongRoPE factors that differ per frequency, a
+    pretraining length of 3, a tied head."""
     rope = {
         "rope_type": "longrope",
         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
         "long_factor": [1.5, 2.0, 3.5, 5.0, 7.5, 11.0],
         "partial_rotary_factor": 0.75,
     }
-    cfg = Phi3Config(
+    return Phi3Config(
         **SMALL,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -144,7 +143,13 @@ def _phi3_longrope_partial() -> Any:
         tie_word_embeddings=True,
         pad_token_id=None,
     )
-    return Phi3ForCausalLM(cfg)
+
+
+def _phi3_longrope_partial() -> Any:
+    """Phi-4-mini's shape (`phi3_longrope_config`), q/k/v and gate/up stored fused. The
+    pretraining length (3) is below every sequence the test compares, so transformers takes
+    the long factors as the engine does for its context."""
+    return Phi3ForCausalLM(phi3_longrope_config())
 
 
 def _mistral() -> Any:
