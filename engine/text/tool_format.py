@@ -25,7 +25,6 @@ from typing import Any
 from engine.core.sampling_params import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.DOTALL)
 SYSTEM_TOOLS_PROMPT = (
     "You may call these functions:\n<tools>\n{tools}\n</tools>\nTo call one, answer with "
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
@@ -172,8 +171,26 @@ class ToolFormat:
         """(the text outside the calls, or None if nothing is left; the calls in order). A
         block that is not a JSON object with a name stays in the text."""
         if self.opener:
-            return _parse_tagged(text)
+            return self._parse_tagged(text)
         return self._parse_bare(text)
+
+    def _parse_tagged(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """Every opener ... closer block holding a call, wherever it stands in the text."""
+        tags = re.escape(self.opener.strip()), re.escape(self.closer.strip())
+        pattern = re.compile(tags[0] + r"\s*(\{.*?\})\s*" + tags[1], re.DOTALL)
+        calls: list[ParsedToolCall] = []
+        kept: list[str] = []
+        position = 0
+        for match in pattern.finditer(text):
+            call = _call_of(match.group(1), self.arguments_key)
+            if call is None:
+                continue
+            kept.append(text[position : match.start()])
+            calls.append(call)
+            position = match.end()
+        kept.append(text[position:])
+        content = "".join(kept).strip()
+        return (content or None) if calls else text, calls
 
     def _parse_bare(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """Bare objects from the start of the text, joined by the separator; what follows
@@ -218,28 +235,12 @@ def _lark_string(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
-def _parse_tagged(text: str) -> tuple[str | None, list[ParsedToolCall]]:
-    calls: list[ParsedToolCall] = []
-    kept: list[str] = []
-    position = 0
-    for match in _CALL.finditer(text):
-        call = _call_of(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[position : match.start()])
-        calls.append(call)
-        position = match.end()
-    kept.append(text[position:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
-
-
-def _call_of(body: str) -> ParsedToolCall | None:
+def _call_of(body: str, arguments_key: str) -> ParsedToolCall | None:
     try:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
-    return _call_from(value, "arguments")
+    return _call_from(value, arguments_key)
 
 
 def _call_from(value: Any, arguments_key: str) -> ParsedToolCall | None:

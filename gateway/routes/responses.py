@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, EngineRequest, InvalidRequestError, tool_format_of
+from engine import EngineError, EngineRequest, InvalidRequestError, ToolFormat
 from gateway import errors
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -81,7 +81,13 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         history = list(previous.conversation)
     _check_outputs_answer_calls(body, history)
     prepared = await gateway.run_blocking(
-        _prepare, engine, body, history, gateway.config.default_max_tokens, caller
+        _prepare,
+        engine,
+        body,
+        history,
+        gateway.config.default_max_tokens,
+        caller,
+        gateway.tool_format,
     )
     draft = _draft(body, gateway.model_name)
     job = Job(
@@ -93,7 +99,8 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         body.affinity_key,
         request.state.request_id,
     )
-    run = ResponseRun(job, draft, body, history, caller.tenant_name)
+    tool_format = gateway.tool_format if body.uses_tools else None
+    run = ResponseRun(job, draft, body, history, caller.tenant_name, tool_format)
     if body.stream:
         return TicketedStream(_stream(run, gateway), admitted.ticket)
     return await unless_disconnected(request, _complete(run))
@@ -138,10 +145,10 @@ def _prepare(
     history: list[dict[str, Any]],
     default_max_tokens: int,
     caller: Caller,
+    tool_format: ToolFormat,
 ) -> EngineRequest:
-    """The chat request this response is, prepared as chats are (worker pool); errors name
-    the Responses fields."""
-    tool_format = tool_format_of(engine.tokenizer.chat_template)
+    """The chat request this response is, prepared as chats are (worker pool), its tools
+    in the served model's `tool_format`; errors name the Responses fields."""
     chat = errors.validate(
         ChatCompletionRequest, body.chat_payload(history), {"tool_format": tool_format}
     )
@@ -198,6 +205,7 @@ class ResponseRun:
     body: ResponsesRequest
     history: list[dict[str, Any]]
     owner: str | None  # the tenant that may continue or fetch it
+    tool_format: ToolFormat | None  # how calls are read from the output; None: no tools
     message: OutputMessage | None = None
     text: str = ""
     logprobs: list[OutputLogprob] = field(default_factory=list)
@@ -206,8 +214,7 @@ class ResponseRun:
         response = self.response
         yield "response.created", {"response": response}
         yield "response.in_progress", {"response": response}
-        tool_format = self.job.gateway.tool_format if self.body.uses_tools else None
-        calls_or_text = ToolCallText.of(tool_format)
+        calls_or_text = ToolCallText.of(self.tool_format)
         held_logprobs: list[OutputLogprob] = []  # of text held back: it may be calls
         async for _, out in self.job.run():
             text = calls_or_text.feed(out.text)
