@@ -14,11 +14,15 @@ goes least-loaded, and its keys move to wherever it ran. A client's own key
 where the last of them went, whatever their text.
 
 Loads are the ingress's own count of requests in flight per replica: every request passes
-through it, so the count is exact without asking the replicas.
+through it, so the count is exact without asking the replicas. A request counts from the moment
+it is given a replica, not from its first answer: requests that arrive together see each
+other and spread, where probed queue lengths (Serve's own router) can be stale for all of them
+at once.
 """
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -66,9 +70,28 @@ class AffinityTable:
             return replica if self._in_flight.get(replica, 0) <= least + self.slack else ""
         return ""
 
-    def started(self, keys: list[BlockHash], replica: str) -> None:
-        """`replica` took a request with `keys`: remember them there, count it in flight."""
-        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+    def choose(
+        self, keys: list[BlockHash], live: set[str], rng: random.Random | None = None
+    ) -> str:
+        """The replica for a request with `keys`: `preferred`'s, else the least loaded live
+        one (ties at random); "" when none is live. It counts in flight from here on."""
+        replica = self.preferred(keys, live)
+        if not replica and live:
+            least = min(self._in_flight.get(r, 0) for r in live)
+            idle = sorted(r for r in live if self._in_flight.get(r, 0) == least)
+            replica = (rng or random._inst).choice(idle)
+        if replica:
+            self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+        return replica
+
+    def started(self, keys: list[BlockHash], replica: str, chosen: str = "") -> None:
+        """`replica` took a request with `keys` that `choose` gave to `chosen` (Serve falls
+        through to another replica when the chosen one's queue is full; "" for none): count
+        it there, and remember the keys there."""
+        if replica != chosen:
+            if chosen:
+                self.finished(chosen)
+            self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
         for key in keys:
             self._replica_of[key] = replica
             self._replica_of.move_to_end(key)

@@ -197,8 +197,8 @@ class ReplicaSet:
         affinity_key: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `request` from one replica: the one holding its conversation (or the last
-        request with its `affinity_key`) if it is not overloaded (`AffinityTable`), else the
-        less loaded of two (Serve's router)."""
+        request with its `affinity_key`) if it is not overloaded, else the least loaded
+        (`AffinityTable.choose`); Serve's router falls through to others if its queue is full."""
         ids = request.prompt_token_ids
         entry = self._registry_entry(ids, request.tenant)
         keys = self.affinity.keys(
@@ -208,9 +208,9 @@ class ReplicaSet:
             request.tenant,
             affinity_key,
         )
-        preferred = self.affinity.preferred(keys, set(self._reports))
+        chosen = self.affinity.choose(keys, set(self._reports))
         stream: DeploymentResponseGenerator[Any] = self._handle.options(  # type: ignore[assignment]
-            stream=True, session_id=preferred
+            stream=True, session_id=chosen
         ).generate.remote(
             ids, request.params, request.cache_salt, request.tenant, request_id or uuid.uuid4().hex
         )
@@ -224,7 +224,7 @@ class ReplicaSet:
                     f"no engine replica took the request within {self.request_timeout:g} s"
                 ) from None
             replica = name
-            self.affinity.started(keys, name)
+            self.affinity.started(keys, name, chosen)
             async for output in stream:
                 finished = output.finished
                 yield output
@@ -239,8 +239,8 @@ class ReplicaSet:
                 f"{message}; the other replicas keep serving: retry"
             ) from None
         finally:
-            if replica is not None:
-                self.affinity.finished(replica)
+            if replica is not None or chosen:
+                self.affinity.finished(replica if replica is not None else chosen)
             if not finished:
                 stream.cancel()  # type: ignore[no-untyped-call]
 

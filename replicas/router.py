@@ -4,9 +4,10 @@ The ingress decides affinity (it knows which replica served each conversation an
 requests each replica holds, see `replicas.affinity`) and names its choice in the request's
 `session_id`; an empty one means "no preference". This router, run by Ray Serve inside the
 ingress process, turns that into ranks: the preferred replica first, the others after it, so
-Serve still falls through to the others when the preferred one's queue is full. Without a
-preference it is power of two choices: two random replicas, and Serve probes both and takes
-the one with fewer requests in flight (running + waiting in its engine).
+Serve still falls through to the others when the preferred one's queue is full. The ingress
+names a replica whenever it knows one; without a preference (before any replica has reported)
+it is power of two choices: two random replicas, and Serve probes both and takes the one with
+fewer requests in flight (running + waiting in its engine).
 
 Stateless on purpose: Serve builds a router per handle and may rebuild it.
 """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from replicas.affinity import CHUNK_TOKENS, AffinityTable
 
 REGISTRY = list(range(1000, 1000 + 100))  # a registered prefix every replica holds
@@ -110,3 +112,30 @@ def test_a_client_key_wins_over_the_text_and_stays_in_its_scope() -> None:
     table.finished("b")
     assert table.preferred(table.keys(other, 0, None, None, "user-1"), LIVE) == "a"
     assert table.preferred(table.keys(other, 0, None, None), LIVE) == "b"
+
+
+def test_requests_without_affinity_spread_by_the_exact_count_from_their_choice() -> None:
+    table = AffinityTable()
+    rng = random.Random(0)
+    # Six requests arrive together, none answered yet: each sees the ones chosen before it.
+    chosen = [table.choose([], LIVE, rng) for _ in range(6)]
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+    assert table.in_flight("a") == table.in_flight("b") == 3
+    for replica in chosen:
+        table.started([], replica, replica)  # answered where chosen: counted once
+    assert table.in_flight("a") == table.in_flight("b") == 3
+    assert table.choose([], set(), rng) == ""  # none live
+
+
+def test_a_fall_through_moves_the_count_and_the_keys() -> None:
+    table = AffinityTable()
+    keys = table.keys(list(range(200)), 0, None, None)
+    table.started(keys, "a")
+    table.finished("a")
+    assert table.choose(keys, LIVE) == "a"  # affinity
+    table.started(keys, "b", "a")  # Serve found a's queue full and ran it on b
+    assert (table.in_flight("a"), table.in_flight("b")) == (0, 1)
+    assert table.preferred(keys, LIVE) == "b"
+    table.finished("b")
+    assert table.choose([], {"a", "b", "c"}, random.Random(1)) in {"a", "b", "c"}
+    assert sum(table.in_flight(r) for r in "abc") == 1

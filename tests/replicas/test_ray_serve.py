@@ -334,6 +334,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
             watching.set()
             watcher.result(timeout=10.0)
     assert streams_ended - started < 60.0
+    # The ingress gave three streams to each replica (`AffinityTable.choose`); Serve may still
+    # move one whose replica was slow to answer its queue-length probe. The victim's fail.
     failed = [o for o in outcomes if o != "ok"]
     assert failed and len(failed) < len(outcomes), outcomes  # its requests only
     assert set(failed) == {"engine_unavailable"}, outcomes
