@@ -4,8 +4,14 @@ tests/engine/executor/test_kernels.py builds the kernels for each instruction se
 machine is not (AVX2 on an AVX-512 CPU, the portable scalar code everywhere) and runs the
 kernel tests against each. One build takes ~65 s of both cores of a 2-core CPU, most of the
 suite leaves a core idle, and the build needs nothing from the tests: so when that test is
-selected, its builds start as soon as collection ends, at the lowest CPU priority (they take
-idle time, not the tests' time), into the cache the test then finds them in.
+selected, it runs last and its builds start in the background at the lowest CPU priority,
+into the cache the test then finds them in.
+
+Not beside the end-to-end tests, though: even at nice 19 (or SCHED_IDLE) a compiler on a
+2-core machine made a real-model engine's requests up to 15x slower (a Responses test took
+31 s instead of 2 s): the engine's two threads meet at a barrier after every parallel
+section, and one of them waiting for a core stalls both. The builds start with the first test
+that does not run the real model (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,19 @@ class VariantBuild:
 
 
 _builds: dict[str, VariantBuild] = {}
+_wanted: list[str] = []
+
+
+def want_builds(capabilities: list[str]) -> None:
+    """`start_wanted_builds` will start these."""
+    _wanted[:] = capabilities
+
+
+def start_wanted_builds() -> None:
+    """The wanted builds, once: called before each test that does not run the real model."""
+    if _wanted:
+        start_builds(_wanted)
+        _wanted.clear()
 
 
 def other_variants() -> list[str]:
