@@ -48,8 +48,10 @@ class QuantizedWeight:
     """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
 
     codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
+    # (bits 4, 5 or 8: 5 is 4's nibbles then a plane of 5th bits)
     # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
-    # tile, d then m; [N / 8, 3, K / 32, 8] with a d per 16-column half of a group (Q6_K)
+    # tile, d then m; [N / 8, 1, K / 32, 8] d alone where every m is 0 (Q8_0, Q5_0: 1/18 of
+    # the bytes a step reads); [N / 8, 3, K / 32, 8] with a d per 16-column half (Q6_K)
     scales: torch.Tensor
     bits: int
 
@@ -113,21 +115,31 @@ def quantize_weight(
 def pack_weight(
     codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int
 ) -> QuantizedWeight:
-    """Codes [N, K / 32, 32] (0..15 for 4 bits, -127..127 for 8, any dtype) with d and m
-    [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns
-    with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The scales stay
-    float32 where d or m is (a K-quant's exact products), else float16. `scale` [N, K / 32, 2]
-    gives each group a d per 16-column half (Q6_K's sub-blocks), then the kernel's halves."""
+    """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -127..127 for 8, any dtype) with
+    d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4
+    columns with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The
+    scales stay float32 where d or m is (a K-quant's exact products), else float16. `scale`
+    [N, K / 32, 2] gives each group a d per 16-column half (Q6_K's sub-blocks), then the
+    kernel's halves. Where every m is 0 (and d is one per group), the scales are d alone."""
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
-    if bits == 4:
-        nibbles = steps.to(torch.uint8).reshape(tiles, groups, 4, 2, TILE_ROWS * 4)
+    if bits in (4, 5):
+        codes8 = steps.to(torch.uint8)
+        nibbles = (codes8 & 15).reshape(tiles, groups, 4, 2, TILE_ROWS * 4)
         packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # steps 2j, 2j + 1
+        if bits == 5:  # then 32 bytes: bit s of byte i, step s's code i's 5th bit
+            fifths = (codes8 >> 4).reshape(tiles, groups, 8, TILE_ROWS * 4)  # [T, G, s, i]
+            weights = torch.tensor([1 << s for s in range(8)], dtype=torch.uint8)[:, None]
+            plane = (fifths * weights).sum(2, dtype=torch.uint8)  # bits are disjoint: no carry
+            packed = torch.cat([packed.reshape(tiles, groups, -1), plane], -1)
     else:
         packed = steps.to(torch.int8).view(torch.uint8)
     wide = torch.float32 in (scale.dtype, low.dtype)
-    parts = [scale[..., 0], scale[..., 1], low] if scale.dim() == 3 else [scale, low]
+    if scale.dim() == 3:
+        parts = [scale[..., 0], scale[..., 1], low]
+    else:  # no min row where every m is 0: the kernel then skips the min term (same bits)
+        parts = [scale, low] if bool(low.any()) else [scale]
     stacked = torch.stack([p.to(torch.float32) for p in parts], 1)
     scales = stacked.to(torch.float32 if wide else torch.float16).reshape(
         tiles, TILE_ROWS, len(parts), groups
@@ -288,10 +300,19 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     the values are the same floats, bit for bit)."""
     tiles, groups = weight.codes.shape[:2]
     tile, row = rows // TILE_ROWS, rows % TILE_ROWS
-    if weight.bits == 4:  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
-        packed = weight.codes.view(tiles, groups, 4, TILE_ROWS, 4)[tile, :, :, row]
+    if weight.bits in (4, 5):  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
+        n, nibble_bytes = len(rows), TILE_ROWS * GROUP_SIZE // 2
+        mine = weight.codes[tile]  # [n, G, 8 * bits * 4]: the rows' tiles only
+        packed = mine[:, :, :nibble_bytes].reshape(n, groups, 4, TILE_ROWS, 4)
+        packed = packed[torch.arange(n), :, :, row]  # [n, G, 4, 4]
         steps = torch.stack((packed & 15, packed >> 4), 3)  # [n, G, 4, 2, 4]
-        codes = steps.reshape(len(rows), groups, GROUP_SIZE).float()
+        codes = steps.reshape(n, groups, GROUP_SIZE)
+        if weight.bits == 5:  # bit s of byte 4r + i: row r's column 4s + i's 5th bit
+            plane = mine[:, :, nibble_bytes:].reshape(n, groups, TILE_ROWS, 4)
+            plane = plane[torch.arange(n), :, row]  # [n, G, 4]
+            fifths = (plane[:, :, None] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+            codes = codes | (fifths.reshape(n, groups, GROUP_SIZE) << 4)  # [n, G, s, i]
+        codes = codes.float()
     else:
         packed = weight.codes.view(torch.int8).view(tiles, groups, 8, TILE_ROWS, 4)
         codes = packed[tile, :, :, row].reshape(len(rows), groups, GROUP_SIZE).float()
@@ -300,7 +321,10 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
         d = scales[:, :2].transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)
     else:
         d = scales[:, 0, :, None]
-    return codes.mul_(d).add_(scales[:, -1, :, None]).flatten(1)
+    # d alone: m is -0.0, the symmetric GGML types' (engine.loading.gguf._block_codes), which
+    # adds nothing, as GGML's code * d adds nothing
+    m = scales[:, -1, :, None] if scales.shape[1] > 1 else torch.full_like(d, -0.0)
+    return codes.mul_(d).add_(m).flatten(1)
 
 
 class HeadRowsEmbedding(nn.Module):

@@ -98,7 +98,8 @@ ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 @dataclass(frozen=True)
 class GroupCodes:
     """A weight as group-32 codes, w = codes * d + m: codes [N, K / 32, 32] (uint8 0..15 for
-    4 bits, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants); d [N, K / 32,
+    4 bits, 0..31 for 5, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants
+    and where float16 cannot hold m exactly); d [N, K / 32,
     2] where each 16-column half of a group has its own (Q6_K). Unpacked, so rows concatenate
     (q/k/v fused into one linear) before `pack_weight` lays them out for the kernel."""
 
@@ -108,13 +109,16 @@ class GroupCodes:
     bits: int
 
     def widened(self, bits: int) -> GroupCodes:
-        """The same weights in `bits`-wide codes: 4-bit codes (0..15) are 8-bit codes as they
-        are, so a fused linear whose parts differ in width keeps every part's values."""
+        """The same weights in `bits`-wide codes: 4- and 5-bit codes (0..15, 0..31) are wider
+        codes as they are, so a fused linear whose parts differ in width keeps every part's
+        values."""
         if bits == self.bits:
             return self
-        if (self.bits, bits) != (4, 8):
+        if (self.bits, bits) not in ((4, 5), (4, 8), (5, 8)):
             raise ValueError(f"{self.bits}-bit codes do not fit in {bits} bits")
-        return GroupCodes(self.codes.to(torch.int8), self.d, self.m, bits)
+        return GroupCodes(
+            self.codes.to(torch.int8 if bits == 8 else torch.uint8), self.d, self.m, bits
+        )
 
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:
@@ -394,16 +398,23 @@ def _block_codes(
     packed = blocks[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
     codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
     if kind == "Q4_0":  # w = (q - 8) * d
-        return codes, d, (d.float() * -8).half()
+        return codes, d, _exact_min(d, -8)
     if kind == "Q4_1":
         return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
     high_at = 2 if kind == "Q5_0" else 4  # Q5_1 has m before its high bits
     high = blocks[..., high_at : high_at + 4]  # bit j of the uint32: weight j's 5th bit
     fifth = (high[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., 4, 8]
     codes = codes | (fifth.flatten(-2) << 4)
-    if kind == "Q5_0":  # w = (q - 16) * d
-        return (codes.to(torch.int16) - 16).to(torch.int8), d, zero
-    return codes.to(torch.int8), d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    if kind == "Q5_0":  # w = (q - 16) * d: m = -16 d, as Q4_0's -8 d (a zero weight is +0)
+        return codes, d, _exact_min(d, -16)
+    return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+
+
+def _exact_min(d: torch.Tensor, factor: int) -> torch.Tensor:
+    """m = factor * d for a power-of-two factor: float16 like d where every product fits,
+    else float32 (|d| past float16's range / 16 is in no real weight, but a file may hold it)."""
+    m = d.float() * factor
+    return m.half() if bool(torch.isfinite(m.half()).all()) else m
 
 
 def _super_block_codes(
@@ -427,7 +438,7 @@ def _super_block_codes(
             blocks[..., 16:48, None].transpose(-1, -2)
             >> torch.arange(8, dtype=torch.uint8)[:, None]
         )
-        codes = (codes | ((fifth & 1) << 4)).to(torch.int8)
+        codes = codes | ((fifth & 1) << 4)
     return codes, d[..., None] * sub_scale.float(), -(dmin[..., None] * sub_min.float())
 
 
@@ -479,7 +490,7 @@ Decoder = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.
 class BlockType:
     """A GGML type whose blocks are the kernel's groups exactly."""
 
-    bits: int  # the code width that holds it: Q5 codes ride in the 8-bit lanes as they are
+    bits: int  # the code width that holds it: 4, 5 (the kernel's nibbles plus a bit plane), 8
     block_bytes: int
     block_weights: int  # 32, or a K-quant super-block's 256 (8 groups)
     decode: Decoder
@@ -491,11 +502,11 @@ class BlockType:
 EXACT_BLOCKS = {
     "Q4_0": BlockType(4, 18, 32, _block_codes),
     "Q4_1": BlockType(4, 20, 32, _block_codes),
-    "Q5_0": BlockType(8, 22, 32, _block_codes),
-    "Q5_1": BlockType(8, 24, 32, _block_codes),
+    "Q5_0": BlockType(5, 22, 32, _block_codes),
+    "Q5_1": BlockType(5, 24, 32, _block_codes),
     "Q8_0": BlockType(8, 34, 32, _block_codes),
     "Q4_K": BlockType(4, 144, 256, _super_block_codes),
-    "Q5_K": BlockType(8, 176, 256, _super_block_codes),
+    "Q5_K": BlockType(5, 176, 256, _super_block_codes),
     "Q6_K": BlockType(8, 210, 256, _q6_k_codes),
     "Q3_K": BlockType(8, 110, 256, _q3_k_codes),
 }
@@ -599,8 +610,8 @@ def _fused_codes(
 
 
 def _quantized(w: torch.Tensor, bits: int) -> GroupCodes:
-    if bits == 4:
+    if bits in (4, 5):  # a 5-bit linear's re-quantized part: 4-bit codes, widened
         codes, scale, low = quantize_int4(w)
-        return GroupCodes(codes.to(torch.uint8), scale.half(), low.half(), 4)
+        return GroupCodes(codes.to(torch.uint8), scale.half(), low.half(), 4).widened(bits)
     codes, scale = quantize_int8(w)
     return GroupCodes(codes.to(torch.int8), scale.half(), torch.zeros_like(scale).half(), 8)

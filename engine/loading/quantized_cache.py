@@ -24,8 +24,8 @@ from engine.loading.source import ModelSource, weight_files
 logger = logging.getLogger(__name__)
 
 # bump when quantized_state's layout changes (3: a tied embedding may be absent, read from the
-# head's rows)
-CACHE_VERSION = 3
+# head's rows; 4: no min row in the scales where every m is 0, 5-bit codes for the Q5 types)
+CACHE_VERSION = 4
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:

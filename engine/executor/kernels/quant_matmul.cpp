@@ -16,9 +16,15 @@
 //            llama.cpp's repacked x86 GEMMs). bits 8: the 8 steps, int8 codes -127..127.
 //            bits 4: 4 x 32 bytes, byte i of vector j holding step 2j's code i in its low
 //            nibble and step 2j + 1's in its high one; codes 0..15.
+//            bits 5: bits 4's 128 bytes for the codes' low 4 bits, then 32 bytes, bit s of
+//            byte i the 5th bit of step s's code i (one shift and a mask give a step's);
+//            codes 0..31 (Q5_0, Q5_1, Q5_K as their files hold them: 5.5 bits a weight, not
+//            8.5).
 //     scales [N / 8, 2, K / 32, 8] float16 or float32: a tile's d then its m, 8 rows per
 //            group. float16 is what Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the
 //            K-quants' per-group products (super-block d times a 6-bit sub-scale) exactly.
+//            [N / 8, 1, K / 32, 8]: d alone, m = 0 (Q8_0, Q5_0, Q4_0's symmetric codes): the
+//            min term is not read, and skipping it changes no bit (m * s = 0 adds nothing).
 //            [N / 8, 3, K / 32, 8] ("halves"): a d for columns 0-15 of each group, one for
 //            16-31, then m: Q6_K's 16-weight sub-blocks, two per group, each with its own d
 //            (the integer sum then taken per half, each half scaled alone).
@@ -71,9 +77,10 @@ constexpr int64_t kSteps = 8;     // 4-column steps per group
 // once, meet all T of them (one broadcast per T multiply-adds). MB x T integer accumulators:
 // 4-bit codes accumulate 16-bit pair sums (5 x 2 = 10 of the 16 AVX2 registers, with the codes,
 // the broadcast and the nibble mask); 8-bit codes keep 32-bit sums and a second, unsigned
-// copy of each tile's codes, so 2 x 2. Measured on an AVX2 EPYC (Zen 3), one thread, 1000 rows
-// of K = 576: 4-bit 5 x 2 ~72 G multiply-adds/s against ~48 for the former 4 x 1 blocks. Each
-// row's arithmetic is the same whichever block, and whichever tile, it falls in.
+// copy of each tile's codes, so 2 x 2; 5-bit codes 16-bit sums over 4 steps, widened into 32,
+// 2 x 2 as well (3 x 2 measured no faster). Measured on an AVX2 EPYC (Zen 3), one thread, 1000
+// rows of K = 576: 4-bit 5 x 2 ~72 G multiply-adds/s against ~48 for the former 4 x 1 blocks.
+// Each row's arithmetic is the same whichever block, and whichever tile, it falls in.
 template <int BITS>
 constexpr int kRowBlock = BITS == 4 ? 5 : 2;
 constexpr int kTileBlock = 2;
@@ -188,7 +195,7 @@ inline float add_group(float acc, int32_t sum, float d, float a, float m, float 
 
 // MB activation rows from `first_row` times the T tiles of `span`; writes
 // out[mb * n + 8 * t + r], rounded once to T (the activations' dtype).
-template <int BITS, int MB, int T, bool HALVES, typename OUT>
+template <int BITS, int MB, int T, bool HALVES, bool MIN, typename OUT>
 void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
                int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
@@ -200,6 +207,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
       act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + first_row * groups;
   constexpr int64_t m_row = HALVES ? 2 : 1;  // which of a tile's scale rows holds m
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
+  [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;  // 5 bits: 5th bits
 #if PREFIXGATE_QMM_AVX2
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kVnni = true;
@@ -212,16 +220,15 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) acc[mb][t] = _mm256_setzero_ps();
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i fifth_bit = _mm256_set1_epi8(0x10);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group_codes[T];
     for (int t = 0; t < T; ++t) {
       group_codes[t] = span.codes + t * span.code_stride + g * kGroupBytes;
       __builtin_prefetch(group_codes[t] + kPrefetchBytes);
       __builtin_prefetch(group_codes[t] + kPrefetchBytes + 64);
-      if constexpr (BITS == 8) {
-        __builtin_prefetch(group_codes[t] + kPrefetchBytes + 128);
-        __builtin_prefetch(group_codes[t] + kPrefetchBytes + 192);
-      }
+      if constexpr (BITS >= 5) __builtin_prefetch(group_codes[t] + kPrefetchBytes + 128);
+      if constexpr (BITS == 8) __builtin_prefetch(group_codes[t] + kPrefetchBytes + 192);
     }
     // With VNNI one dpbusd waits ~5 cycles on the one before it into the same register:
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
@@ -234,9 +241,21 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     };
     // The integer sums of steps [2 * first_pair, 2 * last_pair) into `sums`.
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
+    // 5 bits without VNNI: 16-bit pair sums over 4 steps (<= 4 * 2 * 31 * 127), then widened
+    // into `sums`: the same integers as widening every step, for fewer instructions.
+    [[maybe_unused]] __m256i sums16[MB][T];
+    if constexpr (BITS == 5 && !kVnni)
+      for (int mb = 0; mb < MB; ++mb)
+        for (int t = 0; t < T; ++t) sums16[mb][t] = _mm256_setzero_si256();
     for (int pair = first_pair; pair < last_pair; ++pair) {
-      [[maybe_unused]] __m256i packed[T];  // 4 bits: steps 2 * pair and 2 * pair + 1
-      if constexpr (BITS == 4) {
+      [[maybe_unused]] __m256i packed[T];  // 4, 5 bits: steps 2 * pair and 2 * pair + 1
+      [[maybe_unused]] __m256i fifths[T];  // 5 bits: bit s of byte i, step s's code i's 5th
+      if constexpr (BITS == 5) {
+        for (int t = 0; t < T; ++t)
+          fifths[t] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(group_codes[t] + kNibbleBytes));
+      }
+      if constexpr (BITS == 4 || BITS == 5) {
         for (int t = 0; t < T; ++t)
           packed[t] =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes[t] + pair * 32));
@@ -246,10 +265,17 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         __m256i u[T];                      // the multiply-add's unsigned operand, per tile
         [[maybe_unused]] __m256i sign[T];  // 8 bits without VNNI: the codes, for their signs
         for (int t = 0; t < T; ++t) {
-          if constexpr (BITS == 4) {
+          if constexpr (BITS == 4 || BITS == 5) {
             u[t] = half == 0 ? _mm256_and_si256(packed[t], low_nibbles)
                              : _mm256_and_si256(_mm256_srli_epi16(packed[t], 4), low_nibbles);
-          } else {
+          }
+          if constexpr (BITS == 5) {  // bit j to bit 4 (16-bit shifts of at most 4 stay in
+                                      // their byte under the mask)
+            const __m256i fifth = j < 4 ? _mm256_slli_epi16(fifths[t], 4 - j)
+                                        : _mm256_srli_epi16(fifths[t], j - 4);
+            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(fifth, fifth_bit));
+          }
+          if constexpr (BITS == 8) {
             // 8-bit codes are signed and the multiply-add takes its first operand unsigned:
             // with VNNI, w + 128 (its top bit flipped), the 128 * sum(activation codes) it
             // adds taken off the integer sum after; without, |w|, w's sign moved onto the
@@ -274,6 +300,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 #else
             if constexpr (kPairs) {  // <= 8 * 2 * 15 * 127
               sums[0][mb][t] = _mm256_add_epi16(sums[0][mb][t], _mm256_maddubs_epi16(u[t], s));
+            } else if constexpr (BITS == 5) {
+              sums16[mb][t] = _mm256_add_epi16(sums16[mb][t], _mm256_maddubs_epi16(u[t], s));
             } else {
               const __m256i pairs = _mm256_maddubs_epi16(u[t], _mm256_sign_epi8(s, sign[t]));
               sums[0][mb][t] =
@@ -281,6 +309,16 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
             }
 #endif
           }
+        }
+      }
+      if constexpr (BITS == 5 && !kVnni) {
+        if (pair % 2 == 1) {  // 4 steps summed: widen, start again
+          for (int mb = 0; mb < MB; ++mb)
+            for (int t = 0; t < T; ++t) {
+              sums[0][mb][t] = _mm256_add_epi32(
+                  sums[0][mb][t], _mm256_madd_epi16(sums16[mb][t], _mm256_set1_epi16(1)));
+              sums16[mb][t] = _mm256_setzero_si256();
+            }
         }
       }
     }
@@ -314,13 +352,13 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     clear();
     if constexpr (!HALVES) {
       accumulate(0, kSteps / 2);
-      scale_sums(0, 0, true);
+      scale_sums(0, 0, MIN);
     } else {  // steps 0-3 are columns 0-15
       accumulate(0, kSteps / 4);
       scale_sums(0, 1, false);
       clear();
       accumulate(kSteps / 4, kSteps / 2);
-      scale_sums(1, 2, true);
+      scale_sums(1, 2, MIN);
     }
   }
   for (int mb = 0; mb < MB; ++mb) {
@@ -344,9 +382,11 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           for (int64_t j = 0; j < kSteps; ++j) {
             for (int64_t i = 0; i < 4; ++i) {
               int32_t code;
-              if constexpr (BITS == 4) {
+              if constexpr (BITS == 4 || BITS == 5) {
                 const uint8_t byte = group_codes[j / 2 * 32 + 4 * r + i];
                 code = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+                if constexpr (BITS == 5)
+                  code |= ((group_codes[kNibbleBytes + 4 * r + i] >> j) & 1) << 4;
               } else {
                 code = static_cast<int8_t>(group_codes[j * 32 + 4 * r + i]);
               }
@@ -354,9 +394,12 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
             }
           }
           const float ga = da[mb * groups + g];
-          const float m = scale_at(span, tile_scales + (m_row * groups + g) * kTile + r);
+          const float m =
+              MIN ? scale_at(span, tile_scales + (m_row * groups + g) * kTile + r) : 0.f;
           const float d = scale_at(span, tile_scales + g * kTile + r);
-          if constexpr (!HALVES) {
+          if constexpr (!HALVES && !MIN) {
+            total[r] = std::fma(static_cast<float>(sums[0] + sums[1]), d * ga, total[r]);
+          } else if constexpr (!HALVES) {
             total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, sa[mb * groups + g]);
           } else {
             const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
@@ -373,15 +416,15 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 
 // Rows [begin, end) times the T tiles of `span`: blocks of kRowBlock rows, then the rest in
 // one smaller block.
-template <int BITS, int T, bool HALVES, typename OUT>
+template <int BITS, int T, bool HALVES, bool MIN, typename OUT>
 void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t begin,
               int64_t end, int64_t k, OUT* out, int64_t n) {
   constexpr int MB = kRowBlock<BITS>;
   int64_t i = begin;
   for (; i + MB <= end; i += MB)
-    block_dot<BITS, MB, T, HALVES>(span, act, i, k, out + i * n, n);
+    block_dot<BITS, MB, T, HALVES, MIN>(span, act, i, k, out + i * n, n);
   const auto rest = [&](auto rows) {
-    block_dot<BITS, decltype(rows)::value, T, HALVES>(span, act, i, k, out + i * n, n);
+    block_dot<BITS, decltype(rows)::value, T, HALVES, MIN>(span, act, i, k, out + i * n, n);
   };
   switch (end - i) {
     case 4: if constexpr (MB > 4) rest(std::integral_constant<int, 4>{}); break;
@@ -392,7 +435,7 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
   }
 }
 
-template <int BITS, bool HALVES, typename OUT>
+template <int BITS, bool HALVES, bool MIN, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
                        OUT* out) {
@@ -400,7 +443,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const auto* scale_base = static_cast<const char*>(scales);
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
-  const int64_t tile_scales = (HALVES ? 3 : 2) * groups * kTile;
+  const int64_t tile_scales = ((HALVES ? 2 : 1) + (MIN ? 1 : 0)) * groups * kTile;
   const int64_t tiles = n / kTile;
   const int64_t chunk = std::max<int64_t>(kRowBlock<BITS>, kChunkBytes / k / kRowBlock<BITS> *
                                                                kRowBlock<BITS>);
@@ -421,9 +464,9 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                             tile_scales, wide_scales};
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
-          rows_dot<BITS, kTileBlock, HALVES>(span, act, first, last, k, block_out, n);
+          rows_dot<BITS, kTileBlock, HALVES, MIN>(span, act, first, last, k, block_out, n);
         } else {
-          rows_dot<BITS, 1, HALVES>(span, act, first, last, k, block_out, n);
+          rows_dot<BITS, 1, HALVES, MIN>(span, act, first, last, k, block_out, n);
         }
       }
     }
@@ -432,7 +475,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant_matmul: bits must be 4, 5 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_matmul: x must be float32 or bfloat16");
@@ -442,11 +485,13 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({n / kTile, groups, kTile * bits * 4}),
               "quant_matmul: codes must be a contiguous uint8 [N / 8, K / 32, 8 * bits * 4]");
-  const bool halves = scales.dim() == 4 && scales.size(1) == 3;
+  // scale rows: 1 d alone (m = 0), 2 d and m, 3 a d per half and m
+  const int64_t parts = scales.dim() == 4 ? scales.size(1) : 0;
+  const bool halves = parts == 3, with_min = parts != 1;
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({n / kTile, halves ? 3 : 2, groups, kTile}),
-              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 2 or 3, "
+                  scales.is_contiguous() && parts >= 1 && parts <= 3 &&
+                  scales.sizes() == at::IntArrayRef({n / kTile, parts, groups, kTile}),
+              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 1, 2 or 3, "
               "K / 32, 8]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
@@ -457,16 +502,25 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
     using T = decltype(dtype_tag);
     const QuantizedActivations act =
         quantize_activations(x.data_ptr<T>(), rows, k, halves && bits == 8 && kVnniBuild);
-    const auto impl = [&](auto bits_tag, auto halves_tag) {
-      quant_matmul_impl<decltype(bits_tag)::value, decltype(halves_tag)::value>(
-          act, code_ptr, scale_ptr, wide_scales, rows, n, k, out.data_ptr<T>());
+    const auto impl = [&](auto bits_tag) {
+      constexpr int kBits = decltype(bits_tag)::value;
+      T* y = out.data_ptr<T>();
+      if (halves) {
+        quant_matmul_impl<kBits, true, true>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+      } else if (with_min) {
+        quant_matmul_impl<kBits, false, true>(act, code_ptr, scale_ptr, wide_scales, rows, n, k,
+                                              y);
+      } else {
+        quant_matmul_impl<kBits, false, false>(act, code_ptr, scale_ptr, wide_scales, rows, n, k,
+                                               y);
+      }
     };
-    using Four = std::integral_constant<int, 4>;
-    using Eight = std::integral_constant<int, 8>;
     if (bits == 4) {
-      halves ? impl(Four{}, std::true_type{}) : impl(Four{}, std::false_type{});
+      impl(std::integral_constant<int, 4>{});
+    } else if (bits == 5) {
+      impl(std::integral_constant<int, 5>{});
     } else {
-      halves ? impl(Eight{}, std::true_type{}) : impl(Eight{}, std::false_type{});
+      impl(std::integral_constant<int, 8>{});
     }
   };
   if (x.scalar_type() == at::kFloat) {

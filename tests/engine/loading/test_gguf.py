@@ -244,8 +244,8 @@ def test_dequantized_tensors_are_the_files_values_in_hf_row_order(
         (Q.Q4_1, 4),
         (Q.Q4_0, 4),
         (Q.Q8_0, 8),
-        (Q.Q5_0, 8),
-        (Q.Q5_1, 8),
+        (Q.Q5_0, 5),
+        (Q.Q5_1, 5),
         (Q.F16, None),
         (Q.F32, None),
     ],
@@ -263,7 +263,7 @@ def test_group_codes_are_the_files_blocks(
         return
     assert codes is not None and codes.bits == bits
     assert codes.codes.shape == (64, 2, 32) and codes.d.dtype == codes.m.dtype == torch.float16
-    low, high = (0, 15) if bits == 4 else (-127, 127)
+    low, high = {4: (0, 15), 5: (0, 31), 8: (-127, 127)}[bits]
     assert low <= int(codes.codes.min()) and int(codes.codes.max()) <= high
     assert torch.equal(codes.dequantize(torch.float32), expected[name])
 
@@ -282,6 +282,12 @@ def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
     assert torch.equal(fused.dequantize(torch.float32), expected)
     with pytest.raises(ValueError, match="do not fit"):
         eight.widened(4)
+    five = GroupCodes(four.codes | 16, scale, low, 5)
+    assert GroupCodes.cat([four, five]).bits == 5
+    fused = GroupCodes.cat([five, eight])
+    assert fused.bits == 8 and torch.equal(fused.codes[:8], (four.codes | 16).to(torch.int8))
+    with pytest.raises(ValueError, match="do not fit"):
+        five.widened(4)
 
 
 # d values a block may carry: ordinary, negative, zero, subnormal, the largest finite f16.
@@ -294,17 +300,15 @@ _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], n
 def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
     """Random block bytes with edge d and m (or dmin) values (zero, subnormal, the f16
     extremes, both signs): codes * d + m in float32 is `gguf.quants.dequantize`'s value, bit
-    for bit (the sign of zero too), except Q4_0, whose m = -8 d turns a zero weight into +0
-    (and overflows for |d| > 8188, which no real weight has: those blocks are left out for
-    it). K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32; Q3_K's
-    high bits both ways, its signed sub-scales' extremes (0 and 63: -32 and +31)."""
+    for bit (the sign of zero too), except Q4_0 and Q5_0, whose m = -8 d or -16 d turns a
+    zero weight into +0 (m is float32 where float16 cannot hold it: the f16 extremes of d).
+    K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32; Q3_K's high
+    bits both ways, its signed sub-scales' extremes (0 and 63: -32 and +31)."""
     block = EXACT_BLOCKS[qtype.name]
     block_bytes, block_weights = block.block_bytes, block.block_weights
     gen = np.random.default_rng(int(qtype))
     blocks = gen.integers(0, 256, (64, 4, block_bytes), dtype=np.uint8)
     d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
-    if qtype == Q.Q4_0:
-        d = np.where(np.abs(d.astype(np.float32)) > 8188, np.float16(0.5), d)
     halves = qtype in (Q.Q3_K, Q.Q6_K)  # a d per 16-weight half; d is their last field
     d_at = block_bytes - 2 if halves else 0
     blocks[..., d_at : d_at + 2] = d.view(np.uint8).reshape(64, 4, 2)
@@ -315,18 +319,20 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     assert codes.codes.shape == (64, 4 * block_weights // 32, 32)
     assert codes.d.dim() == (3 if halves else 2)
     assert codes.d.dtype == (torch.float32 if block_weights > 32 else torch.float16)
-    low_code, high_code = (0, 15) if block.bits == 4 else (-32, 31)
+    if qtype in (Q.Q4_0, Q.Q5_0):  # the f16 extremes' -8 d and -16 d need float32
+        assert codes.m.dtype == torch.float32
+    low_code, high_code = {4: (0, 15), 5: (0, 31), 8: (-32, 31)}[block.bits]
     in_range = low_code <= int(codes.codes.min()) and int(codes.codes.max()) <= high_code
     assert in_range or qtype == Q.Q8_0
     ours = codes.dequantize(torch.float32)
     ggml = torch.from_numpy(dequantize(blocks.reshape(64, -1), qtype).astype(np.float32))
-    if qtype == Q.Q4_0:
+    if qtype in (Q.Q4_0, Q.Q5_0):
         assert torch.equal(ours, ggml)  # -0 == +0
     else:
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
 
 
-@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q3_K, 8), (Q.Q4_K, 4), (Q.Q5_K, 8), (Q.Q6_K, 8)])
+@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q3_K, 8), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 8)])
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
 ) -> None:
@@ -404,7 +410,7 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
     assert "re-quantized from their values (a second rounding): F16 x 1" in caplog.text
     widths = {
         "layers.0.self_attn.qkv_proj": 8, "layers.0.self_attn.o_proj": 4,
-        "layers.0.mlp.gate_up_proj": 8, "layers.0.mlp.down_proj": 8,
+        "layers.0.mlp.gate_up_proj": 5, "layers.0.mlp.down_proj": 5,
         "layers.1.self_attn.qkv_proj": 4, "layers.1.mlp.gate_up_proj": 4,
         "layers.1.mlp.down_proj": 8, "lm_head": 8,
     }  # fmt: skip
