@@ -2,8 +2,9 @@
 
 Quantizing reads the whole float model first (the embedded one: 540 MB of float32) and takes
 seconds; the cached quantized weights and dense copies (in the compute dtype) load at the size
-they serve at. A file is keyed by the model's weight files, the format, the dtype and torch's
-version; a damaged one is the caller's to ignore.
+they serve at. A file is keyed by the model's weight files, the format, the dtype, torch's
+version and the source of the code that lays the codes out; a damaged one is the caller's to
+ignore.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 import torch
 
 from engine.core.config import default_cache_dir
+from engine.executor import quantization
 from engine.executor.models import CausalLM
 from engine.executor.quantization import WeightFormat, quantized_state
-from engine.loading import safetensors_io
+from engine.loading import gguf, safetensors_io
 from engine.loading.source import ModelSource, weight_files
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,17 @@ logger = logging.getLogger(__name__)
 # bump when quantized_state's layout changes (3: a tied embedding may be absent, read from the
 # head's rows; 4: no min row in the scales where every m is 0, 5-bit codes for the Q5 types)
 CACHE_VERSION = 4
+# The modules that decode a file's blocks and pack the kernel's layout: a cache written by other
+# code is another key, so a layout changed without a version bump is never read as the new one
+# (a Q5 tensor's first 5-bit layout read by the next one gave garbage tokens, in development).
+_LAYOUT_SOURCES = (quantization.__file__, gguf.__file__)
+
+
+def _layout_digest() -> str:
+    digest = hashlib.sha256()
+    for source in _LAYOUT_SOURCES:
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:
@@ -34,11 +47,11 @@ def read(path: Path) -> dict[str, torch.Tensor]:
 
 
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
-    """Keyed by the weight files (name, size, mtime), the format, the dtype and torch's
-    version. The layout is ours (engine/kernels/quant_matmul.cpp), the same on every CPU."""
-    digest = hashlib.sha256(
-        f"v{CACHE_VERSION}|{source.path}|{weights}|{dtype}|{torch.__version__}".encode()
-    )
+    """Keyed by the weight files (name, size, mtime), the format, the dtype, torch's version
+    and the layout code's source. The layout is ours (engine/kernels/quant_matmul.cpp), the
+    same on every CPU."""
+    key = f"v{CACHE_VERSION}|{_layout_digest()}|{source.path}|{weights}|{dtype}|{torch.__version__}"
+    digest = hashlib.sha256(key.encode())
     for file in weight_files(source.path):
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())

@@ -12,11 +12,11 @@ from engine import EngineConfig
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.executor.kernels import build_cpu_kernels
-from engine.executor.quantization import QuantizedLinear
+from engine.executor.quantization import QuantizedLinear, WeightFormat
 from engine.loading import quantized_cache
 from engine.loading import setup as model_setup
 from engine.loading.setup import load_model
-from engine.loading.source import ModelSource
+from engine.loading.source import ModelSource, resolve_model
 from engine.text.chat import chat_prompt_ids
 
 
@@ -234,3 +234,19 @@ def test_a_chat_template_that_cannot_serve_fails_the_start(
     with pytest.raises(ModelLoadError, match=message) as info:
         load_model(config)
     assert str(template) in str(info.value)
+
+
+def test_the_quantized_cache_key_follows_the_layout_code(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache written by other packing code is another file: a layout changed without a
+    version bump is never read as the new one."""
+    layout = tmp_path / "layout.py"
+    layout.write_text("LAYOUT = 1\n")
+    monkeypatch.setattr(quantized_cache, "_LAYOUT_SOURCES", (str(layout),))
+    source = resolve_model(str(tiny_llama_path))
+    weights = WeightFormat(layers="int4", head="int8")
+    before = quantized_cache.cache_file(source, weights, torch.float32)
+    assert quantized_cache.cache_file(source, weights, torch.float32) == before
+    layout.write_text("LAYOUT = 2\n")
+    assert quantized_cache.cache_file(source, weights, torch.float32) != before
