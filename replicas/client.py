@@ -209,14 +209,20 @@ class ReplicaSet:
             affinity_key,
         )
         chosen = self.affinity.choose(keys, set(self._reports))
-        stream: DeploymentResponseGenerator[Any] = self._handle.options(  # type: ignore[assignment]
-            stream=True, session_id=chosen
-        ).generate.remote(
-            ids, request.params, request.cache_salt, request.tenant, request_id or uuid.uuid4().hex
-        )
+        stream: DeploymentResponseGenerator[Any] | None = None
         replica: str | None = None
         finished = False
-        try:
+        try:  # from here on the chosen replica's count is given back whatever happens
+            stream = self._handle.options(  # type: ignore[assignment]
+                stream=True, session_id=chosen
+            ).generate.remote(
+                ids,
+                request.params,
+                request.cache_salt,
+                request.tenant,
+                request_id or uuid.uuid4().hex,
+            )
+            assert stream is not None
             try:
                 name: str = await asyncio.wait_for(stream.__anext__(), self.request_timeout)
             except TimeoutError:
@@ -241,7 +247,7 @@ class ReplicaSet:
         finally:
             if replica is not None or chosen:
                 self.affinity.finished(replica if replica is not None else chosen)
-            if not finished:
+            if stream is not None and not finished:
                 stream.cancel()  # type: ignore[no-untyped-call]
 
     async def reload_prefixes(self) -> ReloadStatus:

@@ -50,7 +50,7 @@ class QuantizedWeight:
     codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
     # (bits 4, 5 or 8: 5 is 4's nibbles then a plane of 5th bits)
     # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
-    # tile, d then m; [N / 8, 1, K / 32, 8] d alone where every m is 0 (Q8_0, Q5_0: 1/18 of
+    # tile, d then m; [N / 8, 1, K / 32, 8] d alone where every m is 0 (Q8_0, int8: 1/18 of
     # the bytes a step reads); [N / 8, 3, K / 32, 8] with a d per 16-column half (Q6_K)
     scales: torch.Tensor
     bits: int
@@ -106,21 +106,27 @@ def quantize_weight(
         weight[start : start + QUANTIZE_ROWS] = (
             q.mul(scale.float()[..., None]).add_(low.float()[..., None]).flatten(1)
         )
-        packed = pack_weight(q, scale, low, bits)
+        # one layout for every chunk: a chunk whose int4 mins are all 0 keeps its min row
+        packed = pack_weight(q, scale, low, bits, with_min=bits != 8)
         codes.append(packed.codes)
         scales.append(packed.scales)
     return QuantizedWeight(torch.cat(codes), torch.cat(scales), bits), weight
 
 
 def pack_weight(
-    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    bits: int,
+    with_min: bool | None = None,
 ) -> QuantizedWeight:
     """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -127..127 for 8, any dtype) with
     d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4
     columns with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The
     scales stay float32 where d or m is (a K-quant's exact products), else float16. `scale`
     [N, K / 32, 2] gives each group a d per 16-column half (Q6_K's sub-blocks), then the
-    kernel's halves. Where every m is 0 (and d is one per group), the scales are d alone."""
+    kernel's halves. Where every m is 0 (and d is one per group), the scales are d alone,
+    unless `with_min` says (True: a min row whatever its values; False: m must be 0)."""
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
@@ -139,7 +145,11 @@ def pack_weight(
     if scale.dim() == 3:
         parts = [scale[..., 0], scale[..., 1], low]
     else:  # no min row where every m is 0: the kernel then skips the min term (same bits)
-        parts = [scale, low] if bool(low.any()) else [scale]
+        if with_min is None:
+            with_min = bool(low.any())
+        if not with_min and bool(low.any()):
+            raise ValueError("pack_weight: with_min=False, but some m is not 0")
+        parts = [scale, low] if with_min else [scale]
     stacked = torch.stack([p.to(torch.float32) for p in parts], 1)
     scales = stacked.to(torch.float32 if wide else torch.float16).reshape(
         tiles, TILE_ROWS, len(parts), groups

@@ -125,7 +125,8 @@ class GroupCodes:
         """Rows of `parts` one after another, at the widest of their code widths."""
         bits = max(p.bits for p in parts)
         parts = [p.widened(bits) for p in parts]
-        wide = any(p.d.dtype == torch.float32 for p in parts)  # float16 widens exactly
+        # float16 widens exactly; a float32 m (Q4_0's or Q5_0's beyond float16) stays one
+        wide = any(torch.float32 in (p.d.dtype, p.m.dtype) for p in parts)
         scale = torch.float32 if wide else torch.float16
         halves = any(p.d.dim() == 3 for p in parts)  # one d for both halves is two equal ones
         d = [

@@ -280,15 +280,17 @@ def shipped_weight_format(source: ModelSource) -> WeightFormat:
             head=FILE_BLOCKS if head_type in GGML_BITS else "none",
             file_types=tuple(sorted(Counter(k for k in served if k in GGML_BITS).items())),
         )
-    bits = {GGML_BITS.get(kind) for kind in layer_types}
+    formats = {_width(GGML_BITS.get(kind)) for kind in layer_types}
     return WeightFormat(
-        layers=_width(bits.pop()) if len(bits) == 1 else "none",
+        layers=formats.pop() if len(formats) == 1 else "none",
         head=_width(GGML_BITS.get(head_type)),
     )
 
 
 def _width(bits: int | None) -> str:
-    """The weight format of a code width (BITS reversed), "none" for a float type."""
+    """The weight format of a code width (BITS reversed; 5-bit codes re-quantized to int8,
+    the narrowest that holds them), "none" for a float type."""
+    bits = 8 if bits == 5 else bits
     return next((name for name, width in BITS.items() if width == bits), "none")
 
 

@@ -23,7 +23,7 @@
 //     scales [N / 8, 2, K / 32, 8] float16 or float32: a tile's d then its m, 8 rows per
 //            group. float16 is what Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the
 //            K-quants' per-group products (super-block d times a 6-bit sub-scale) exactly.
-//            [N / 8, 1, K / 32, 8]: d alone, m = 0 (Q8_0, Q5_0, Q4_0's symmetric codes): the
+//            [N / 8, 1, K / 32, 8]: d alone, m = 0 (Q8_0's signed codes, int8 weights): the
 //            min term is not read, and skipping it changes no bit (m * s = 0 adds nothing).
 //            [N / 8, 3, K / 32, 8] ("halves"): a d for columns 0-15 of each group, one for
 //            16-31, then m: Q6_K's 16-weight sub-blocks, two per group, each with its own d

@@ -228,9 +228,9 @@ def test_every_build_gives_the_pinned_bits(
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_scales_without_a_min_row_give_the_bits_of_a_zero_min(kernels: None, bits: int) -> None:
-    """Where every m is 0 (Q8_0, Q5_0 in 8-bit lanes, the int8 head) the scales are d alone
-    and the kernel skips the min term: the same bits as with a row of zeros, a read of 1/18
-    fewer bytes per 8-bit weight."""
+    """Where every m is 0 (Q8_0, the int8 head) the scales are d alone and the kernel skips
+    the min term: the same bits as with a row of zeros, a read of 1/18 fewer bytes per 8-bit
+    weight."""
     x, _, (codes, d, m) = _integer_problem(bits, 8 * 5, 6 * 32, 40, seed=40 + bits)
     without = pack_weight(codes, d, torch.zeros_like(m), bits)
     assert without.scales.shape[1] == 1
@@ -324,6 +324,24 @@ def test_a_tall_weight_quantized_in_row_chunks_equals_it_quantized_whole(
     assert chunked.dtype == torch.bfloat16 and torch.equal(chunked, whole.bfloat16())
     assert torch.equal(chunked_weight.codes, whole_weight.codes)
     assert torch.equal(chunked_weight.scales, whole_weight.scales)
+
+
+def test_an_int4_chunk_whose_mins_are_all_zero_keeps_the_weights_layout(
+    kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Zero rows (a vocabulary's padding) fill a whole chunk: its mins are all 0, and it
+    still packs a min row like the other chunks (one layout for the weight)."""
+    monkeypatch.setattr("engine.executor.quantization.QUANTIZE_ROWS", 128)
+    weight = torch.randn(3 * 128, K, generator=torch.Generator().manual_seed(9)) * 0.05
+    weight[128:256] = 0
+    quantized, _ = quantize_weight(weight, 4)
+    assert quantized.scales.shape == (3 * 128 // TILE_ROWS, 2, K // GROUP_SIZE, TILE_ROWS)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(10))
+    out = QuantizedLinear(quantized, None, None)(x)
+    assert torch.equal(out[:, 128:256], torch.zeros(2, 128))
+    codes, scale, low = quantize_int4(weight)
+    with pytest.raises(ValueError, match="some m is not 0"):
+        pack_weight(codes, scale.half(), low.half(), 4, with_min=False)
 
 
 def test_with_a_dense_copy_every_call_takes_it() -> None:

@@ -282,6 +282,8 @@ def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
     assert torch.equal(fused.dequantize(torch.float32), expected)
     with pytest.raises(ValueError, match="do not fit"):
         eight.widened(4)
+    beyond = GroupCodes(four.codes, scale, torch.full((8, 2), -65504.0 * 16), 4)  # f32 m
+    assert GroupCodes.cat([beyond, eight]).m[:8].eq(-65504.0 * 16).all()
     five = GroupCodes(four.codes | 16, scale, low, 5)
     assert GroupCodes.cat([four, five]).bits == 5
     fused = GroupCodes.cat([five, eight])

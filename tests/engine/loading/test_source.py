@@ -381,3 +381,21 @@ def test_default_model_conversion_equals_transformers_gguf_loader(
     del expected["quantization_config"]
     expected.update(_name_or_path=str(smollm2_source.path), architectures=["LlamaForCausalLM"])
     assert config == expected
+
+
+def test_a_file_read_through_transformers_takes_the_width_that_holds_its_types(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An architecture whose blocks are not read directly is re-quantized at load to the one
+    width its linears need: Q5 types (5-bit codes in the kernel) and Q6_K both to int8, so a
+    Q5_K_M file is not served as floats; a float-mixed one is."""
+    layers = {f"blk.0.{n}.weight": TensorEntry(k, (64, 64), 0, 0) for n, k in
+              [("attn_qkv", "Q5_K"), ("attn_output", "Q5_0"), ("ffn_down", "Q6_K")]}  # fmt: skip
+    head = {"token_embd.weight": TensorEntry("Q5_1", (96, 64), 0, 0)}
+    table = GGUFTable("gpt2", {**layers, **head})
+    monkeypatch.setattr(loader, "gguf_table", lambda path, folder: table)
+    source = ModelSource(name="m", path=tmp_path, gguf_path=tmp_path / "m.gguf")
+    assert shipped_weight_format(source) == WeightFormat("int8", "int8")
+    layers["blk.0.ffn_up.weight"] = TensorEntry("F16", (64, 64), 0, 0)
+    table = GGUFTable("gpt2", {**layers, **head})
+    assert shipped_weight_format(source) == WeightFormat("none", "int8")
