@@ -66,9 +66,11 @@ class AffinityTable:
             replica = self._replica_of.get(key)
             if replica is None or replica not in live:
                 continue
-            least = min((self._in_flight.get(r, 0) for r in live), default=0)
-            return replica if self._in_flight.get(replica, 0) <= least + self.slack else ""
+            return replica if self.in_flight(replica) <= self._least(live) + self.slack else ""
         return ""
+
+    def _least(self, live: set[str]) -> int:
+        return min((self.in_flight(r) for r in live), default=0)
 
     def choose(
         self, keys: list[BlockHash], live: set[str], rng: random.Random | None = None
@@ -77,9 +79,10 @@ class AffinityTable:
         one (ties at random); "" when none is live. It counts in flight from here on."""
         replica = self.preferred(keys, live)
         if not replica and live:
-            least = min(self._in_flight.get(r, 0) for r in live)
-            idle = sorted(r for r in live if self._in_flight.get(r, 0) == least)
-            replica = (rng or random._inst).choice(idle)
+            least = self._least(live)
+            replica = (rng or random._inst).choice(
+                sorted(r for r in live if self.in_flight(r) == least)
+            )
         if replica:
             self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
         return replica

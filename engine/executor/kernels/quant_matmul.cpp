@@ -397,9 +397,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           const float m =
               MIN ? scale_at(span, tile_scales + (m_row * groups + g) * kTile + r) : 0.f;
           const float d = scale_at(span, tile_scales + g * kTile + r);
-          if constexpr (!HALVES && !MIN) {
-            total[r] = std::fma(static_cast<float>(sums[0] + sums[1]), d * ga, total[r]);
-          } else if constexpr (!HALVES) {
+          if constexpr (!HALVES) {  // without a min row m = 0: its fma adds nothing
             total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, sa[mb * groups + g]);
           } else {
             const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
