@@ -4,7 +4,7 @@ This module is the engine's public API; the gateway imports only from here.
 """
 
 from engine.async_engine import AsyncEngine
-from engine.core.config import EngineConfig, option
+from engine.core.config import EngineConfig, default_cache_dir, option
 from engine.core.errors import (
     EngineDeadError,
     EngineError,
@@ -81,6 +81,7 @@ __all__ = [
     "TokenLogprob",
     "ToolFormat",
     "chat_prompt_ids",
+    "default_cache_dir",
     "extend_block_hashes",
     "fim_prompt_ids",
     "load_prefix_file",

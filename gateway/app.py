@@ -66,6 +66,7 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await loading
             gateway.shutdown()
+            await gateway.responses.close()
 
     def counted(route: str, handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:

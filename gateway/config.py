@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from engine import EngineConfig, option
+from engine import EngineConfig, default_cache_dir, option
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,14 @@ class GatewayConfig:
         2048, "chat completion length when the client sends no max_tokens (capped by the context)"
     )
     max_prompts: int = option(64, "prompts one /v1/completions list may carry")
+    response_store: str = option(
+        "sqlite",
+        "Responses API: where kept responses live: sqlite:PATH (a database file; it survives "
+        "restarts and servers on one host may share it), sqlite (responses.sqlite3 in the "
+        "cache dir), or memory (this process only) (default: $PREFIXGATE_RESPONSE_STORE, else "
+        "sqlite)",
+        env="PREFIXGATE_RESPONSE_STORE",
+    )
     response_store_entries: int = option(
         1024, "Responses API: responses kept for previous_response_id and GET (0: none)"
     )
@@ -83,6 +92,16 @@ class GatewayConfig:
         return self.replicas > 1 or self.ray_address is not None
 
     @property
+    def response_db_path(self) -> Path | None:
+        """The kept responses' SQLite file; None: kept in memory. `sqlite` is resolved where
+        the gateway runs, not where the flags were read: a Ray ingress on another host uses
+        its own cache dir."""
+        if self.response_store == "memory":
+            return None
+        _, _, path = self.response_store.partition(":")
+        return Path(path).expanduser() if path else default_response_db()
+
+    @property
     def has_api_keys(self) -> bool:
         return bool(self.api_keys) or self.api_key_file is not None
 
@@ -97,3 +116,14 @@ class GatewayConfig:
             raise ValueError("stream_interval must be >= 1")
         if self.response_store_entries < 0 or self.response_store_ttl <= 0:
             raise ValueError("response_store_entries must be >= 0 and response_store_ttl > 0")
+        kind, _, path = self.response_store.partition(":")
+        if self.response_store not in ("memory", "sqlite") and (kind != "sqlite" or not path):
+            raise ValueError(
+                f"response_store must be memory, sqlite or sqlite:PATH, not {self.response_store!r}"
+            )
+
+
+def default_response_db() -> Path:
+    """Where `--response-store sqlite` keeps responses: beside the other things this machine
+    keeps between runs."""
+    return default_cache_dir() / "responses.sqlite3"

@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ReplicaHealth, ReplicaSetView
 from gateway.logprobs import token_pieces
 from gateway.metrics import GatewayMetrics
+from gateway.response_db import open_response_store
 from gateway.response_store import ResponseStore
 from gateway.tenants import Caller, KeyRing
 from gateway.waiting import Ticket, WaitingQueue
@@ -52,9 +53,7 @@ class Gateway:
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
-        self.responses = ResponseStore(
-            config.response_store_entries, config.response_store_bytes, config.response_store_ttl
-        )
+        self.responses: ResponseStore = open_response_store(config)
         # Parsing, rendering and tokenizing run here, never on the event loop: a 5 MB prompt
         # takes seconds to tokenize, and every open stream would wait behind it.
         self._workers = ThreadPoolExecutor(

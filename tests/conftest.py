@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from transformers import (
 
 from engine.core.config import default_cache_dir
 from engine.loading.source import ModelSource, resolve_model
+from gateway import config as gateway_config
 from tests import kernel_variants, prewarm
 from tests.helpers import TINY_LLAMA_SHAPE
 
@@ -56,6 +58,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     kernel_variants.stop_builds()
     prewarm.finish()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kept_state_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What a server keeps across restarts lives in this run's folders, never the user's,
+    whether the server runs in-process or as a `prefixgate serve` child (the environment
+    variable): the Responses' SQLite file (the gateway's default path). Only it moves: the
+    cache dir also holds the kernels and models built once per machine."""
+    path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gateway_config, "default_response_db", lambda: path)
+        patch.setenv("PREFIXGATE_RESPONSE_STORE", f"sqlite:{path}")
+        yield
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

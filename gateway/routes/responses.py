@@ -62,10 +62,10 @@ async def stored_response(request: Request) -> Response:
     """GET: the kept response, as it was returned; DELETE: forget it."""
     gateway = gateway_of(request)
     caller = gateway.check_auth(request)
-    stored = _stored(gateway.responses, request.path_params["id"], "id", caller)
+    stored = await _stored(gateway.responses, request.path_params["id"], "id", caller)
     if request.method == "GET":
         return JSONResponse(stored.response)
-    gateway.responses.delete(stored.response["id"])
+    await gateway.responses.delete(stored.response["id"])
     return JSONResponse(DeletedResponse(id=stored.response["id"]).model_dump(mode="json"))
 
 
@@ -75,7 +75,7 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
     caller = admitted.caller
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        previous = _stored(
+        previous = await _stored(
             gateway.responses, body.previous_response_id, "previous_response_id", caller
         )
         history = list(previous.conversation)
@@ -106,9 +106,11 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
     return await unless_disconnected(request, _complete(run))
 
 
-def _stored(store: ResponseStore, response_id: str, param: str, caller: Caller) -> StoredResponse:
+async def _stored(
+    store: ResponseStore, response_id: str, param: str, caller: Caller
+) -> StoredResponse:
     """The kept response, if the caller may see it: another tenant's reads as unknown."""
-    stored = store.get(response_id)
+    stored = await store.get(response_id)
     if stored is None or (stored.owner != caller.tenant_name and not caller.is_admin):
         raise errors.OpenAIError(
             404,
@@ -258,7 +260,7 @@ class ResponseRun:
         response.usage = ResponseUsage.from_counts(
             job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens
         )
-        self._store()
+        await self._store()
         yield f"response.{status}", {"response": response}
 
     def _logprobs(self, samples: list[Any]) -> list[OutputLogprob]:
@@ -314,7 +316,7 @@ class ResponseRun:
         index = self.response.output.index(self.message)
         return {"item_id": self.message.id, "output_index": index, "content_index": 0}
 
-    def _store(self) -> None:
+    async def _store(self) -> None:
         if not self.body.store:
             return
         answer: dict[str, Any] = {"role": "assistant", "content": self.text or None}
@@ -323,7 +325,7 @@ class ResponseRun:
             answer["tool_calls"] = [_chat_call(item) for item in calls]
         conversation = [*self.history, *self.body.input_messages(), answer]
         store = self.job.gateway.responses
-        store.put(self.response.model_dump(mode="json"), conversation, self.owner)
+        await store.put(self.response.model_dump(mode="json"), conversation, self.owner)
 
 
 def _chat_call(item: FunctionCallOutput) -> dict[str, Any]:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig
+from engine import EngineConfig, default_cache_dir
+from gateway import config as gateway_config
 from gateway.cli import build_parser, engine_config_from_args
 from gateway.config import GatewayConfig
 from gateway.flags import config_from_args, parse_size
+from prefixgate.cli import main
 
 
 def _serve(argv: list[str]) -> GatewayConfig:
@@ -21,8 +25,13 @@ def _serve(argv: list[str]) -> GatewayConfig:
 
 
 @pytest.fixture(autouse=True)
-def _no_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("PREFIXGATE_API_KEY", "PREFIXGATE_ADMIN_API_KEY", "PREFIXGATE_METRICS_API_KEY"):
+def _no_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "PREFIXGATE_API_KEY",
+        "PREFIXGATE_ADMIN_API_KEY",
+        "PREFIXGATE_METRICS_API_KEY",
+        "PREFIXGATE_RESPONSE_STORE",  # tests/conftest.py points it at a file of the run
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -47,7 +56,8 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
             *("--no-auto-prefix-cache", "--quantization", "int8", "--no-compile"),
             *("--prefixes", "p.yaml", "--prefix-watch-interval", "0.5", "--num-threads", "2"),
             *("--chat-template", "t.jinja"),
-            *("--seed", "11", "--debug-check-integrity", "--response-store-entries", "9"),
+            *("--seed", "11", "--debug-check-integrity", "--response-store", "memory"),
+            *("--response-store-entries", "9"),
             *("--response-store-bytes", "2MiB", "--response-store-ttl", "60"),
             *("--replicas", "3", "--ray-address", "auto", "--replica-cpus", "1.5"),
             *("--replica-timeout", "9", "--affinity-slack", "2", "--stream-interval", "4"),
@@ -92,6 +102,7 @@ def test_every_field_has_a_flag_that_sets_it() -> None:
         allowed_origins=("https://a.example", "*"),
         default_max_tokens=99,
         max_prompts=5,
+        response_store="memory",
         response_store_entries=9,
         response_store_bytes=2 << 20,
         response_store_ttl=60.0,
@@ -121,6 +132,49 @@ def test_keys_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     )
     # Given on the command line, the flag replaces the environment's key.
     assert _serve(["--api-key", "flag", "--api-key", "x=y"]).api_keys == ("flag", "x=y")
+
+
+def test_the_response_store_defaults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _serve([]).response_store == "sqlite"
+    monkeypatch.setenv("PREFIXGATE_RESPONSE_STORE", "memory")
+    assert _serve([]).response_store == "memory"
+    assert _serve(["--response-store", "sqlite:/r.db"]).response_store == "sqlite:/r.db"
+
+
+@pytest.mark.parametrize(
+    ("value", "path"),
+    [
+        ("memory", None),
+        ("sqlite:/srv/responses.db", Path("/srv/responses.db")),
+        ("sqlite:~/r.db", Path.home() / "r.db"),
+        ("sqlite:relative/r.db", Path("relative/r.db")),
+    ],
+)
+def test_where_responses_are_kept(value: str, path: Path | None) -> None:
+    assert GatewayConfig(response_store=value).response_db_path == path
+
+
+def test_plain_sqlite_is_the_file_in_the_cache_dir() -> None:
+    assert GatewayConfig().response_db_path == gateway_config.default_response_db()
+    # tests/conftest.py moved it into this run's temporary files.
+    assert not gateway_config.default_response_db().is_relative_to(default_cache_dir())
+
+
+@pytest.mark.parametrize("value", ["disk", "sqlite:", "sqlite3:/r.db", "Memory", "memory:", ""])
+def test_a_bad_response_store_is_refused(value: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        GatewayConfig(response_store=value)
+    assert str(refused.value) == (
+        f"response_store must be memory, sqlite or sqlite:PATH, not {value!r}"
+    )
+
+
+def test_a_bad_response_store_stops_the_server_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="prefixgate"):
+        assert main(["serve", "--response-store", "disk"]) == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "prefixgate"] == [
+        "response_store must be memory, sqlite or sqlite:PATH, not 'disk'"
+    ]
 
 
 @pytest.mark.parametrize(

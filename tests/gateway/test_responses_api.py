@@ -394,6 +394,54 @@ def test_the_sdk_raises_not_found_for_an_unknown_previous_response(sdk: openai.O
         sdk.responses.create(model=MODEL, input="Hi", previous_response_id="resp_gone")
 
 
+def _server(tiny_llama_path: Path, response_store: str) -> TestClient:
+    """Another server (another app, engine and store) over the same model."""
+    return TestClient(tiny_app(tiny_llama_path, {"response_store": response_store}))
+
+
+def test_servers_on_one_file_share_responses_and_keep_them_over_a_restart(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    store = f"sqlite:{tmp_path / 'responses.sqlite3'}"
+    with _server(tiny_llama_path, store) as one, _server(tiny_llama_path, store) as two:
+        first = _post(one, {**BASE, "input": "My name is Ada."})
+        answer = first["output"][0]["content"][0]["text"]
+        assert two.get(f"/v1/responses/{first['id']}").json() == first
+        second = _post(
+            two, {**BASE, "input": "What is my name?", "previous_response_id": first["id"]}
+        )
+        # The second server continued the conversation the first one stored.
+        chat = _chat(
+            two,
+            [
+                {"role": "user", "content": "My name is Ada."},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "What is my name?"},
+            ],
+        )
+        assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+        assert second["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    # Both closed their store as they shut down: the last connection folds the WAL in.
+    assert not (tmp_path / "responses.sqlite3-wal").exists()
+    with _server(tiny_llama_path, store) as restarted:
+        for kept in (first, second):
+            assert restarted.get(f"/v1/responses/{kept['id']}").json() == kept
+        third = _post(
+            restarted, {**BASE, "input": "And again?", "previous_response_id": second["id"]}
+        )
+        assert third["usage"]["input_tokens"] > second["usage"]["input_tokens"]
+
+
+def test_responses_kept_in_memory_end_with_their_server(tiny_llama_path: Path) -> None:
+    with _server(tiny_llama_path, "memory") as server:
+        created = _post(server, {**BASE, "input": "Keep me"})
+        assert server.get(f"/v1/responses/{created['id']}").json() == created
+    with _server(tiny_llama_path, "memory") as restarted:
+        gone = restarted.get(f"/v1/responses/{created['id']}")
+        assert gone.status_code == 404
+        assert gone.json()["error"]["code"] == "response_not_found"
+
+
 # -- bad requests ----------------------------------------------------------------------------
 
 
