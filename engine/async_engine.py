@@ -238,6 +238,7 @@ class AsyncEngine:
             # anything in them: they get EngineDeadError (503), not RequestFailedError (500).
             for output in self.engine.fail_all(reason):
                 self._deliver(output, EngineDeadError)
+            self.engine.close(graceful=self._dead is None)
 
     def _poll_prefix_file(self) -> None:
         now = time.monotonic()

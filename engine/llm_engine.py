@@ -26,6 +26,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.executor.runner import ModelRunner, SampledToken
 from engine.executor.sampler import make_generator
+from engine.kv_snapshots import KVSnapshots
 from engine.kvcache.block_pool import BlockPool
 from engine.kvcache.manager import KVCacheManager
 from engine.loading.setup import LoadedModel, load_model
@@ -69,6 +70,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.model, self.pool, config.torch_device, loaded.has_cpu_kernels
         )
+        self.snapshots = (
+            KVSnapshots(
+                config.kv_snapshot_path, loaded.kv_identity, self.pool, self.runner.kv_cache
+            )
+            if config.enable_kv_snapshots and config.enable_prefix_cache and loaded.kv_identity
+            else None
+        )
         self._requests: dict[str, Sequence] = {}  # live requests (prefix fills are not)
         self._texts: dict[str, RequestText] = {}  # step()'s text, per request it has seen
         self._arrivals = itertools.count()
@@ -78,6 +86,7 @@ class LLMEngine:
             self.max_model_len,
             lambda: next(self._arrivals),
             config.enable_prefix_cache,
+            self.snapshots,
         )
         self.num_steps = 0
         self.prefix_file = PrefixFileWatcher(
@@ -88,6 +97,8 @@ class LLMEngine:
         )
         if config.prefix_file is not None:
             self._load_prefix_file_at_start()
+        if self.snapshots is not None and config.enable_auto_prefix_cache:
+            self.snapshots.restore_hot()
 
     # -- prefixes ---------------------------------------------------------------------------------
     def load_prefixes(
@@ -284,6 +295,15 @@ class LLMEngine:
                 output.error = message
                 outputs.append(output)
         return outputs
+
+    def close(self, graceful: bool = True) -> None:
+        """Finish what must outlive the process: the KV snapshots still being written and,
+        on a graceful stop (nothing running any more), the hot automatic-cache set."""
+        if self.snapshots is None:
+            return
+        if graceful and self.config.enable_auto_prefix_cache and self.config.kv_snapshot_budget:
+            self.snapshots.save_hot(self.config.kv_snapshot_budget)
+        self.snapshots.close()
 
     def check_integrity(self) -> None:
         """The cache's invariants over every holder of blocks: live requests, registered

@@ -192,6 +192,13 @@ def _absolute_paths(engine: EngineConfig) -> EngineConfig:
             return path
         return str(Path(path).resolve())
 
+    # The snapshot folder need not exist yet; one named here (flag or environment) is the
+    # same folder for every replica, else each uses its own host's cache dir.
+    snapshots = engine.kv_snapshot_dir or os.environ.get("PREFIXGATE_KV_SNAPSHOT_DIR")
     return dataclasses.replace(
-        engine, model=absolute(engine.model), prefix_file=absolute(engine.prefix_file)
+        engine,
+        model=absolute(engine.model),
+        prefix_file=absolute(engine.prefix_file),
+        chat_template=absolute(engine.chat_template),
+        kv_snapshot_dir=str(Path(snapshots).expanduser().resolve()) if snapshots else None,
     )

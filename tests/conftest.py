@@ -64,13 +64,24 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _kept_state_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """What a server keeps across restarts lives in this run's folders, never the user's,
     whether the server runs in-process or as a `prefixgate serve` child (the environment
-    variable): the Responses' SQLite file (the gateway's default path). Only it moves: the
-    cache dir also holds the kernels and models built once per machine."""
+    variables): the Responses' SQLite file (the gateway's default path), and the KV snapshots
+    of engines that live longer than one test (see `_kv_snapshots_per_test`). Only these
+    move: the cache dir also holds the kernels and models built once per machine."""
     path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gateway_config, "default_response_db", lambda: path)
         patch.setenv("PREFIXGATE_RESPONSE_STORE", f"sqlite:{path}")
+        patch.setenv("PREFIXGATE_KV_SNAPSHOT_DIR", str(tmp_path_factory.mktemp("kv-snapshots")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _kv_snapshots_per_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's engines start with no KV snapshots and leave none to the next test: what an
+    engine prefills, and what a restarted one finds, must not depend on which tests ran
+    before (a reload test counted the tokens it filled, and another test had left a snapshot
+    of its new entry). Tests of the snapshots share a folder between their engines."""
+    monkeypatch.setenv("PREFIXGATE_KV_SNAPSHOT_DIR", str(tmp_path / "kv-snapshots"))
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -94,6 +94,24 @@ class EngineConfig:
         True,
         "cache every computed block by content for later prompts (off: registered prefixes only)",
     )
+    enable_kv_snapshots: bool = option(
+        True,
+        "write each registered prefix's KV to disk once filled and read it back at the next "
+        "start or reload instead of prefilling; a snapshot is used only when the model files, "
+        "weight format, dtypes, kernels and token ids all match",
+    )
+    kv_snapshot_dir: str | None = option(
+        None,
+        "where KV snapshots are kept (default: $PREFIXGATE_KV_SNAPSHOT_DIR, else kv-snapshots "
+        "in the cache directory)",
+    )
+    kv_snapshot_budget: int = option(
+        256 << 20,
+        "bytes of the most recently used automatically cached KV written at a graceful "
+        "shutdown and restored at the next start, each block findable only in the scope "
+        "(tenant, cache_salt) that computed it (0: none)",
+        size=True,
+    )
     enable_compile: bool = option(
         True,
         "build the C++ CPU kernels (paged decode attention, fused layer ops) for this CPU on "
@@ -132,6 +150,11 @@ class EngineConfig:
                 f"max_itl_ms must be a number >= 0 (0: off), got {self.max_itl_ms!r}",
                 param="max_itl_ms",
             )
+        if not isinstance(self.kv_snapshot_budget, int) or self.kv_snapshot_budget < 0:
+            raise InvalidRequestError(
+                f"kv_snapshot_budget must be bytes >= 0, got {self.kv_snapshot_budget!r}",
+                param="kv_snapshot_budget",
+            )
         for name in (
             "max_num_batched_tokens",
             "num_kv_blocks",
@@ -165,6 +188,11 @@ class EngineConfig:
     def token_budget(self) -> int:
         """Tokens one step may compute: `max_num_batched_tokens` or the device's default."""
         return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET[self.torch_device.type]
+
+    @property
+    def kv_snapshot_path(self) -> Path:
+        folder = self.kv_snapshot_dir or os.environ.get("PREFIXGATE_KV_SNAPSHOT_DIR")
+        return Path(folder).expanduser() if folder else default_cache_dir() / "kv-snapshots"
 
     @property
     def max_itl(self) -> float | None:

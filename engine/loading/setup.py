@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from engine.loading.source import (
     load_tokenizer,
     resolve_model,
     shipped_weight_format,
+    weight_files,
 )
 from engine.text.tool_format import template_takes_tools, tool_format_of
 
@@ -63,6 +65,9 @@ class LoadedModel:
     # this CPU); `kernels` says whether they built, for which target, and why not
     has_cpu_kernels: bool = False
     kernels: KernelBuild = NOT_BUILT
+    # Everything that decides the bits of this engine's KV (engine/kv_snapshots.py): a
+    # snapshot is used only where every entry is equal. Empty: snapshots are off.
+    kv_identity: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -130,6 +135,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         time.perf_counter() - start,
     )
     pool = _make_pool(config, spec, num_blocks)
+    has_cpu_kernels = kernels_built and model.head_dim % 8 == 0  # the kernels' width
     if weights.is_quantized and weights.dense_copies:
         logger.info("quantized linears run on their dense copies: no CPU kernels")
     return LoadedModel(
@@ -140,9 +146,58 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(hf_config, tokenizer, source.path),
         vocab_size=int(hf_config.vocab_size),
-        has_cpu_kernels=kernels_built and model.head_dim % 8 == 0,  # the kernels' width
+        has_cpu_kernels=has_cpu_kernels,
         kernels=kernels,
+        kv_identity=kv_identity(config, source, weights, spec, kernels, has_cpu_kernels),
     )
+
+
+def kv_identity(
+    config: EngineConfig,
+    source: ModelSource,
+    weights: WeightFormat,
+    spec: KVCacheSpec,
+    kernels: KernelBuild,
+    has_cpu_kernels: bool,
+) -> dict[str, str]:
+    """What decides the bits of the KV this engine computes, fact by fact (a snapshot's
+    mismatch is logged by name). The model's files are known by name, size and mtime, as the
+    quantized cache knows them: hashing a 1 GB file at every start would cost seconds."""
+    files = weight_files(source.path) + ([source.gguf_path] if source.gguf_path else [])
+    digest = hashlib.sha256()
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    device = config.torch_device
+    return {
+        "model": source.name,
+        "model_files": digest.hexdigest()[:32],
+        "weights": weights.describe(config.torch_dtype),
+        "compute_dtype": str(config.torch_dtype).removeprefix("torch."),
+        "kv_cache": f"{str(spec.dtype).removeprefix('torch.')} {spec.num_layers}x{spec.block_size}"
+        f"x{spec.num_kv_heads}x{spec.head_dim}",
+        "kernels": kernels.target if has_cpu_kernels else "torch",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "code": _numeric_code_digest(),
+    }
+
+
+# The code that turns weights and tokens into K/V: another version of it (a kernel's reduction
+# order, a layer's op) may give other bits, so its sources are part of the KV's identity.
+_NUMERIC_CODE = (Path(__file__).parents[1] / "executor", Path(__file__).parent)
+
+
+def _numeric_code_digest() -> str:
+    digest = hashlib.sha256()
+    for folder in _NUMERIC_CODE:
+        for path in sorted(folder.rglob("*")):
+            if path.suffix in (".py", ".cpp", ".h"):
+                digest.update(path.relative_to(folder).as_posix().encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _quantized_model(

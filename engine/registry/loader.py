@@ -7,6 +7,11 @@ come back through the sequence's `on_prefilled` hook, which pins its blocks. Whe
 fill completes, the new set is swapped in at once; unchanged entries (same name, same token
 ids) keep their blocks, and prefixes that left the set are released (requests still holding
 their blocks keep them until they finish).
+
+A `PrefixSnapshots` store (the engine's, over its KV tensors) may hold an entry's KV from an
+earlier run: such an entry is restored into fresh blocks instead of filled, and a filled one is
+handed to the store to be written. Both are exact: a snapshot is used only when it was made by
+this very model, format, dtype and kernel build from the same token ids.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -33,6 +39,19 @@ FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 def _spec_ids(spec: PrefixSpec) -> tuple[int, ...]:
     return spec.token_ids
+
+
+class PrefixSnapshots(Protocol):
+    """KV of filled prefixes kept across restarts (engine/kv_snapshots.py)."""
+
+    def restore(self, spec: PrefixSpec) -> tuple[list[int], torch.Tensor] | None:
+        """`spec`'s KV read into freshly allocated blocks (one reference each) and its last
+        logits, or None (no usable snapshot: the reason is logged)."""
+        ...
+
+    def save(self, spec: PrefixSpec, block_ids: list[int], logits: torch.Tensor) -> None:
+        """Keep a freshly filled prefix's KV for the next start (written off this thread)."""
+        ...
 
 
 class PrefixBudgetError(EngineError):
@@ -69,8 +88,10 @@ class PrefixLoader:
         max_model_len: int,
         next_arrival: Callable[[], int],
         enabled: bool,
+        snapshots: PrefixSnapshots | None = None,
     ) -> None:
         self.registry = registry
+        self.snapshots = snapshots
         self.pool = pool
         self.max_model_len = max_model_len
         self.next_arrival = next_arrival
@@ -122,9 +143,9 @@ class PrefixLoader:
         self._pending = pending
         if self.enabled:
             for spec in specs:
-                live = self.registry.unchanged(spec)
-                if live is not None:
-                    pending.ready[spec.name] = live
+                ready = self.registry.unchanged(spec) or self._restore(spec)
+                if ready is not None:
+                    pending.ready[spec.name] = ready
                 else:
                     pending.filling[spec.name] = self._fill(spec)
         self._maybe_finish()
@@ -144,6 +165,8 @@ class PrefixLoader:
         become a pinned prefix."""
         assert self._pending is not None and self._pending.filling.get(spec.name) is seq
         self.pool.pin(seq.block_table)
+        if self.snapshots is not None:
+            self.snapshots.save(spec, seq.block_table, logits)
         del self._pending.filling[spec.name]
         self._pending.ready[spec.name] = RegisteredPrefix(
             spec, seq.block_table, logits, self.pool.block_size
@@ -161,6 +184,15 @@ class PrefixLoader:
             if id(prefix) not in live:
                 release(self.pool, prefix)
         return list(pending.filling.values()), pending.callbacks
+
+    def _restore(self, spec: PrefixSpec) -> RegisteredPrefix | None:
+        """`spec` from its snapshot, pinned like a filled prefix, or None (fill it)."""
+        restored = self.snapshots.restore(spec) if self.snapshots is not None else None
+        if restored is None:
+            return None
+        block_ids, logits = restored
+        self.pool.pin(block_ids)
+        return RegisteredPrefix(spec, block_ids, logits, self.pool.block_size)
 
     def _fill(self, spec: PrefixSpec) -> Sequence:
         seq = Sequence(

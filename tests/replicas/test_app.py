@@ -47,3 +47,20 @@ def test_bad_args_are_a_value_error_naming_them() -> None:
     """Serve's builder gets an error it can report, not argparse's exit."""
     with pytest.raises(ValueError, match="argument --replicas: invalid int value: 'two'"):
         config_from_serve_args({"replicas": "two"})
+
+
+def test_every_replica_is_given_the_same_snapshot_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative --kv-snapshot-dir (or the environment's) names one folder for every replica,
+    wherever Ray starts them; with neither, each replica keeps its host's default."""
+    from engine import EngineConfig
+    from replicas.app import _absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PREFIXGATE_KV_SNAPSHOT_DIR", raising=False)
+    named = _absolute_paths(EngineConfig(kv_snapshot_dir="snaps"))
+    assert named.kv_snapshot_dir == str(tmp_path / "snaps")
+    assert _absolute_paths(EngineConfig()).kv_snapshot_dir is None
+    monkeypatch.setenv("PREFIXGATE_KV_SNAPSHOT_DIR", "from-env")
+    assert _absolute_paths(EngineConfig()).kv_snapshot_dir == str(tmp_path / "from-env")
