@@ -26,6 +26,7 @@ from engine.executor.attention import ForwardBatch
 from engine.executor.models.layers import (
     RMSNorm,
     RotaryEmbedding,
+    embedding,
     gelu_tanh_and_mul,
     sliding_layers,
 )
@@ -122,7 +123,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise ValueError("Gemma 3 with attention logit soft-capping is not served")
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with bidirectional attention is not a causal LM")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, flag) for flag in sliding)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

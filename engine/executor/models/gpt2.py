@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.executor.attention import ForwardBatch, paged_attention, store_kv
-from engine.executor.models.layers import load_exact
+from engine.executor.models.layers import embedding, load_exact
 from engine.executor.quantization import project
 
 
@@ -68,8 +68,8 @@ class GPT2LMHeadModel(nn.Module):
         self.num_kv_heads = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.sliding_window = 0  # keys a sliding-window layer sees (none here)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.wte = embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 

@@ -11,6 +11,13 @@ from torch import nn
 from engine.executor.attention import ForwardBatch, store_kv
 
 
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialized: every model is built on the meta device and
+    then given the file's weights, and `nn.Embedding`'s own random init on meta goes through
+    torch's reference ops, whose first use imports torch._dynamo (1.2 s of every start)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm, computed in float32 and cast back exactly as transformers does.
 

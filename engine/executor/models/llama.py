@@ -19,6 +19,7 @@ from engine.executor.attention import ForwardBatch, paged_attention
 from engine.executor.models.layers import (
     RMSNorm,
     RotaryEmbedding,
+    embedding,
     load_exact,
     rope_and_store,
     silu_and_mul,
@@ -135,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = head_dim
         sliding, self.sliding_window = sliding_layers(cfg)  # Mistral's, Qwen2/3's
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         # SmolLM3's `no_rope_layers`: 1 where a layer rotates q and k, 0 where it does not.
         uses_rope = getattr(cfg, "no_rope_layers", None) or [1] * cfg.num_hidden_layers
         self.layers = nn.ModuleList(
