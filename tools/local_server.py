@@ -23,15 +23,16 @@ def local_server(
     ready_timeout: float = 300.0,
     stop_timeout: float = 90.0,
     env: Mapping[str, str] | None = None,
+    poll_interval: float = 0.5,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run `command` (which must listen on 127.0.0.1:`port`) with its output in `log`; yield
-    the process once /health answers 200."""
+    the process once /health answers 200 (asked every `poll_interval` seconds)."""
     with log.open("wb") as out:
         server = subprocess.Popen(
             list(command), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
         )
     try:
-        _wait_healthy(port, server, log, ready_timeout)
+        _wait_healthy(port, server, log, ready_timeout, poll_interval)
         yield server
     finally:
         server.send_signal(signal.SIGTERM)
@@ -42,7 +43,9 @@ def local_server(
             server.wait()
 
 
-def _wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+def _wait_healthy(
+    port: int, server: subprocess.Popen[bytes], log: Path, timeout: float, poll_interval: float
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -53,5 +56,5 @@ def _wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path, timeout
                     return
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(0.5)
+        time.sleep(poll_interval)
     raise SystemExit(f"the server was not ready in {timeout:.0f} s; see {log}")
