@@ -35,6 +35,7 @@ from engine.executor.kv_cache import KVCache
 from engine.kvcache.block_pool import BlockPool, num_blocks_for
 from engine.kvcache.snapshot import (
     SnapshotError,
+    SnapshotHeader,
     block_bytes_of,
     gather_blocks,
     read_blocks,
@@ -94,51 +95,69 @@ class KVSnapshots:
     # -- registered prefixes (the loader's PrefixSnapshots) ----------------------------------------
     def restore(self, spec: PrefixSpec) -> tuple[list[int], torch.Tensor] | None:
         path = self.prefix_path(spec.name)
-        if not path.is_file():
-            logger.info("prefix %r: no KV snapshot yet, prefilling", spec.name)
-            return None
         start = time.perf_counter()
         try:
-            header = read_header(path)
-            header.check(self.identity, self.block_bytes)
-            if header.meta.get("token_digest") != _token_digest(spec.token_ids):
-                logger.info(
-                    "prefix %r: the entry changed since its KV snapshot, prefilling", spec.name
-                )
-                return None
-            if header.num_blocks != num_blocks_for(len(spec.token_ids), self.pool.block_size):
-                raise SnapshotError(f"{header.num_blocks} blocks for {len(spec.token_ids)} tokens")
-            if not self.pool.can_allocate(header.num_blocks):
-                raise SnapshotError(f"no {header.num_blocks} free blocks to read it into")
-            block_ids = self.pool.allocate(header.num_blocks)
-            self.kv_cache.zero_fresh(self.pool.num_touched)  # before the blocks are written
-            try:
-                logits = read_blocks(
-                    path, header, self.kv_cache.k_cache, self.kv_cache.v_cache, block_ids
-                )
-                if logits is None:
-                    raise SnapshotError("it holds no logits")
-            except SnapshotError:
-                self.pool.free(block_ids)  # nothing was written to them
-                raise
-        except SnapshotError as exc:
+            restored = self._restore(spec, path)
+        except Exception as exc:  # nothing here may fail a start or a reload: prefill instead
             logger.warning(
                 "prefix %r: KV snapshot %s not used (%s): prefilling", spec.name, path, exc
             )
             return None
+        if restored is None:
+            return None
         self.num_restored += 1
+        block_ids = restored[0]
         logger.info(
             "prefix %r: %d tokens restored from its KV snapshot (%.1f MB in %.0f ms)",
             spec.name,
             len(spec.token_ids),
-            header.num_blocks * self.block_bytes / 1e6,
+            len(block_ids) * self.block_bytes / 1e6,
             (time.perf_counter() - start) * 1e3,
         )
+        return restored
+
+    def _restore(self, spec: PrefixSpec, path: Path) -> tuple[list[int], torch.Tensor] | None:
+        if not path.is_file():
+            logger.info("prefix %r: no KV snapshot yet, prefilling", spec.name)
+            return None
+        header = read_header(path)
+        header.check(self.identity, self.block_bytes)
+        if header.meta.get("token_digest") != _token_digest(spec.token_ids):
+            logger.info("prefix %r: the entry changed since its KV snapshot, prefilling", spec.name)
+            return None
+        if header.num_blocks != num_blocks_for(len(spec.token_ids), self.pool.block_size):
+            raise SnapshotError(f"{header.num_blocks} blocks for {len(spec.token_ids)} tokens")
+        if not self.pool.can_allocate(header.num_blocks):
+            raise SnapshotError(f"no {header.num_blocks} free blocks to read it into")
+        if not header.logits_numel:
+            raise SnapshotError("it holds no logits")
+        block_ids, logits = self._read(path, header, 0, header.num_blocks)
+        assert logits is not None
         return block_ids, logits.to(self.kv_cache.k_cache.device)
 
+    def _read(
+        self, path: Path, header: SnapshotHeader, first: int, count: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Blocks [first, first + count) of the snapshot into fresh blocks (one reference
+        each) and its logits, or nothing taken (the error raised)."""
+        block_ids = self.pool.allocate(count)
+        try:
+            self.kv_cache.zero_fresh(self.pool.num_touched)  # before the blocks are written
+            logits = read_blocks(
+                path, header, self.kv_cache.k_cache, self.kv_cache.v_cache, block_ids, first
+            )
+        except BaseException:
+            self.pool.free(block_ids)  # a failed read writes nothing to them
+            raise
+        return block_ids, logits
+
     def save(self, spec: PrefixSpec, block_ids: list[int], logits: torch.Tensor) -> None:
-        k, v = gather_blocks(self.kv_cache.k_cache, self.kv_cache.v_cache, block_ids)
-        logits = logits.detach().to("cpu", torch.float32, copy=True)
+        try:
+            k, v = gather_blocks(self.kv_cache.k_cache, self.kv_cache.v_cache, block_ids)
+            logits = logits.detach().to("cpu", torch.float32, copy=True)
+        except Exception as exc:  # a snapshot is a convenience: the fill itself stands
+            logger.warning("prefix %r: no KV snapshot written (%s)", spec.name, exc)
+            return
         path = self.prefix_path(spec.name)
         meta = {
             "kind": "prefix",
@@ -157,43 +176,43 @@ class KVSnapshots:
         """At a graceful shutdown, on the engine thread with nothing running: the most
         recently used cached blocks (not the registry's: they have their own snapshots), up
         to `budget_bytes`, with the hashes that make each findable in its own scope only.
-        Written straight from the cache (no step will change it again)."""
-        blocks = self.pool.cached_by_recency()[: budget_bytes // self.block_bytes]
-        if not blocks:
-            return
-        blocks.reverse()  # least recent first: restored in that order, the LRU order is kept
-        meta = {"kind": "hot", "hashes": [[h.hex() for h in hashes] for _, hashes in blocks]}
-        block_ids = [b for b, _ in blocks]
-        k, v = self.kv_cache.k_cache, self.kv_cache.v_cache
-        self._write(self.hot_path, meta, k, v, None, block_ids)
+        Written straight from the cache (no step will change it again). With nothing to
+        keep, the last hot set is removed: it no longer says what was hot."""
+        try:
+            blocks = self.pool.cached_by_recency()[: budget_bytes // self.block_bytes]
+            if not blocks:
+                self.hot_path.unlink(missing_ok=True)
+                return
+            blocks.reverse()  # least recent first: restored in that order, the LRU order kept
+            meta = {"kind": "hot", "hashes": [[h.hex() for h in hs] for _, hs in blocks]}
+            block_ids = [b for b, _ in blocks]
+            k, v = self.kv_cache.k_cache, self.kv_cache.v_cache
+            self._write(self.hot_path, meta, k, v, None, block_ids)
+        except Exception as exc:  # a stop must finish: the queued registry writes come next
+            logger.warning("the hot KV snapshot was not written (%s)", exc)
 
     def restore_hot(self) -> int:
         """At start, after the registry: the last shutdown's hot set, as free cached blocks
-        findable by their hashes (evicted like any other when the pool needs them). The
-        number of blocks restored; nothing when the file is absent or unusable (logged)."""
+        findable by their hashes (evicted like any other when the pool needs them); its most
+        recent blocks only when the pool has no room for all. The number of blocks restored;
+        nothing when the file is absent or unusable (logged)."""
         path = self.hot_path
-        if not path.is_file():
-            return 0
         start = time.perf_counter()
         try:
+            if not path.is_file():
+                return 0
             header = read_header(path)
             header.check(self.identity, self.block_bytes)
             hashes = [[bytes.fromhex(h) for h in block] for block in header.meta["hashes"]]
             if len(hashes) != header.num_blocks:
                 raise SnapshotError("a hash list per block expected")
-            if not self.pool.can_allocate(header.num_blocks):
-                raise SnapshotError(f"no {header.num_blocks} free blocks to read it into")
-            block_ids = self.pool.allocate(header.num_blocks)
-            self.kv_cache.zero_fresh(self.pool.num_touched)
-            try:
-                read_blocks(path, header, self.kv_cache.k_cache, self.kv_cache.v_cache, block_ids)
-            except SnapshotError:
-                self.pool.free(block_ids)  # nothing was written to them
-                raise
-        except (SnapshotError, KeyError, TypeError, ValueError) as exc:
+            count = min(header.num_blocks, self.pool.num_free_blocks)
+            first = header.num_blocks - count  # the file holds the least recent first
+            block_ids, _ = self._read(path, header, first, count)
+        except Exception as exc:  # nothing here may fail a start: the cache starts empty
             logger.warning("the hot KV snapshot %s is not used (%s)", path, exc)
             return 0
-        for block_id, block_hashes in zip(block_ids, hashes, strict=True):
+        for block_id, block_hashes in zip(block_ids, hashes[first:], strict=True):
             for block_hash in block_hashes:
                 self.pool.cache_block(block_id, block_hash)
         self.pool.free(block_ids)  # least recent first: the most recent end up last evicted
@@ -231,7 +250,7 @@ class KVSnapshots:
         start = time.perf_counter()
         try:
             write_snapshot(path, self.identity, meta, k, v, block_ids, logits)
-        except (OSError, SnapshotError) as exc:
+        except Exception as exc:  # the disk full, the folder gone: the engine serves on
             logger.warning("KV snapshot %s not written: %s", path, exc)
             return
         self.num_written += 1

@@ -74,7 +74,11 @@ class LLMEngine:
             KVSnapshots(
                 config.kv_snapshot_path, loaded.kv_identity, self.pool, self.runner.kv_cache
             )
-            if config.enable_kv_snapshots and config.enable_prefix_cache and loaded.kv_identity
+            # CPU only: the snapshot path reads and writes the cache's memory in place, and
+            # no CUDA machine has run it yet.
+            if config.enable_kv_snapshots
+            and config.enable_prefix_cache
+            and config.torch_device.type == "cpu"
             else None
         )
         self._requests: dict[str, Sequence] = {}  # live requests (prefix fills are not)
@@ -97,7 +101,7 @@ class LLMEngine:
         )
         if config.prefix_file is not None:
             self._load_prefix_file_at_start()
-        if self.snapshots is not None and config.enable_auto_prefix_cache:
+        if self.snapshots is not None and self._keeps_hot_set:
             self.snapshots.restore_hot()
 
     # -- prefixes ---------------------------------------------------------------------------------
@@ -301,9 +305,13 @@ class LLMEngine:
         on a graceful stop (nothing running any more), the hot automatic-cache set."""
         if self.snapshots is None:
             return
-        if graceful and self.config.enable_auto_prefix_cache and self.config.kv_snapshot_budget:
-            self.snapshots.save_hot(self.config.kv_snapshot_budget)
+        if graceful and self.config.enable_auto_prefix_cache:
+            self.snapshots.save_hot(self.config.kv_snapshot_budget)  # budget 0: removes it
         self.snapshots.close()
+
+    @property
+    def _keeps_hot_set(self) -> bool:
+        return self.config.enable_auto_prefix_cache and self.config.kv_snapshot_budget > 0
 
     def check_integrity(self) -> None:
         """The cache's invariants over every holder of blocks: live requests, registered

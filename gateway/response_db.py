@@ -71,6 +71,11 @@ FROM responses WHERE id = ?
 _TOUCH = "UPDATE responses SET last_used = (SELECT MAX(last_used) + 1 FROM responses) WHERE id = ?"
 
 
+class NewerDatabaseError(Exception):
+    """The file was written by a newer prefixgate (a rolling upgrade sharing it): left as it
+    is, and this server keeps its responses in memory."""
+
+
 class BadDatabaseError(Exception):
     """The file is not a response store this code can read (its check failed, or another
     schema): it is moved aside rather than trusted."""
@@ -261,6 +266,8 @@ def _connect(path: Path) -> sqlite3.Connection:
         if check != "ok":
             raise BadDatabaseError(f"integrity check: {check}")
         version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:  # a newer server's, live perhaps: never moved aside
+            raise NewerDatabaseError(f"schema version {version}, newer than {SCHEMA_VERSION}")
         if version not in (0, SCHEMA_VERSION):
             raise BadDatabaseError(f"schema version {version}, not {SCHEMA_VERSION}")
         db.executescript(_SCHEMA)

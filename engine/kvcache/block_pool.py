@@ -131,8 +131,8 @@ class BlockPool:
 
     def cached_by_recency(self) -> list[tuple[int, list[BlockHash]]]:
         """Unpinned cached blocks and their hashes, most recently used first: those still
-        referenced, then the free ones from the back of the free queue (the KV snapshots'
-        hot set)."""
+        referenced (in no particular order among themselves; none at a graceful stop), then
+        the free ones from the back of the free queue (the KV snapshots' hot set)."""
         held = [b for b in self._hashes if self.ref_cnt[b] > 0 and b not in self._pinned]
         free = [b for b in reversed(self._free) if b in self._hashes]
         return [(b, list(self._hashes[b])) for b in held + free]

@@ -26,7 +26,10 @@ import json
 import logging
 import mmap
 import os
+import secrets
+import socket
 import struct
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ MAGIC = b"PGKVSNP1"
 _U32 = struct.Struct("<I")
 _TMP_PREFIX = ".tmp-"
 _MAX_HEADER_BYTES = 64 << 20
+_HOST = socket.gethostname().replace("-", "_")
 
 
 class SnapshotError(Exception):
@@ -103,7 +107,9 @@ def write_snapshot(
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
+    # The host and a random part too: replicas in containers or on other hosts sharing the
+    # folder can have the same pid.
+    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{_HOST}-{secrets.token_hex(4)}-{path.name}")
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC)
@@ -161,37 +167,41 @@ def read_blocks(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_ids: Sequence[int],
+    first: int = 0,
 ) -> torch.Tensor | None:
-    """Read the snapshot's blocks into `block_ids` of the caches (`[layers, blocks, ...]`,
-    on the CPU) and return its logits (float32, CPU) or None. The file is memory-mapped and
-    every checksum verified first, then copied into the cache in one pass: a snapshot that
-    does not check (SnapshotError) writes nothing."""
-    if len(block_ids) != header.num_blocks:
-        raise SnapshotError(f"{header.num_blocks} blocks, {len(block_ids)} given")
+    """Read the snapshot's blocks `first`, `first + 1`, ... into `block_ids` of the caches
+    (`[layers, blocks, ...]`, on the CPU) and return its logits (float32, CPU) or None. The
+    file is memory-mapped, its header checked to be `header` still (another process may have
+    renamed a new file over it), every checksum verified, then the blocks are copied into the
+    cache in one pass: a snapshot that does not check (SnapshotError) writes nothing."""
+    if first < 0 or first + len(block_ids) > header.num_blocks:
+        raise SnapshotError(f"{header.num_blocks} blocks, {first}+{len(block_ids)} asked for")
     if block_bytes_of(k_cache) != header.block_bytes:
         raise SnapshotError(
             f"blocks of {header.block_bytes} bytes, this cache's: {block_bytes_of(k_cache)}"
         )
     try:
         with open(path, "rb") as f:
+            # ACCESS_COPY: a writable view for torch, private, nothing copied unless written.
             # Not closed here: the views below hold it, and it unmaps when they go.
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as exc:
         raise SnapshotError(f"unreadable: {exc}") from exc
+    if _parse_header(bytes(mapped[: header.data_offset]), len(mapped)) != header:
+        raise SnapshotError("it was replaced while it was read")
     data = numpy.frombuffer(mapped, numpy.uint8)
-    offset, size = header.data_offset, header.num_blocks * header.block_bytes
-    if data.nbytes != offset + size + 4 * header.logits_numel:
-        raise SnapshotError("its size changed since its header was read")
-    for i in range(header.num_blocks):  # every block checked before any reaches the cache
-        start = offset + i * header.block_bytes
-        if zlib.crc32(data[start : start + header.block_bytes].data) != header.block_crcs[i]:
+    size = header.block_bytes
+    start = header.data_offset + first * size
+    for i in range(first, first + len(block_ids)):  # all checked before any reaches the cache
+        offset = header.data_offset + i * size
+        if zlib.crc32(data[offset : offset + size].data) != header.block_crcs[i]:
             raise SnapshotError(f"block {i} of {header.num_blocks} fails its checksum")
-    logits_raw = data[offset + size :]
+    logits_raw = data[header.data_offset + header.num_blocks * size :]
     if header.logits_numel and zlib.crc32(logits_raw.data) != header.logits_crc:
         raise SnapshotError("its logits fail their checksum")
     layers, (block_size, heads, head_dim) = k_cache.shape[0], k_cache.shape[2:]
-    blocks = torch.from_numpy(data[offset : offset + size]).view(k_cache.dtype)
-    blocks = blocks.view(header.num_blocks, 2, layers, block_size, heads, head_dim)
+    blocks = torch.from_numpy(data[start : start + len(block_ids) * size]).view(k_cache.dtype)
+    blocks = blocks.view(len(block_ids), 2, layers, block_size, heads, head_dim)
     index = torch.tensor(list(block_ids), dtype=torch.long)
     k_cache.index_copy_(1, index, blocks[:, 0].transpose(0, 1))
     v_cache.index_copy_(1, index, blocks[:, 1].transpose(0, 1))
@@ -209,27 +219,49 @@ def gather_blocks(
     return k_cache.index_select(1, index).cpu(), v_cache.index_select(1, index).cpu()
 
 
-def remove_stale_temporaries(directory: Path) -> int:
-    """Delete temporaries left by writers that died (their pid is gone); the count removed."""
+def remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> int:
+    """Delete temporaries left by writers that died: this host's whose pid is gone, and any
+    older than `max_age_s` (a writer elsewhere, or a pid reused since). The count removed."""
     removed = 0
     if not directory.is_dir():
         return 0
+    now = time.time()
     for tmp in directory.glob(f"{_TMP_PREFIX}*"):
-        pid = tmp.name.removeprefix(_TMP_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            tmp.unlink(missing_ok=True)
-            removed += 1
+        pid, _, rest = tmp.name.removeprefix(_TMP_PREFIX).partition("-")
+        dead_here = rest.startswith(f"{_HOST}-") and pid.isdigit() and not _pid_alive(int(pid))
+        try:
+            if dead_here or now - tmp.stat().st_mtime > max_age_s:
+                tmp.unlink()
+                removed += 1
+        except FileNotFoundError:
+            pass
     return removed
 
 
 def _read_header(f: BinaryIO, file_size: int) -> SnapshotHeader:
-    if f.read(len(MAGIC)) != MAGIC:
+    head = f.read(len(MAGIC) + _U32.size)
+    if len(head) == len(MAGIC) + _U32.size:
+        (length,) = _U32.unpack(head[len(MAGIC) :])
+        if length <= _MAX_HEADER_BYTES:
+            head += f.read(length + _U32.size)
+    return _parse_header(head, file_size)
+
+
+def _parse_header(head: bytes, file_size: int) -> SnapshotHeader:
+    """The header at the start of `head` (a file of `file_size` bytes), checked: its magic,
+    its CRC, its fields, and the file's size against what it promises."""
+    if head[: len(MAGIC)] != MAGIC:
         raise SnapshotError("not a KV snapshot (bad magic)")
-    (length,) = _U32.unpack(_read_exactly(f, _U32.size))
+    if len(head) < len(MAGIC) + _U32.size:
+        raise SnapshotError("truncated in its header")
+    (length,) = _U32.unpack_from(head, len(MAGIC))
     if length > _MAX_HEADER_BYTES:
         raise SnapshotError(f"a header of {length} bytes")
-    header_bytes = _read_exactly(f, length)
-    (crc,) = _U32.unpack(_read_exactly(f, _U32.size))
+    begin = len(MAGIC) + _U32.size
+    if len(head) < begin + length + _U32.size:
+        raise SnapshotError("truncated in its header")
+    header_bytes = head[begin : begin + length]
+    (crc,) = _U32.unpack_from(head, begin + length)
     if zlib.crc32(header_bytes) != crc:
         raise SnapshotError("its header fails its checksum")
     try:
@@ -242,7 +274,7 @@ def _read_header(f: BinaryIO, file_size: int) -> SnapshotHeader:
             block_crcs=[int(c) for c in fields["block_crcs"]],
             logits_numel=int(fields["logits_numel"]),
             logits_crc=int(fields["logits_crc"]),
-            data_offset=len(MAGIC) + 2 * _U32.size + length,
+            data_offset=begin + length + _U32.size,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"a malformed header ({exc!r})") from exc
@@ -252,13 +284,6 @@ def _read_header(f: BinaryIO, file_size: int) -> SnapshotHeader:
     if file_size != expected:
         raise SnapshotError(f"{file_size} bytes where its header promises {expected} (truncated?)")
     return header
-
-
-def _read_exactly(f: BinaryIO, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise SnapshotError("truncated in its header")
-    return data
 
 
 def _fsync_dir(directory: Path) -> None:

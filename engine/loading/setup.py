@@ -17,7 +17,13 @@ from engine.core.config import EngineConfig, GiB, default_cache_dir
 from engine.core.cpu import cpu_features
 from engine.core.errors import ModelLoadError
 from engine.core.memory import return_freed_memory
-from engine.executor.kernels import NOT_BUILT, KernelBuild, build_cpu_kernels
+from engine.executor.kernels import (
+    NOT_BUILT,
+    KernelBuild,
+    build_cpu_kernels,
+    kernel_cache_key,
+    kernel_target,
+)
 from engine.executor.models import CausalLM
 from engine.executor.quantization import HeadRowsEmbedding, WeightFormat
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
@@ -66,7 +72,7 @@ class LoadedModel:
     has_cpu_kernels: bool = False
     kernels: KernelBuild = NOT_BUILT
     # Everything that decides the bits of this engine's KV (engine/kv_snapshots.py): a
-    # snapshot is used only where every entry is equal. Empty: snapshots are off.
+    # snapshot is used only where every entry is equal.
     kv_identity: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -148,38 +154,49 @@ def load_model(config: EngineConfig) -> LoadedModel:
         vocab_size=int(hf_config.vocab_size),
         has_cpu_kernels=has_cpu_kernels,
         kernels=kernels,
-        kv_identity=kv_identity(config, source, weights, spec, kernels, has_cpu_kernels),
+        kv_identity=kv_identity(
+            config, source, hf_config, max_model_len, weights, spec, has_cpu_kernels
+        ),
     )
 
 
 def kv_identity(
     config: EngineConfig,
     source: ModelSource,
+    hf_config: Any,
+    max_model_len: int,
     weights: WeightFormat,
     spec: KVCacheSpec,
-    kernels: KernelBuild,
     has_cpu_kernels: bool,
 ) -> dict[str, str]:
     """What decides the bits of the KV this engine computes, fact by fact (a snapshot's
     mismatch is logged by name). The model's files are known by name, size and mtime, as the
-    quantized cache knows them: hashing a 1 GB file at every start would cost seconds."""
+    quantized cache knows them: hashing a 1 GB file at every start would cost seconds. The
+    config (RoPE base and scaling, norms' eps), transformers (scaled RoPE's tables) and the
+    context length (LongRoPE picks its factors by it) decide the rotation of every K."""
+    import transformers
+
     files = weight_files(source.path) + ([source.gguf_path] if source.gguf_path else [])
     digest = hashlib.sha256()
     for file in files:
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     device = config.torch_device
+    model_config = hashlib.sha256(hf_config.to_json_string(use_diff=False).encode())
     return {
         "model": source.name,
         "model_files": digest.hexdigest()[:32],
+        "model_config": model_config.hexdigest()[:16],
+        "max_model_len": str(max_model_len),
         "weights": weights.describe(config.torch_dtype),
         "compute_dtype": str(config.torch_dtype).removeprefix("torch."),
         "kv_cache": f"{str(spec.dtype).removeprefix('torch.')} {spec.num_layers}x{spec.block_size}"
         f"x{spec.num_kv_heads}x{spec.head_dim}",
-        "kernels": kernels.target if has_cpu_kernels else "torch",
+        "kernels": f"{kernel_target()} {kernel_cache_key()}" if has_cpu_kernels else "torch",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "threads": str(torch.get_num_threads()),
         "code": _numeric_code_digest(),
     }

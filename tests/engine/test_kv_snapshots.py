@@ -4,8 +4,11 @@ another entry) recomputed with a log line that says why, leaking nothing."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from engine.kvcache import snapshot
 from engine.kvcache.snapshot import read_blocks, read_header, write_snapshot
 from engine.text.chat import chat_prompt_ids, text_prompt_ids
 from tests.helpers import run_staggered
@@ -282,7 +286,7 @@ def test_a_dead_writers_partial_file_is_removed_and_the_start_prefills(
     expected = _answers(first, _prompts(tiny_tokenizer))
     path = _snapshot_path(first, "doc")
     dead_pid = 2**22 + 12345  # above the default pid_max: no such process
-    partial = path.with_name(f".tmp-{dead_pid}-{path.name}")
+    partial = path.with_name(f".tmp-{dead_pid}-{snapshot._HOST}-0badf00d-{path.name}")
     partial.write_bytes(path.read_bytes()[:100])
     path.unlink()
     second = _engine(tiny_llama_path, prefix_file, snapshots)
@@ -398,3 +402,76 @@ def test_a_damaged_hot_set_is_ignored_with_a_log_line(
 def test_a_bad_budget_is_refused(budget: Any) -> None:
     with pytest.raises(InvalidRequestError, match="kv_snapshot_budget must be bytes >= 0"):
         EngineConfig(kv_snapshot_budget=budget)
+
+
+def test_an_edited_model_config_is_not_restored(
+    tiny_llama_path: Path, prefix_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The config decides every K's rotation (RoPE base and scaling) without touching the
+    weight files: a snapshot made before an edit of config.json is not used after it."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_path, model)
+    snapshots = tmp_path / "kv"
+    _engine(model, prefix_file, snapshots)
+    config = json.loads((model / "config.json").read_text())
+    rope = config.get("rope_parameters") or config
+    rope["rope_theta"] = float(rope.get("rope_theta", 10000.0)) * 2
+    (model / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="engine.kv_snapshots"):
+        second = _engine(model, prefix_file, snapshots)
+    assert second.snapshots is not None and second.snapshots.num_restored == 0
+    assert sum("made with model_config" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_an_unusable_snapshot_folder_never_stops_a_start(
+    tiny_llama_path: Path, prefix_file: Path, tmp_path: Path, tiny_tokenizer: Any
+) -> None:
+    """The folder is a file: nothing can be read or written there; the engine prefills,
+    logs, and serves what it would serve without snapshots."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("x")
+    engine = _engine(tiny_llama_path, prefix_file, blocked)
+    assert engine.snapshots is not None and engine.snapshots.num_restored == 0
+    cold = _engine(tiny_llama_path, prefix_file, tmp_path / "kv", enable_kv_snapshots=False)
+    prompts = _prompts(tiny_tokenizer)
+    assert _answers(engine, prompts) == _answers(cold, prompts)
+    engine.close()  # the hot set cannot be written either: logged, and the stop finishes
+
+
+def test_a_zero_budget_neither_restores_nor_keeps_a_hot_set(
+    tiny_llama_path: Path, prefix_file: Path, tmp_path: Path, tiny_tokenizer: Any
+) -> None:
+    snapshots = tmp_path / "kv"
+    first = _engine(tiny_llama_path, prefix_file, snapshots)
+    prompt = _texts(tiny_tokenizer)[0]
+    _ask(first, "a", prompt, None)
+    first.close()
+    assert first.snapshots is not None and first.snapshots.hot_path.is_file()
+    second = _engine(tiny_llama_path, prefix_file, snapshots, kv_snapshot_budget=0)
+    assert _ask(second, "a", prompt, None)[2] == 0  # nothing was restored
+    second.close()
+    assert not first.snapshots.hot_path.exists()  # and the stale set is gone
+
+
+def test_a_small_pool_restores_the_most_recent_part_of_the_hot_set(
+    tiny_llama_path: Path, prefix_file: Path, tmp_path: Path, tiny_tokenizer: Any
+) -> None:
+    snapshots = tmp_path / "kv"
+    first = _engine(tiny_llama_path, prefix_file, snapshots)
+    words = re.findall(r"\w+", "Alpha Bravo Charlie Delta Echo Foxtrot Golf Hotel India Juliett")
+    words += re.findall(r"\w+", "Kilo Lima Mike November Oscar Papa Quebec Romeo Sierra Tango")
+    prompts = [
+        text_prompt_ids(tiny_tokenizer, f"{w} numbers 1 2 3 and a b c d e f g") for w in words
+    ]
+    for i, prompt in enumerate(prompts):
+        _ask(first, str(i), prompt, None)
+    first.close()
+    pinned = first.pool.num_pinned_blocks
+    hot = len(first.pool.cached_by_recency())  # what the stop wrote
+    free = 64 + 16  # a 256-token request's blocks and 16 more (the context is in the identity)
+    assert hot > free
+    second = _engine(tiny_llama_path, prefix_file, snapshots, num_kv_blocks=pinned + free)
+    assert len(second.pool.cached_by_recency()) == free  # what the pool had free, not nothing
+    _assert_idle(second)
+    assert _ask(second, "newest", prompts[-1], None)[2] > 0  # the most recent came back
+    assert _ask(second, "oldest", prompts[0], None)[2] == 0  # the least recent did not

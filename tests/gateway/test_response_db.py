@@ -293,3 +293,23 @@ def test_a_file_another_process_holds_is_not_moved_aside(
     assert "database is locked" in caplog.records[-1].getMessage()
     assert list(tmp_path.glob("*.bad-*")) == []
     assert _kept_after_reopening(path, "a") == {"a": None}
+
+
+def test_a_newer_servers_file_is_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rolling upgrade: a newer prefixgate's file (a later schema) is not this server's to
+    move aside; it keeps its responses in memory and says so."""
+    path = tmp_path / "r.sqlite3"
+    store = _open(path, Clock())
+    _put(store, "a")
+    _run(store.close())
+    with sqlite3.connect(path) as db:
+        db.execute(f"PRAGMA user_version = {response_db.SCHEMA_VERSION + 1}")
+    with caplog.at_level(logging.ERROR, logger="gateway.response_db"):
+        fallback = open_response_store(GatewayConfig(response_store=f"sqlite:{path}"))
+    assert isinstance(fallback, MemoryResponseStore)
+    assert "newer than" in caplog.records[-1].getMessage()
+    assert list(tmp_path.glob("*.bad-*")) == []
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT id FROM responses").fetchall() == [("a",)]

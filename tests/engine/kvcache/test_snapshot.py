@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kvcache import snapshot
 from engine.kvcache.snapshot import (
     SnapshotError,
     block_bytes_of,
@@ -145,6 +146,7 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_or_none_and_a_removable_t
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # stop it where a temporary exists, then kill it
             os.kill(child.pid, signal.SIGSTOP)
+            os.waitpid(child.pid, os.WUNTRACED)  # stopped for sure before the look
             if list(tmp_path.glob(".tmp-*")):
                 break
             os.kill(child.pid, signal.SIGCONT)
@@ -154,16 +156,25 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_or_none_and_a_removable_t
         child.join()
     assert list(tmp_path.glob(".tmp-*")), "the child was never caught mid-write"
     if target.exists():  # a completed earlier write: whole, never the torn one
-        read_header(target)
+        header = read_header(target)
+        k = torch.empty(8, 64, 16, 8, 64, dtype=torch.float16)
+        read_blocks(target, header, k, torch.empty_like(k), range(64))
     assert remove_stale_temporaries(tmp_path) == 1
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_a_live_writers_temporary_is_left_alone(tmp_path: Path) -> None:
-    live = tmp_path / f".tmp-{os.getpid()}-x.kv"
+def test_a_live_writers_temporary_is_left_alone_and_an_old_one_of_elsewhere_removed(
+    tmp_path: Path,
+) -> None:
+    live = tmp_path / f".tmp-{os.getpid()}-{snapshot._HOST}-00ff00ff-x.kv"
     live.write_bytes(b"partial")
-    assert remove_stale_temporaries(tmp_path) == 0 and live.exists()
-    assert remove_stale_temporaries(tmp_path / "absent") == 0
+    other_host = tmp_path / ".tmp-1-otherhost-00ff00ff-x.kv"  # pid 1 elsewhere: not ours to ask
+    other_host.write_bytes(b"partial")
+    assert remove_stale_temporaries(tmp_path) == 0 and live.exists() and other_host.exists()
+    hour_ago = time.time() - 3601
+    os.utime(other_host, (hour_ago, hour_ago))
+    assert remove_stale_temporaries(tmp_path) == 1 and not other_host.exists()
+    assert live.exists() and remove_stale_temporaries(tmp_path / "absent") == 0
 
 
 def test_a_gathered_copy_writes_the_same_file_as_the_cache_itself(tmp_path: Path) -> None:
