@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
             "API keys (tenants, each its own prefix-cache scope): %s", ", ".join(keys.names)
         )
     server = DrainingServer(
-        uvicorn_config(app, args.host, args.port, args.shutdown_grace),
+        uvicorn_config(app, args.host, args.port, args.shutdown_grace, config.keep_alive_timeout),
         app.state.gateway,
         args.shutdown_grace,
     )

@@ -29,6 +29,12 @@ class GatewayConfig:
         "closed when --api-key is set (default: $PREFIXGATE_ADMIN_API_KEY)",
         env="PREFIXGATE_ADMIN_API_KEY",
     )
+    keep_alive_timeout: float = option(
+        75.0,
+        "seconds an idle HTTP connection stays open; longer than clients' and load balancers' "
+        "own idle timeouts (httpx and the OpenAI SDK: 5 s, AWS ALB: 60 s), so that no client "
+        "reuses a connection the server is closing at that moment",
+    )
     max_waiting: int = option(256, "sequences accepted but not yet started; beyond it: 429")
     shutdown_grace: float = option(30.0, "seconds in-flight requests get after SIGTERM")
     served_model_name: str | None = option(None, "model id clients use (default: the model's)")
@@ -106,6 +112,8 @@ class GatewayConfig:
         return bool(self.api_keys) or self.api_key_file is not None
 
     def __post_init__(self) -> None:
+        if self.keep_alive_timeout <= 0:
+            raise ValueError("keep_alive_timeout must be > 0")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
         if self.shutdown_grace < 0:

@@ -94,12 +94,17 @@ class GatewayH11Protocol(H11Protocol):
         asyncio.get_running_loop().call_later(LINGER_SECONDS, self.transport.close)
 
 
-def uvicorn_config(app: object, host: str, port: int, grace: float) -> uvicorn.Config:
-    """The one uvicorn configuration the CLI serves with."""
+def uvicorn_config(
+    app: object, host: str, port: int, grace: float, keep_alive: float
+) -> uvicorn.Config:
+    """The one uvicorn configuration the CLI serves with. Keep-alive outlasts the clients'
+    pools: at uvicorn's default 5 s, equal to httpx's, a pooled connection reused as the
+    server closed it failed a request ("Server disconnected without sending a response")."""
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
+        timeout_keep_alive=max(1, math.ceil(keep_alive)),
         log_config=None,
         http=GatewayH11Protocol,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,

@@ -950,3 +950,21 @@ def _health_seconds(client: httpx.Client) -> float:
     start = time.perf_counter()
     assert client.get("/health").status_code == 200
     return time.perf_counter() - start
+
+
+def test_an_idle_pooled_connection_outlives_the_clients_own_expiry(tiny: Server) -> None:
+    """httpx (and so the OpenAI SDK) keeps an idle connection 5 s; uvicorn's default closed it
+    at 5 s too, and a request sent on it as it closed failed ("Server disconnected without
+    sending a response"). The server's keep-alive is longer: after 5.5 s idle, the same
+    connection still answers."""
+    ports: list[int] = []
+
+    def remember(response: httpx.Response) -> None:
+        ports.append(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+    pool = httpx.Limits(keepalive_expiry=30)  # this client keeps it: only the server may close
+    with httpx.Client(limits=pool, event_hooks={"response": [remember]}) as client:
+        assert client.get(f"{tiny.url}/health").status_code == 200
+        time.sleep(5.5)
+        assert client.get(f"{tiny.url}/health").status_code == 200
+    assert len(ports) == 2 and ports[0] == ports[1]
