@@ -26,7 +26,7 @@ MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
-def _engine(source: ModelSource, cached: bool, snapshots: Path | None = None) -> LLMEngine:
+def _engine(source: ModelSource, cached: bool) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(source.path),
@@ -36,7 +36,6 @@ def _engine(source: ModelSource, cached: bool, snapshots: Path | None = None) ->
             prefix_file=str(PREFIXES),
             enable_prefix_cache=cached,
             debug_check_integrity=True,
-            kv_snapshot_dir=str(snapshots) if snapshots else None,
         )
     )
 
@@ -127,34 +126,3 @@ def test_mixed_continuous_batch_equals_caching_off(
     registry_engine.check_integrity()
     pinned = registry_engine.pool.num_pinned_blocks
     assert registry_engine.pool.num_free_blocks + pinned == registry_engine.pool.num_blocks
-
-
-def test_a_restart_restores_every_prefix_and_answers_byte_identically(
-    smollm2_source: ModelSource, cases: dict[str, Any], tmp_path: Path
-) -> None:
-    """The KV snapshots of the shipped prefixes, written by one engine and read by the next:
-    no prefill at the restart, and the same tokens, logprobs and cached_tokens as the engine
-    that computed the KV itself, in a mixed batch of hits, an exact hit and a miss."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
-    prompts = [prompt for prompt, _ in cases.values()]
-
-    def answers(engine: LLMEngine) -> list[tuple[Any, ...]]:
-        runs = run_staggered(engine, prompts, params, [0, 0, 1, 2, 2])
-        return [
-            (tokens_of(r), [lp for o in r for lp in o.logprobs or []], r[-1].num_cached_tokens)
-            for r in runs
-        ]
-
-    first = _engine(smollm2_source, cached=True, snapshots=tmp_path)
-    assert first.snapshots is not None and first.snapshots.flush(60)
-    assert first.snapshots.num_written == 3
-    before = answers(first)
-    del first
-    restarted = _engine(smollm2_source, cached=True, snapshots=tmp_path)
-    assert restarted.snapshots is not None and restarted.snapshots.num_restored == 3
-    assert restarted.runner.num_forward_tokens == 0
-    assert answers(restarted) == before
-    assert [cached for *_, cached in before] == [
-        restarted.registry.prefixes[prefix].num_tokens if prefix else 0
-        for _, prefix in cases.values()
-    ]

@@ -27,7 +27,14 @@ def _model(server: Server) -> str:
 
 
 def _chat(server: Server, messages: list[dict[str, str]]) -> dict[str, Any]:
-    body = {"model": _model(server), "messages": messages, "max_tokens": 16, "temperature": 0}
+    body = {
+        "model": _model(server),
+        "messages": messages,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,  # compared too: the same bits, not only the same tokens
+    }
     result: dict[str, Any] = server.post_json("/v1/chat/completions", body)
     return result
 
