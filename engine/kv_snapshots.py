@@ -6,8 +6,9 @@ than a prefill. The file format and its checks are engine/kvcache/snapshot.py's;
 them to one engine: its pool, its KV tensors and the identity of what computes its KV.
 
 The identity (`LoadedModel.kv_identity`) names everything that decides the KV's bits: the
-model files, the weight format, the compute and KV dtypes, the kernel build, the block shape,
-torch's version and thread count. A snapshot made under any other value is not used, and the
+model files and config, the context length, the weight format, the compute and KV dtypes, the
+kernel build, the block shape, torch's and transformers' versions, the thread count and the
+numeric code. A snapshot made under any other value is not used, and the
 log line says which fact differed. Snapshots live under one folder per model
 (`<dir>/<model>-<digest of its files>/`), so two models sharing a cache directory never
 overwrite each other's; replicas of one model on one host share theirs.

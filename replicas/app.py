@@ -194,7 +194,7 @@ def _absolute_paths(engine: EngineConfig) -> EngineConfig:
 
     # The snapshot folder need not exist yet; one named here (flag or environment) is the
     # same folder for every replica, else each uses its own host's cache dir.
-    snapshots = engine.kv_snapshot_dir or os.environ.get("PREFIXGATE_KV_SNAPSHOT_DIR")
+    snapshots = engine.named_kv_snapshot_dir
     return dataclasses.replace(
         engine,
         model=absolute(engine.model),

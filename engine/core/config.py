@@ -190,8 +190,13 @@ class EngineConfig:
         return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET[self.torch_device.type]
 
     @property
+    def named_kv_snapshot_dir(self) -> str | None:
+        """The snapshot folder the flag or $PREFIXGATE_KV_SNAPSHOT_DIR names, if any."""
+        return self.kv_snapshot_dir or os.environ.get("PREFIXGATE_KV_SNAPSHOT_DIR")
+
+    @property
     def kv_snapshot_path(self) -> Path:
-        folder = self.kv_snapshot_dir or os.environ.get("PREFIXGATE_KV_SNAPSHOT_DIR")
+        folder = self.named_kv_snapshot_dir
         return Path(folder).expanduser() if folder else default_cache_dir() / "kv-snapshots"
 
     @property
