@@ -60,8 +60,12 @@ WARMUP_QUESTIONS = [
 
 
 def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
+    """The GGUF itself, as `prefixgate serve` serves the embedded model (its own Q4_1 blocks):
+    its converted folder would be served with dense float weights (`--quantization none`),
+    whose oneDNN GEMMs are not batch invariant in bf16 (docs/architecture.md)."""
+    assert source.gguf_path is not None
     settings: dict[str, Any] = {
-        "model": str(source.path),
+        "model": str(source.gguf_path),
         "kv_cache_memory": 256 << 20,
         "max_model_len": 2048,
         "prefix_file": str(PREFIXES),

@@ -2,12 +2,13 @@
 from the same file, and the compiled decode kernel against the torch path.
 
 Tolerance: the quantized kernel rounds activations to 8 bits per group of 32 (llama.cpp's
-scheme), so logprobs of the same tokens agree to 0.3 nats, and greedy text is identical until
+scheme), so logprobs of the same tokens agree to 0.35 nats, and greedy text is identical until
 the float path meets a near-tie (its top two tokens within NEAR_TIE); a divergence anywhere
 else fails. Measured on these prompts (docs/benchmarks.md, issue 12): on AVX-512, 2 of 5
 identical to the end in float32 and 4 of 5 in bf16, the others part at margins of 0.068-0.125
 nats, logprobs before that agree within 0.256; under the AVX2 cap (`ATEN_CPU_CAPABILITY=avx2`,
-every linear on the kernel, bf16 emulated) margins of 0-0.3125 and logprobs within 0.245. A
+every linear on the kernel, bf16 emulated) margins of 0-0.3125 and logprobs within 0.245; on
+an Intel Xeon with AMX, whose float weights in bf16 take oneDNN's AMX GEMMs, within 0.305. A
 flip takes the top two logits moving apart by the margin, up to twice the per-token error,
 hence NEAR_TIE 0.4. Both compute dtypes run (float32 is what an AVX2-only CPU gets, bf16 what
 an AVX-512 BF16 one gets), whatever this machine would pick.
@@ -28,7 +29,7 @@ from tests.helpers import assert_all_free, run_staggered
 pytestmark = pytest.mark.e2e
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
-LOGPROB_TOLERANCE = 0.3
+LOGPROB_TOLERANCE = 0.35
 NEAR_TIE = 0.4  # nats between the float path's top two tokens
 
 
