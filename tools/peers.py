@@ -70,6 +70,16 @@ LLAMA_ISA_FLAGS = {
         *(f"-DGGML_{x}=ON" for x in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")),
         *(f"-DGGML_{x}=OFF" for x in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")),
     ],
+    # AVX-512 with VNNI and BF16 but without AMX: on an Intel Xeon with AMX (2 vCPUs, KVM),
+    # the native build's AMX matmul dies of SIGILL at the first prompt (`tilezero` in
+    # tinygemm_kernel_amx on a worker thread with no tile configuration loaded), so this is
+    # the fastest llama.cpp that runs there.
+    "avx512": [
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{x}=ON" for x in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI")),
+        *(f"-DGGML_{x}=ON" for x in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")),
+        *(f"-DGGML_{x}=OFF" for x in ("AMX_TILE", "AMX_INT8", "AMX_BF16")),
+    ],
 }
 
 TORCH_PIN = "torch==2.13.0"  # the CPU wheel on disk here; never unpinned (CUDA wheels)

@@ -50,6 +50,10 @@ class KernelBuild:
     target: str  # "avx512", "avx2" or "portable": the instruction set compiled for
     is_built: bool
     error: str | None = None  # why they are not built (the compiler's own words)
+    # the quantized linears' integer dot products, chosen at run time: "amx+avx512-vnni"
+    # (AMX tiles for blocks of 16 rows where Linux grants them), "avx512-vnni", "avx2" or
+    # "portable"; the same bits on every one
+    dot_products: str = ""
 
     @property
     def label(self) -> str:
@@ -58,7 +62,10 @@ class KernelBuild:
 
     def describe(self) -> str:
         if self.is_built:
-            return f"C++ kernels ({self.target}: {' '.join(compile_flags())})"
+            return (
+                f"C++ kernels ({self.target}: {' '.join(compile_flags())}; integer dot "
+                f"products on {self.dot_products})"
+            )
         return f"no C++ kernels, torch paths ({self.error})"
 
 
@@ -110,10 +117,14 @@ def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
             build.error,
         )
         return build
+    dot_products = str(torch.ops.prefixgate.quant_matmul_path())
     logger.info(
-        "CPU kernels ready (%s) in %.1f s", " ".join(compile_flags()), time.perf_counter() - started
+        "CPU kernels ready (%s; integer dot products on %s) in %.1f s",
+        " ".join(compile_flags()),
+        dot_products,
+        time.perf_counter() - started,
     )
-    return KernelBuild(kernel_target(), True)
+    return KernelBuild(kernel_target(), True, dot_products=dot_products)
 
 
 def compile_and_load(cache_dir: Path, verbose: bool = False) -> None:

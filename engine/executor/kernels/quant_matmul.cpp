@@ -42,7 +42,9 @@
 // Registered as torch.ops.prefixgate.quant_matmul. A GEMM at prefill shapes: register blocks of
 // several activation rows times two tiles, rows in chunks that stay in L1 while the tiles pass
 // (see block_dot); parallel over tiles. AVX2 (with VNNI where the build has AVX512-VNNI) or a
-// portable scalar loop; engine/quantization.py packs the layout.
+// portable scalar loop; where the CPU has AMX (Intel Xeon since Sapphire Rapids), blocks of 16
+// rows go to its tiles instead (amx_rows), with the same bits. engine/quantization.py packs
+// the layout.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -59,11 +61,20 @@ constexpr bool kVnniBuild = true;  // 8-bit codes taken as w + 128 (see block_do
 #else
 constexpr bool kVnniBuild = false;
 #endif
+// Intel's AMX tiles (Sapphire Rapids and later; -march=native says so at build time, and the
+// process asks Linux for the tile state at run time, see amx_ready).
+#if PREFIXGATE_QMM_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__AVX512F__) && defined(__AVX512DQ__)
+#define PREFIXGATE_QMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -433,6 +444,253 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
   }
 }
 
+#if PREFIXGATE_QMM_AMX
+// Rows at prefill shapes on AMX tiles: blocks of 16 activation rows times a pair of tiles (16
+// weight rows), one tile multiply (TDPBSSD: signed codes times signed codes, exact 32-bit
+// sums) per group of 32 columns, or per half of one (HALVES). A group's integer sums are the
+// same integers the vector loop gets (integer addition has no order), and the float epilogue
+// is block_dot's, operation for operation: acc = fma(float(sum), d * a, acc), then
+// fma(m, s, acc), group by group. So a row's bits are what it gets alone, on the vector path;
+// the pinned digests check it. Rows short of a block of 16 and an odd last tile take
+// block_dot.
+//
+// The layouts need no activation packing: a tile of A is 16 activation rows of a group's 32
+// codes, read in place with the row stride K; B is the group's 8 steps of 4 columns, each
+// step 64 bytes, tile t's 32 then tile t + 1's (the steps of our weight layout side by side,
+// 4-bit codes split out of their nibbles), so C's row i is activation row i against the 16
+// weight rows, one float lane each. Only the epilogue is vector work; on the 2-vCPU Xeon
+// measured (family 6 model 207) it, not the tile multiply, bounds the loop.
+constexpr int64_t kAmxRows = 16;         // activation rows per block: a tile's rows
+constexpr int64_t kAmxChunkRows = 256;   // rows whose codes (<= 384 KB at K = 1536) stay in L2
+
+// Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); where it refuses (an older kernel, a hypervisor that hides it) the VNNI path
+// serves. Asked once, for every thread of the process.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// The tile configuration (palette 1) for a group's part of `part_cols` columns: tiles 0-3 the
+// sums (16 x 16 int32) of two row blocks times two pairs, 4-5 the two row blocks' activations
+// (16 rows x part_cols bytes), 6-7 the two pairs' weights (part_cols / 4 rows of 64 bytes).
+// Four independent multiplies a part: one tile multiply's latency is several times its
+// issue interval, and one chain at a time left the tile unit idle most of the time.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit AmxConfig(int part_cols) {
+    for (int i = 0; i < 4; ++i) colsb[i] = 64, rows[i] = kAmxRows;
+    for (int i = 4; i < 6; ++i) colsb[i] = static_cast<uint16_t>(part_cols), rows[i] = kAmxRows;
+    for (int i = 6; i < 8; ++i) colsb[i] = 64, rows[i] = static_cast<uint8_t>(part_cols / 4);
+  }
+};
+
+// A pair of tiles made ready for the tile multiply, every group: B's steps (64 bytes each,
+// 8 per group) and the scale rows as 16 floats (d, or d per half, then m).
+struct PairWeights {
+  std::vector<int8_t> steps;  // [G, 8, 64]
+  std::vector<float> scales;  // [G, parts, 16]
+};
+
+template <int BITS, bool HALVES, bool MIN>
+void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
+  constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
+  constexpr int64_t m_row = HALVES ? 2 : 1;
+  constexpr int kParts = (HALVES ? 2 : 1) + (MIN ? 1 : 0);
+  pair.steps.resize(groups * kSteps * 64);
+  pair.scales.resize(groups * kParts * 16);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i fifth_bit = _mm256_set1_epi8(0x10);
+  for (int64_t g = 0; g < groups; ++g) {
+    int8_t* steps = pair.steps.data() + g * kSteps * 64;
+    for (int t = 0; t < 2; ++t) {
+      const uint8_t* codes = span.codes + t * span.code_stride + g * kGroupBytes;
+      for (int j = 0; j < kSteps; ++j) {
+        __m256i step;
+        if constexpr (BITS == 8) {
+          step = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32));
+        } else {
+          const __m256i packed =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j / 2 * 32));
+          step = j % 2 == 0 ? _mm256_and_si256(packed, low_nibbles)
+                            : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+          if constexpr (BITS == 5) {
+            const __m256i fifths =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes));
+            const __m256i fifth =
+                j < 4 ? _mm256_slli_epi16(fifths, 4 - j) : _mm256_srli_epi16(fifths, j - 4);
+            step = _mm256_or_si256(step, _mm256_and_si256(fifth, fifth_bit));
+          }
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + j * 64 + t * 32), step);
+      }
+    }
+    float* scales = pair.scales.data() + g * kParts * 16;
+    for (int part = 0; part < kParts; ++part) {
+      const int64_t row = part == kParts - 1 && MIN ? m_row : part;
+      for (int t = 0; t < 2; ++t)
+        _mm256_storeu_ps(scales + part * 16 + t * 8,
+                         load_scales(span, t * span.scale_stride + (row * groups + g) * kTile));
+    }
+  }
+}
+
+// A sums tile of a group's part added into `acc` (16 activation rows x 16 weight rows, in
+// memory; `first`: it holds nothing yet, the zeros block_dot starts from): block_dot's
+// scale_sums, sixteen lanes at a time.
+inline void amx_epilogue(const int32_t* sums, const float* d, const float* m, const float* da,
+                         const float* sa, int64_t groups, int64_t g, bool first, float* acc) {
+  const __m512 dv = _mm512_loadu_ps(d);
+  const __m512 mv = m != nullptr ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+  for (int i = 0; i < kAmxRows; ++i) {
+    const __m512 total = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * i));
+    const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(da[i * groups + g]));
+    const __m512 before = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 16 * i);
+    __m512 lanes = _mm512_fmadd_ps(total, scale, before);
+    if (m != nullptr) lanes = _mm512_fmadd_ps(mv, _mm512_set1_ps(sa[i * groups + g]), lanes);
+    _mm512_store_ps(acc + 16 * i, lanes);
+  }
+}
+
+// RB blocks of 16 activation rows from `row` times PB pairs of tiles (1 or 2 each), every
+// group; writes out[(row + i) * n + 16 * pb + lane]. The tile configuration is loaded.
+// Tile numbers are literals (GCC's tile intrinsics paste them into their assembly).
+template <int RB, int PB, bool HALVES, bool MIN, typename OUT>
+void amx_block(const PairWeights* pairs, const QuantizedActivations& act, int64_t row, int64_t k,
+               OUT* out, int64_t n) {
+  const int64_t groups = k / kGroup;
+  constexpr int kParts = (HALVES ? 2 : 1) + (MIN ? 1 : 0);
+  constexpr int kPartCols = HALVES ? 16 : 32;
+  alignas(64) int32_t sums[4][kAmxRows * 16];
+  alignas(64) float acc[RB][PB][kAmxRows * 16];
+  const int8_t* a0 = act.codes.data() + row * k;
+  const int8_t* a1 = a0 + kAmxRows * k;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int part = 0; part < (HALVES ? 2 : 1); ++part) {
+      const int64_t cols = g * kGroup + part * kPartCols;
+      const int64_t step = (g * kSteps + part * kPartCols / 4) * 64;
+      _tile_loadd(4, a0 + cols, k);
+      if constexpr (RB == 2) _tile_loadd(5, a1 + cols, k);
+      _tile_loadd(6, pairs[0].steps.data() + step, 64);
+      if constexpr (PB == 2) _tile_loadd(7, pairs[1].steps.data() + step, 64);
+      _tile_zero(0);
+      _tile_dpbssd(0, 4, 6);
+      if constexpr (PB == 2) {
+        _tile_zero(1);
+        _tile_dpbssd(1, 4, 7);
+      }
+      if constexpr (RB == 2) {
+        _tile_zero(2);
+        _tile_dpbssd(2, 5, 6);
+      }
+      if constexpr (RB == 2 && PB == 2) {
+        _tile_zero(3);
+        _tile_dpbssd(3, 5, 7);
+      }
+      _tile_stored(0, sums[0], 64);
+      if constexpr (PB == 2) _tile_stored(1, sums[1], 64);
+      if constexpr (RB == 2) _tile_stored(2, sums[2], 64);
+      if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums[3], 64);
+      // d of this part, and m after the last part
+      const bool with_min = MIN && part == (HALVES ? 1 : 0);
+      for (int rb = 0; rb < RB; ++rb) {
+        const float* da = act.scale.data() + (row + rb * kAmxRows) * groups;
+        const float* sa = act.sum.data() + (row + rb * kAmxRows) * groups;
+        for (int pb = 0; pb < PB; ++pb) {
+          const float* scales = pairs[pb].scales.data() + g * kParts * 16;
+          amx_epilogue(sums[2 * rb + pb], scales + part * 16,
+                       with_min ? scales + (kParts - 1) * 16 : nullptr, da, sa, groups, g,
+                       g == 0 && part == 0, acc[rb][pb]);
+        }
+      }
+    }
+  }
+  for (int rb = 0; rb < RB; ++rb) {
+    for (int pb = 0; pb < PB; ++pb) {
+      for (int i = 0; i < kAmxRows; ++i) {
+        prefixgate::f8 low, high;
+        std::memcpy(&low, acc[rb][pb] + 16 * i, sizeof low);
+        std::memcpy(&high, acc[rb][pb] + 16 * i + 8, sizeof high);
+        OUT* dst = out + (row + rb * kAmxRows + i) * n + pb * 2 * kTile;
+        prefixgate::store8(dst, low);
+        prefixgate::store8(dst + kTile, high);
+      }
+    }
+  }
+}
+
+// Rows [first, last) (a multiple of 16) times the pairs of tiles of units [begin, end) that
+// are whole pairs: two pairs and two row blocks at a time, what is left one by one.
+template <int BITS, bool HALVES, bool MIN, typename OUT>
+void amx_rows(const TileSpan& base, int64_t tiles, int64_t begin, int64_t end,
+              const QuantizedActivations& act, int64_t first, int64_t last, int64_t k, OUT* out,
+              int64_t n) {
+  const int64_t groups = k / kGroup;
+  PairWeights pairs[2];
+  const auto span_of = [&](int64_t t) {
+    return TileSpan{base.codes + t * base.code_stride,
+                    static_cast<const char*>(base.scales) +
+                        t * base.scale_stride * (base.wide_scales ? 4 : 2),
+                    base.code_stride, base.scale_stride, base.wide_scales};
+  };
+  for (int64_t u = begin; u < end;) {
+    const int64_t t = u * kTileBlock;
+    if (t + kTileBlock > tiles) break;  // the odd last tile: block_dot's
+    const bool two = u + 1 < end && t + 2 * kTileBlock <= tiles;
+    prepare_pair<BITS, HALVES, MIN>(span_of(t), groups, pairs[0]);
+    if (two) prepare_pair<BITS, HALVES, MIN>(span_of(t + kTileBlock), groups, pairs[1]);
+    OUT* block_out = out + t * kTile;
+    for (int64_t row = first; row < last;) {
+      const bool tall = row + 2 * kAmxRows <= last;
+      if (tall && two) {
+        amx_block<2, 2, HALVES, MIN>(pairs, act, row, k, block_out, n);
+      } else if (tall) {
+        amx_block<2, 1, HALVES, MIN>(pairs, act, row, k, block_out, n);
+      } else if (two) {
+        amx_block<1, 2, HALVES, MIN>(pairs, act, row, k, block_out, n);
+      } else {
+        amx_block<1, 1, HALVES, MIN>(pairs, act, row, k, block_out, n);
+      }
+      row += tall ? 2 * kAmxRows : kAmxRows;
+    }
+    u += two ? 2 : 1;
+  }
+}
+#endif
+
+// Whether a call of `rows` activation rows takes the AMX tiles for its blocks of 16.
+inline bool amx_serves(int64_t rows) {
+#if PREFIXGATE_QMM_AMX
+  return rows >= kAmxRows && amx_ready();
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
+// Which integer dot products this build runs, for the start-up line: "amx+avx512-vnni" (AMX
+// tiles for blocks of 16 rows, VNNI for the rest), "avx512-vnni", "avx2" or "portable".
+std::string quant_matmul_path() {
+#if PREFIXGATE_QMM_AMX
+  if (amx_ready()) return "amx+avx512-vnni";
+#endif
+  if (kVnniBuild) return "avx512-vnni";
+#if PREFIXGATE_QMM_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 template <int BITS, bool HALVES, bool MIN, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
@@ -447,11 +705,25 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                                                                kRowBlock<BITS>);
   // parallel over blocks of kTileBlock tiles (the last may be short)
   const int64_t units = (tiles + kTileBlock - 1) / kTileBlock;
+  // Rows [0, tile_rows) of every full pair of tiles go to the AMX tiles where they serve.
+  const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
+#if PREFIXGATE_QMM_AMX
+    if (tile_rows > 0) {
+      const AmxConfig config(HALVES ? kGroup / 2 : kGroup);
+      _tile_loadconfig(&config);
+      const TileSpan base{codes, scale_base, tile_code_bytes, tile_scales, wide_scales};
+      for (int64_t first = 0; first < tile_rows; first += kAmxChunkRows)
+        amx_rows<BITS, HALVES, MIN>(base, tiles, begin, end, act, first,
+                                    std::min(tile_rows, first + kAmxChunkRows), k, out, n);
+      _tile_release();
+    }
+#endif
     for (int64_t first = 0; first < rows; first += chunk) {
       const int64_t last = std::min(rows, first + chunk);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t t = u * kTileBlock;
+        if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
         if (u + 1 < end) {  // the next block's scales: a separate, short stream
           const char* next = scale_base + (t + kTileBlock) * tile_scales * scale_bytes;
           for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
@@ -462,7 +734,8 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                             tile_scales, wide_scales};
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
-          rows_dot<BITS, kTileBlock, HALVES, MIN>(span, act, first, last, k, block_out, n);
+          rows_dot<BITS, kTileBlock, HALVES, MIN>(span, act, std::max(first, tile_rows), last,
+                                                   k, block_out, n);
         } else {
           rows_dot<BITS, 1, HALVES, MIN>(span, act, first, last, k, block_out, n);
         }
@@ -533,6 +806,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 
 TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
   m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits) -> Tensor");
+  m.def("quant_matmul_path() -> str", &quant_matmul_path);
 }
 
 TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("quant_matmul", &quant_matmul); }

@@ -59,6 +59,12 @@ def test_a_failed_build_is_reported_not_raised(
     assert build.describe() == f"no C++ kernels, torch paths ({build.error})"
 
 
+def test_a_build_names_its_integer_dot_products_in_the_start_up_line() -> None:
+    build = kernels.KernelBuild("avx512", True, dot_products="amx+avx512-vnni")
+    assert build.describe().endswith("; integer dot products on amx+avx512-vnni)")
+    assert build.label == "avx512"
+
+
 def test_ninja_from_the_python_package_is_found_without_an_activated_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -226,6 +226,37 @@ def test_every_build_gives_the_pinned_bits(
     assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
 
 
+def _linux_grants_amx() -> bool:
+    """What the kernel asks Linux for before it uses AMX tiles (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA); asking twice is harmless."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(158, 0x1023, 18)) == 0  # SYS_arch_prctl on x86-64
+
+
+def test_the_integer_dot_products_are_the_best_this_cpu_and_build_have(kernels: None) -> None:
+    """The start-up line names the path (`KernelBuild.dot_products`): AMX tiles where the CPU
+    has them, the build targets it and Linux grants them; VNNI where an AVX-512 build has it;
+    else AVX2 or the portable loop. Every path gives the pinned bits above."""
+    from pathlib import Path
+
+    from engine.executor.kernels import kernel_target
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
+    target = kernel_target()
+    if target == "portable":
+        want = "portable"
+    elif target == "avx2" or not {"avx512_vnni", "avx512vl"} <= flags:
+        want = "avx2"
+    elif {"amx_tile", "amx_int8", "avx512dq"} <= flags and _linux_grants_amx():
+        want = "amx+avx512-vnni"
+    else:
+        want = "avx512-vnni"
+    assert torch.ops.prefixgate.quant_matmul_path() == want
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_scales_without_a_min_row_give_the_bits_of_a_zero_min(kernels: None, bits: int) -> None:
     """Where every m is 0 (Q8_0, the int8 head) the scales are d alone and the kernel skips
@@ -249,14 +280,21 @@ def test_scales_without_a_min_row_give_the_bits_of_a_zero_min(kernels: None, bit
     assert pack_weight(codes, d, m, bits).scales.shape[1] == (1 if bits == 8 else 2)
 
 
+@pytest.mark.parametrize("layout", ["groups", "halves"])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
-    kernels: None, bits: int
+    kernels: None, bits: int, layout: str
 ) -> None:
-    """Rows go in register blocks of several and in chunks that fit L1 (170 rows of K = 96):
-    every count from 1 to 512 crosses a different mix of blocks, tails and chunk ends, and
-    none may change a row's bits (the tiles: two blocks of two and an odd one)."""
-    x, weight, _ = _integer_problem(bits, 8 * 5, 3 * 32, 512, seed=20 + bits)
+    """Rows go in register blocks of several and in chunks that fit L1 (170 rows of K = 96),
+    and on a CPU with AMX in blocks of 16 on its tiles, in chunks of 256, the rest on the
+    vector path: every count from 1 to 512 crosses a different mix of blocks, tails and chunk
+    ends, and none may change a row's bits (the tiles: two blocks of two and an odd one; an
+    odd number of groups)."""
+    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 32, 512, seed=20 + bits)
+    if layout == "halves":
+        gen = torch.Generator().manual_seed(bits)
+        sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
+        weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
     whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
     alone = torch.cat(
         [
