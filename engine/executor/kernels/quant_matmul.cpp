@@ -444,6 +444,8 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
   }
 }
 
+constexpr int64_t kAmxRows = 16;  // activation rows per AMX block: a tile's rows
+
 #if PREFIXGATE_QMM_AMX
 // Rows at prefill shapes on AMX tiles: blocks of 16 activation rows times a pair of tiles (16
 // weight rows), one tile multiply (TDPBSSD: signed codes times signed codes, exact 32-bit
@@ -460,8 +462,7 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
 // 4-bit codes split out of their nibbles), so C's row i is activation row i against the 16
 // weight rows, one float lane each. Only the epilogue is vector work; on the 2-vCPU Xeon
 // measured (family 6 model 207) it, not the tile multiply, bounds the loop.
-constexpr int64_t kAmxRows = 16;         // activation rows per block: a tile's rows
-constexpr int64_t kAmxChunkRows = 256;   // rows whose codes (<= 384 KB at K = 1536) stay in L2
+constexpr int64_t kAmxChunkRows = 256;  // rows whose codes (<= 384 KB at K = 1536) stay in L2
 
 // Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XTILEDATA); where it refuses (an older kernel, a hypervisor that hides it) the VNNI path
