@@ -180,6 +180,13 @@ struct TileSpan {
   int64_t code_stride;
   int64_t scale_stride;  // in scales
   bool wide_scales;
+
+  // Tile t's span, counted from this one's first tile.
+  TileSpan at(int64_t t) const {
+    return {codes + t * code_stride,
+            static_cast<const char*>(scales) + t * scale_stride * (wide_scales ? 4 : 2),
+            code_stride, scale_stride, wide_scales};
+  }
 };
 
 // Scale i of a tile's scales as float (exact either way: float16 widens exactly).
@@ -194,6 +201,23 @@ inline __m256 load_scales(const TileSpan& span, int64_t i) {
   if (span.wide_scales) return _mm256_loadu_ps(static_cast<const float*>(span.scales) + i);
   return _mm256_cvtph_ps(_mm_loadu_si128(
       reinterpret_cast<const __m128i*>(static_cast<const at::Half*>(span.scales) + i)));
+}
+
+// Step j's codes of a 4- or 5-bit tile group, a byte each: `packed` the 32 bytes holding
+// steps j and j ^ 1 (the even one in the low nibbles), `fifths` (5 bits) the group's fifth
+// bits, bit s of byte i step s's code i's. For block_dot and the AMX path's prepare_pair.
+template <int BITS>
+inline __m256i step_codes(__m256i packed, [[maybe_unused]] __m256i fifths, int j) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  __m256i u = j % 2 == 0 ? _mm256_and_si256(packed, low_nibbles)
+                         : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+  if constexpr (BITS == 5) {  // bit j to bit 4 (16-bit shifts of at most 4 stay in their byte
+                              // under the mask)
+    const __m256i fifth =
+        j < 4 ? _mm256_slli_epi16(fifths, 4 - j) : _mm256_srli_epi16(fifths, j - 4);
+    u = _mm256_or_si256(u, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
+  }
+  return u;
 }
 #endif
 
@@ -230,8 +254,6 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   __m256 acc[MB][T];
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) acc[mb][t] = _mm256_setzero_ps();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  [[maybe_unused]] const __m256i fifth_bit = _mm256_set1_epi8(0x10);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group_codes[T];
     for (int t = 0; t < T; ++t) {
@@ -276,16 +298,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         __m256i u[T];                      // the multiply-add's unsigned operand, per tile
         [[maybe_unused]] __m256i sign[T];  // 8 bits without VNNI: the codes, for their signs
         for (int t = 0; t < T; ++t) {
-          if constexpr (BITS == 4 || BITS == 5) {
-            u[t] = half == 0 ? _mm256_and_si256(packed[t], low_nibbles)
-                             : _mm256_and_si256(_mm256_srli_epi16(packed[t], 4), low_nibbles);
-          }
-          if constexpr (BITS == 5) {  // bit j to bit 4 (16-bit shifts of at most 4 stay in
-                                      // their byte under the mask)
-            const __m256i fifth = j < 4 ? _mm256_slli_epi16(fifths[t], 4 - j)
-                                        : _mm256_srli_epi16(fifths[t], j - 4);
-            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(fifth, fifth_bit));
-          }
+          if constexpr (BITS == 4 || BITS == 5)
+            u[t] = step_codes<BITS>(packed[t], BITS == 5 ? fifths[t] : __m256i{}, j);
           if constexpr (BITS == 8) {
             // 8-bit codes are signed and the multiply-add takes its first operand unsigned:
             // with VNNI, w + 128 (its top bit flipped), the 128 * sum(activation codes) it
@@ -509,29 +523,17 @@ void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
   constexpr int kParts = (HALVES ? 2 : 1) + (MIN ? 1 : 0);
   pair.steps.resize(groups * kSteps * 64);
   pair.scales.resize(groups * kParts * 16);
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const __m256i fifth_bit = _mm256_set1_epi8(0x10);
   for (int64_t g = 0; g < groups; ++g) {
     int8_t* steps = pair.steps.data() + g * kSteps * 64;
     for (int t = 0; t < 2; ++t) {
       const uint8_t* codes = span.codes + t * span.code_stride + g * kGroupBytes;
+      const __m256i fifths =
+          BITS == 5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes))
+                    : __m256i{};
       for (int j = 0; j < kSteps; ++j) {
-        __m256i step;
-        if constexpr (BITS == 8) {
-          step = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32));
-        } else {
-          const __m256i packed =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j / 2 * 32));
-          step = j % 2 == 0 ? _mm256_and_si256(packed, low_nibbles)
-                            : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-          if constexpr (BITS == 5) {
-            const __m256i fifths =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes));
-            const __m256i fifth =
-                j < 4 ? _mm256_slli_epi16(fifths, 4 - j) : _mm256_srli_epi16(fifths, j - 4);
-            step = _mm256_or_si256(step, _mm256_and_si256(fifth, fifth_bit));
-          }
-        }
+        __m256i step = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(codes + (BITS == 8 ? j : j / 2) * 32));
+        if constexpr (BITS != 8) step = step_codes<BITS>(step, fifths, j);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + j * 64 + t * 32), step);
       }
     }
@@ -637,18 +639,12 @@ void amx_rows(const TileSpan& base, int64_t tiles, int64_t begin, int64_t end,
               int64_t n) {
   const int64_t groups = k / kGroup;
   PairWeights pairs[2];
-  const auto span_of = [&](int64_t t) {
-    return TileSpan{base.codes + t * base.code_stride,
-                    static_cast<const char*>(base.scales) +
-                        t * base.scale_stride * (base.wide_scales ? 4 : 2),
-                    base.code_stride, base.scale_stride, base.wide_scales};
-  };
   for (int64_t u = begin; u < end;) {
     const int64_t t = u * kTileBlock;
     if (t + kTileBlock > tiles) break;  // the odd last tile: block_dot's
     const bool two = u + 1 < end && t + 2 * kTileBlock <= tiles;
-    prepare_pair<BITS, HALVES, MIN>(span_of(t), groups, pairs[0]);
-    if (two) prepare_pair<BITS, HALVES, MIN>(span_of(t + kTileBlock), groups, pairs[1]);
+    prepare_pair<BITS, HALVES, MIN>(base.at(t), groups, pairs[0]);
+    if (two) prepare_pair<BITS, HALVES, MIN>(base.at(t + kTileBlock), groups, pairs[1]);
     OUT* block_out = out + t * kTile;
     for (int64_t row = first; row < last;) {
       const bool tall = row + 2 * kAmxRows <= last;
@@ -697,7 +693,6 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
                        OUT* out) {
   const int64_t scale_bytes = wide_scales ? 4 : 2;
-  const auto* scale_base = static_cast<const char*>(scales);
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
   const int64_t tile_scales = ((HALVES ? 2 : 1) + (MIN ? 1 : 0)) * groups * kTile;
@@ -708,12 +703,12 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t units = (tiles + kTileBlock - 1) / kTileBlock;
   // Rows [0, tile_rows) of every full pair of tiles go to the AMX tiles where they serve.
   const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
+  const TileSpan base{codes, scales, tile_code_bytes, tile_scales, wide_scales};
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
 #if PREFIXGATE_QMM_AMX
     if (tile_rows > 0) {
       const AmxConfig config(HALVES ? kGroup / 2 : kGroup);
       _tile_loadconfig(&config);
-      const TileSpan base{codes, scale_base, tile_code_bytes, tile_scales, wide_scales};
       for (int64_t first = 0; first < tile_rows; first += kAmxChunkRows)
         amx_rows<BITS, HALVES, MIN>(base, tiles, begin, end, act, first,
                                     std::min(tile_rows, first + kAmxChunkRows), k, out, n);
@@ -726,13 +721,11 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         const int64_t t = u * kTileBlock;
         if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
         if (u + 1 < end) {  // the next block's scales: a separate, short stream
-          const char* next = scale_base + (t + kTileBlock) * tile_scales * scale_bytes;
+          const char* next = static_cast<const char*>(base.at(t + kTileBlock).scales);
           for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
             __builtin_prefetch(next + off);
         }
-        const TileSpan span{codes + t * tile_code_bytes,
-                            scale_base + t * tile_scales * scale_bytes, tile_code_bytes,
-                            tile_scales, wide_scales};
+        const TileSpan span = base.at(t);
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
           rows_dot<BITS, kTileBlock, HALVES, MIN>(span, act, std::max(first, tile_rows), last,
