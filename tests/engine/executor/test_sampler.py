@@ -172,7 +172,9 @@ def test_repetition_penalty_matches_hf() -> None:
     logits = torch.tensor(
         [[2.0, 1.9, -1.0, 0.5, 0.0, -3.0, 4.0], [0.3, -0.7, 1.5, 2.5, -2.0, 1.0, 0.1]]
     )
-    prompt_token_ids, output_token_ids = [[0, 2, 2], [3, 9]], [[5], [1, 3, 0]]
+    # Every id inside the vocabulary: transformers 5.17's processor gathers them unchecked
+    # (an id past the logits raised there, on the lent device's image).
+    prompt_token_ids, output_token_ids = [[0, 2, 2], [3, 6]], [[5], [1, 3, 0]]
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.7)]
     batch = _batch(params, None, prompt_token_ids, output_token_ids, vocab_size=logits.shape[1])
     ours = apply_penalties(logits, batch)
