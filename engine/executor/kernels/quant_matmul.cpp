@@ -746,7 +746,10 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
               "quant_matmul: x must be float32 or bfloat16");
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
   const int64_t n = codes.size(0) * kTile;
-  TORCH_CHECK(k % kGroup == 0, "quant_matmul: K must be a multiple of 32, got ", k);
+  // Literal messages only: on the lent device's image (g++ 13.3, torch 2.11) a TORCH_CHECK
+  // that formats a number into its message segfaults instead of raising, in any extension
+  // (a one-line probe showed it; docs/benchmarks.md), where a literal one raises.
+  TORCH_CHECK(k % kGroup == 0, "quant_matmul: K must be a multiple of 32 (x's second size)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({n / kTile, groups, kTile * bits * 4}),
               "quant_matmul: codes must be a contiguous uint8 [N / 8, K / 32, 8 * bits * 4]");
