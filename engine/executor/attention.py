@@ -27,6 +27,19 @@ import torch
 import torch.nn.functional as F
 
 
+def use_cuda_sdpa_without_cudnn() -> str:
+    """On CUDA, SDPA picks among flash, memory-efficient and cuDNN kernels; with bf16 on a
+    Hopper GPU it picks cuDNN, which builds (and caches) an execution graph for every new
+    shape. Our shapes change with every prompt length and context, so a lent H100 showed
+    cuDNN's attention at 72 us of host time a call against 27 us for the memory-efficient
+    kernel in float32, and bf16 first tokens 5x slower than float32 (docs/benchmarks.md).
+    Flash and memory-efficient attention plan nothing per shape; the math path stays as the
+    fallback for shapes neither takes. Process-wide, as torch's switch is; returns the line
+    for the start-up log."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return "flash / memory-efficient SDPA (cuDNN attention off: a graph per new shape)"
+
+
 @dataclass(slots=True)
 class PrefillSpan:
     """`num_new_tokens` queries at positions [num_cached, num_cached + num_new_tokens)."""

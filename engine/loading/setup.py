@@ -17,6 +17,7 @@ from engine.core.config import EngineConfig, GiB, default_cache_dir
 from engine.core.cpu import cpu_features
 from engine.core.errors import ModelLoadError
 from engine.core.memory import return_freed_memory
+from engine.executor.attention import use_cuda_sdpa_without_cudnn
 from engine.executor.kernels import (
     NOT_BUILT,
     KernelBuild,
@@ -110,6 +111,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         else NOT_BUILT
     )
     kernels_built = kernels.is_built
+    if config.torch_device.type == "cuda":
+        logger.info("attention on CUDA: %s", use_cuda_sdpa_without_cudnn())
     weights = weight_format(config, source, kernels_built)
     dtype = config.torch_dtype
     if weights.is_quantized:

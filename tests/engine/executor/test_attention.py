@@ -19,6 +19,7 @@ from engine.executor.attention import (
     attention_with_lse,
     decode_mask,
     prefill_mask,
+    use_cuda_sdpa_without_cudnn,
 )
 from engine.executor.kernels import load_cpu_kernels
 
@@ -307,3 +308,18 @@ def test_a_windowed_plan_reads_only_the_chunks_in_the_window() -> None:
     assert sorted(row[0] for row in plan.items.tolist()) == [0, 1, 2]
     assert plan.part_start.tolist() == [0, 2, 3]
     assert plan.window == 100
+
+
+def test_cuda_sdpa_leaves_out_cudnn_and_keeps_the_shape_free_kernels() -> None:
+    """cuDNN's attention builds a graph per new shape (every prompt length is one); the
+    kernels that plan nothing per shape, and the math fallback, stay on."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert "cuDNN attention off" in use_cuda_sdpa_without_cudnn()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
