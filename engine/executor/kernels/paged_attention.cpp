@@ -53,7 +53,7 @@ constexpr int64_t kTileQueries = 16;   // queries sharing one read of a chunk
 constexpr int64_t kKeyBlock = 16;      // value rows read from L1 by every query head of a tile
 constexpr int64_t kMaxGroup = 64;      // query heads per KV head
 // A chunk's scores and transposed keys per row: 128 plus room for a last block of lanes
-// computed past the chunk (3 x 8 or 4 x 8 keys), never read
+// computed past the chunk (score_keys' blocks of 24, 32 or 64 keys), never read
 constexpr int64_t kScoreStride = kChunkTokens + 32;
 
 
@@ -132,82 +132,114 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& 
 }
 
 // Scores of NH query heads (sharing a KV head) against keys 0..n-1, the keys transposed (key
-// k's dim d at keys_t[d * kScoreStride + k]): a key per lane, OCTETS x 8 keys at a time, each
-// score one FMA chain over the dims in order, s = fma(q[d], k[d], s), d = 0, 1, ... The
-// chains of a block share every load; no lane depends on another (a scalar loop of fmaf
-// gives the same bits).
-template <int64_t HEAD_DIM, int NH, int OCTETS>
+// k's dim d at keys_t[d * kScoreStride + k]): a key per lane, BLOCKS vectors of L's width at a
+// time, each score one FMA chain over the dims in order, s = fma(q[d], k[d], s), d = 0, 1, ...
+// The chains of a block share every load; no lane depends on another (a scalar loop of fmaf
+// gives the same bits, at any width).
+template <typename L, int64_t HEAD_DIM, int NH, int BLOCKS>
 inline void score_keys(const float* const* q, const float* keys_t, int64_t n,
                        int64_t head_dim_rt, float* const* out) {
+  using V = typename L::V;
+  constexpr int64_t kStep = L::kWidth * BLOCKS;
+  static_assert((kChunkTokens + kStep - 1) / kStep * kStep <= kScoreStride,
+                "a chunk's last block of keys, padding lanes included, must fit kScoreStride");
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  for (int64_t k0 = 0; k0 < n; k0 += 8 * OCTETS) {  // past n: padding lanes, never stored
-    f8 acc[NH][OCTETS];
+  for (int64_t k0 = 0; k0 < n; k0 += kStep) {  // past n: padding lanes, never read
+    V acc[NH][BLOCKS];
     for (int h = 0; h < NH; ++h)
-      for (int j = 0; j < OCTETS; ++j) acc[h][j] = f8{};
+      for (int j = 0; j < BLOCKS; ++j) acc[h][j] = V{};
     const float* column = keys_t + k0;
     for (int64_t d = 0; d < head_dim; ++d, column += kScoreStride) {
-      f8 keys[OCTETS];
-      for (int j = 0; j < OCTETS; ++j) keys[j] = prefixgate::load8(column + 8 * j);
+      V keys[BLOCKS];
+      for (int j = 0; j < BLOCKS; ++j) keys[j] = L::load(column + L::kWidth * j);
       for (int h = 0; h < NH; ++h) {
-        const f8 qd = prefixgate::splat8(q[h][d]);
-        for (int j = 0; j < OCTETS; ++j) acc[h][j] = prefixgate::fma8(qd, keys[j], acc[h][j]);
+        const V qd = L::splat(q[h][d]);
+        for (int j = 0; j < BLOCKS; ++j) acc[h][j] = L::fma(qd, keys[j], acc[h][j]);
       }
     }
     for (int h = 0; h < NH; ++h)
-      for (int j = 0; j < OCTETS; ++j) prefixgate::store8(out[h] + k0 + 8 * j, acc[h][j]);
+      for (int j = 0; j < BLOCKS; ++j) L::store(out[h] + k0 + L::kWidth * j, acc[h][j]);
   }
 }
 
 // acc[h] += weights[h][k] * rows[k][offset..] for k < n, FMA by FMA in key order, for NH
-// query heads sharing a KV head: PARTS x 8 dims at a time, every value load serving all NH.
-template <int NH, int PARTS>
+// query heads sharing a KV head: PARTS vectors of L's width at a time, every value load
+// serving all NH. A dim's chain is the same whichever pass and width hold it.
+template <typename L, int NH, int PARTS>
 inline void weigh_dims(const float* const* weights, const float* const* rows, int64_t offset,
                        int64_t n, float* const* acc) {
-  f8 sums[NH][PARTS];
+  using V = typename L::V;
+  V sums[NH][PARTS];
   for (int h = 0; h < NH; ++h)
-    for (int j = 0; j < PARTS; ++j) sums[h][j] = prefixgate::load8(acc[h] + 8 * j);
+    for (int j = 0; j < PARTS; ++j) sums[h][j] = L::load(acc[h] + L::kWidth * j);
   for (int64_t k = 0; k < n; ++k) {
     const float* __restrict r = rows[k] + offset;
-    f8 values[PARTS];
-    for (int j = 0; j < PARTS; ++j) values[j] = prefixgate::load8(r + 8 * j);
+    V values[PARTS];
+    for (int j = 0; j < PARTS; ++j) values[j] = L::load(r + L::kWidth * j);
     for (int h = 0; h < NH; ++h) {
-      const f8 w = prefixgate::splat8(weights[h][k]);
-      for (int j = 0; j < PARTS; ++j) sums[h][j] = prefixgate::fma8(w, values[j], sums[h][j]);
+      const V w = L::splat(weights[h][k]);
+      for (int j = 0; j < PARTS; ++j) sums[h][j] = L::fma(w, values[j], sums[h][j]);
     }
   }
   for (int h = 0; h < NH; ++h)
-    for (int j = 0; j < PARTS; ++j) prefixgate::store8(acc[h] + 8 * j, sums[h][j]);
+    for (int j = 0; j < PARTS; ++j) L::store(acc[h] + L::kWidth * j, sums[h][j]);
 }
 
-// The NQ accumulators of acc (each HEAD_DIM long) against the same n value rows: 16 dims at
-// a time, so NQ = 6 keeps 12 FMA chains (the latency of 2 FMAs a cycle) with the 2 value
-// vectors and one weight in AVX2's 16 registers.
+// The NQ accumulators of acc (each HEAD_DIM long) against the same n value rows: the widest
+// lanes the build has, L::kParts vectors a pass (AVX2: 2 x 8 dims, so NQ = 6 keeps 12 FMA
+// chains with the 2 value vectors and one weight in 16 registers; AVX-512: 4 x 16 dims in 32),
+// then single vectors, then eight dims.
 template <int64_t HEAD_DIM, int NQ>
 inline void weigh_values(const float* const* weights, const float* const* rows, int64_t offset,
                          int64_t n, int64_t head_dim_rt, float* const* acc) {
+  using W = prefixgate::WideLanes;
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
   int64_t d0 = 0;
-  for (; d0 + 16 <= head_dim; d0 += 16) {
-    float* part[NQ];
-    for (int h = 0; h < NQ; ++h) part[h] = acc[h] + d0;
-    weigh_dims<NQ, 2>(weights, rows, offset + d0, n, part);
-  }
-  for (; d0 < head_dim; d0 += 8) {
-    float* part[NQ];
-    for (int h = 0; h < NQ; ++h) part[h] = acc[h] + d0;
-    weigh_dims<NQ, 1>(weights, rows, offset + d0, n, part);
-  }
+  const auto pass = [&](auto lanes, auto parts) {
+    using L = decltype(lanes);
+    constexpr int kParts = decltype(parts)::value;
+    for (; d0 + L::kWidth * kParts <= head_dim; d0 += L::kWidth * kParts) {
+      float* part[NQ];
+      for (int h = 0; h < NQ; ++h) part[h] = acc[h] + d0;
+      weigh_dims<L, NQ, kParts>(weights, rows, offset + d0, n, part);
+    }
+  };
+  pass(W{}, std::integral_constant<int, W::kParts>{});
+  pass(W{}, std::integral_constant<int, 1>{});
+  pass(prefixgate::Lanes8{}, std::integral_constant<int, 1>{});
 }
 
-// The query heads [first, first + count) of one KV head: three at a time over 24 keys, or
-// two / one over 32 (the chains and their operands fit AVX2's 16 registers).
+// `count` query rows (query heads of the tile's members, a KV head's group after group)
+// against the same transposed keys, row r over its first n[r] keys. Rows are blocked so that
+// each key load serves several: AVX2, three rows over 24 keys (9 chains, 3 keys, a query: 13
+// of 16 registers), or two / one over 32; AVX-512, six rows over 48 keys (18 chains: 22 of
+// 32). A block runs to its longest row (the extra lanes are never read), and which rows share
+// a block changes no score's chain.
 template <int64_t HEAD_DIM>
-inline void score_heads(const float* const* q, const float* keys_t, int64_t n, int64_t head_dim,
-                        float* const* out, int64_t count) {
-  int64_t h = 0;
-  for (; h + 3 <= count; h += 3) score_keys<HEAD_DIM, 3, 3>(q + h, keys_t, n, head_dim, out + h);
-  if (count - h == 2) score_keys<HEAD_DIM, 2, 4>(q + h, keys_t, n, head_dim, out + h);
-  if (count - h == 1) score_keys<HEAD_DIM, 1, 4>(q + h, keys_t, n, head_dim, out + h);
+inline void score_rows(const float* const* q, const float* keys_t, const int64_t* n,
+                       int64_t head_dim, float* const* out, int64_t count) {
+  using W = prefixgate::WideLanes;
+  constexpr int kRows = W::kWidth == 8 ? 3 : 6;
+  constexpr int kBlocks = W::kWidth == 8 ? 3 : 4;
+  const auto longest = [&](int64_t first, int64_t rows) {
+    return *std::max_element(n + first, n + first + rows);
+  };
+  int64_t r = 0;
+  for (; r + kRows <= count; r += kRows)
+    score_keys<W, HEAD_DIM, kRows, kBlocks>(q + r, keys_t, longest(r, kRows), head_dim, out + r);
+  const auto rest = [&](auto rows) {
+    constexpr int kRest = decltype(rows)::value;
+    score_keys<W, HEAD_DIM, kRest, (kRest <= 2 ? 4 : kBlocks)>(
+        q + r, keys_t, longest(r, kRest), head_dim, out + r);
+  };
+  switch (count - r) {
+    case 5: rest(std::integral_constant<int, 5>{}); break;
+    case 4: rest(std::integral_constant<int, 4>{}); break;
+    case 3: rest(std::integral_constant<int, 3>{}); break;
+    case 2: rest(std::integral_constant<int, 2>{}); break;
+    case 1: rest(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
 }
 
 // `count` (weights, accumulator) pairs (query heads of several tile members) over the same
@@ -347,17 +379,20 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       // Scores: every member's query heads of a KV head against the transposed keys.
       for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const float* q_rows[kTileQueries * kMaxGroup];
+        float* out_rows[kTileQueries * kMaxGroup];
+        int64_t row_len[kTileQueries * kMaxGroup];
+        int64_t num_rows = 0;
         for (int64_t i = 0; i < count; ++i) {
-          const float* q_heads[kMaxGroup];
-          float* out[kMaxGroup];
-          for (int64_t g = 0; g < group; ++g) {
+          for (int64_t g = 0; g < group; ++g, ++num_rows) {
             const int64_t head = h * group + g;
-            q_heads[g] = qf + i * q_row + head * head_dim;
-            out[g] = probs + (i * num_heads + head) * kScoreStride;
+            q_rows[num_rows] = qf + i * q_row + head * head_dim;
+            out_rows[num_rows] = probs + (i * num_heads + head) * kScoreStride;
+            row_len[num_rows] = len[i];
           }
-          score_heads<HEAD_DIM>(q_heads, keys_t + h * head_dim * kScoreStride, len[i],
-                                head_dim, out, group);
         }
+        score_rows<HEAD_DIM>(q_rows, keys_t + h * head_dim * kScoreStride, row_len, head_dim,
+                             out_rows, num_rows);
       }
       // Softmax numerators per (member, head), with the chunk's max and sum.
       for (int64_t i = 0; i < count; ++i) {
@@ -368,7 +403,20 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float m = chunk_max(s + skip[i], len[i] - skip[i]);
           f8 sums{};
           int64_t k = skip[i];
-          for (; k + 32 <= len[i]; k += 32) {  // four vectors in flight (vec.h: exp8n)
+          for (; k + 32 <= len[i]; k += 32) {  // 32 at a time (vec.h: exp_lanes)
+#if defined(__AVX512F__)
+            // Two AVX-512 vectors: the same exponentials lane for lane, and the sum still
+            // takes them eight at a time in key order.
+            using L = prefixgate::Lanes16;
+            L::V e[2];
+            for (int j = 0; j < 2; ++j) e[j] = L::load(s + k + 16 * j) - m;
+            prefixgate::exp_lanes<L, 2>(e);
+            for (int j = 0; j < 2; ++j) {
+              L::store(s + k + 16 * j, e[j]);
+              sums += L::half(e[j], 0);
+              sums += L::half(e[j], 1);
+            }
+#else
             f8 e[4];
             for (int j = 0; j < 4; ++j) e[j] = prefixgate::load8(s + k + 8 * j) - m;
             prefixgate::exp8n(e);
@@ -376,6 +424,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               prefixgate::store8(s + k + 8 * j, e[j]);
               sums += e[j];
             }
+#endif
           }
           for (; k + 8 <= len[i]; k += 8) {
             const f8 e = prefixgate::exp8(prefixgate::load8(s + k) - m);

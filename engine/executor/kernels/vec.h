@@ -120,27 +120,89 @@ inline float round1(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// exp(x) of N vectors of eight, in place, as 2^k * 2^f (f in [-0.5, 0.5], degree-6
+
+// Lane-wise loops at a width: `Lanes8` (an f8: AVX2's register) everywhere, `Lanes16` (one
+// AVX-512 register) where the build has AVX-512. Where every lane runs its own chain of
+// operations (a score's FMAs over the dims, a dim's FMAs over the keys), the width only says
+// how many chains share an instruction: a lane's bits are the same at either width.
+struct Lanes8 {
+  using V = f8;
+  using I = i8;
+  static constexpr int64_t kWidth = 8;
+  static constexpr int kParts = 2;  // vectors a value pass holds per accumulator (16 registers)
+  static V load(const float* p) { return load8(p); }
+  static void store(float* p, V v) { store8(p, v); }
+  static V splat(float x) { return splat8(x); }
+  static V fma(V a, V b, V c) { return fma8(a, b, c); }
+};
+
+#if defined(__AVX512F__)
+typedef float f16x __attribute__((vector_size(64)));
+typedef int32_t i16x __attribute__((vector_size(64)));
+
+struct Lanes16 {
+  using V = f16x;
+  using I = i16x;
+  static constexpr int64_t kWidth = 16;
+  static constexpr int kParts = 4;  // 6 x 4 accumulators, 4 values, 1 weight: 29 of 32
+  static V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+  static V splat(float x) {
+    const __m512 r = _mm512_set1_ps(x);
+    V v;
+    std::memcpy(&v, &r, sizeof v);
+    return v;
+  }
+  // lanes 0-7 (which = 0) or 8-15 (which = 1) as an f8
+  static f8 half(V v, int which) {
+    f8 out;
+    std::memcpy(&out, reinterpret_cast<const float*>(&v) + 8 * which, sizeof out);
+    return out;
+  }
+  static V fma(V a, V b, V c) {  // rounded once per lane, as fma8
+    __m512 x, y, z;
+    std::memcpy(&x, &a, sizeof x);
+    std::memcpy(&y, &b, sizeof y);
+    std::memcpy(&z, &c, sizeof z);
+    const __m512 r = _mm512_fmadd_ps(x, y, z);
+    V out;
+    std::memcpy(&out, &r, sizeof out);
+    return out;
+  }
+};
+using WideLanes = Lanes16;
+#else
+using WideLanes = Lanes8;
+#endif
+
+// exp(x) of N vectors of L's width, in place, as 2^k * 2^f (f in [-0.5, 0.5], degree-6
 // polynomial, relative error ~2e-7); x clamped to [-87, 88], where float's exp is finite and
 // normal. glibc's expf is scalar: SwiGLU over a 100-token prefill spent 6x torch's time in it.
 // Each step runs across the N vectors before the next: a lane's operations (and bits) are the
-// same for any N, and N > 1 puts independent chains side by side. One vector's ~25 dependent
-// operations (~70 cycles) at a time, the out-of-order window overlapped ~3 of them: a softmax
-// over 128 scores took ~2.5 cycles an exp on Zen 3, ~18% of a prefill's attention.
-template <int N>
-inline void exp8n(f8 (&x)[N]) {
-  const f8 lo = f8{} - 87.f, hi = f8{} + 88.f;
-  f8 f[N], p[N];
-  i8 k[N];
+// same for any N and either width, and N > 1 puts independent chains side by side. One
+// vector's ~25 dependent operations (~70 cycles) at a time, the out-of-order window overlapped
+// ~3 of them: a softmax over 128 scores took ~2.5 cycles an exp on Zen 3, ~18% of a prefill's
+// attention.
+template <typename L, int N>
+inline void exp_lanes(typename L::V (&x)[N]) {
+  using V = typename L::V;
+  using I = typename L::I;
+  const V lo = V{} - 87.f, hi = V{} + 88.f;
+  V f[N], p[N];
+  I k[N];
   for (int n = 0; n < N; ++n) {
     x[n] = x[n] < lo ? lo : x[n];
     x[n] = x[n] > hi ? hi : x[n];
-    const f8 t = x[n] * 1.44269504088896341f;  // log2(e)
-    const f8 half = t < 0 ? f8{} - 0.5f : f8{} + 0.5f;
-    k[n] = __builtin_convertvector(t + half, i8);  // round to nearest (ties away)
-    f[n] = t - __builtin_convertvector(k[n], f8);
+    const V t = x[n] * 1.44269504088896341f;  // log2(e)
+    const V half = t < 0 ? V{} - 0.5f : V{} + 0.5f;
+    k[n] = __builtin_convertvector(t + half, I);  // round to nearest (ties away)
+    f[n] = t - __builtin_convertvector(k[n], V);
   }
-  for (int n = 0; n < N; ++n) p[n] = f8{} + 1.535336188319500e-4f;
+  for (int n = 0; n < N; ++n) p[n] = V{} + 1.535336188319500e-4f;
   for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 1.339887440266574e-3f;
   for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 9.618437357674640e-3f;
   for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 5.550332471162809e-2f;
@@ -148,11 +210,16 @@ inline void exp8n(f8 (&x)[N]) {
   for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 6.931472028550421e-1f;
   for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 1.f;
   for (int n = 0; n < N; ++n) {
-    i8 bits;
+    I bits;
     std::memcpy(&bits, &p[n], sizeof bits);
     bits += k[n] << 23;
     std::memcpy(&x[n], &bits, sizeof bits);
   }
+}
+
+template <int N>
+inline void exp8n(f8 (&x)[N]) {
+  exp_lanes<Lanes8, N>(x);
 }
 
 inline f8 exp8(f8 x) {
