@@ -41,6 +41,7 @@ from engine.core.errors import ModelLoadError
 from engine.executor.models import SUPPORTED_MODEL_TYPES
 from engine.executor.quantization import BITS, FILE_BLOCKS, WeightFormat
 from engine.loading import safetensors_io
+from engine.loading.config_cache import cached_hf_config
 from engine.loading.gguf import (
     ARCH_MODEL_TYPES,
     GGML_BITS,
@@ -108,17 +109,12 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelSourc
     raise ModelLoadError(f"model path {path} does not exist")
 
 
-def load_hf_config(path: Path) -> PretrainedConfig:
-    """Load `path/config.json`, refusing architectures the engine has no model for."""
-    from transformers import AutoConfig
-
+def load_hf_config(path: Path, cache_dir: Path | None = None) -> PretrainedConfig:
+    """Load `path/config.json`, refusing architectures the engine has no model for; through
+    transformers' class once, then from the cache (engine/loading/config_cache.py)."""
     config_path = path / "config.json"
     _check_model_type(_read_model_type(config_path), config_path)
-    try:
-        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load {config_path}: {exc}") from exc
-    return config
+    return cached_hf_config(path, cache_dir if cache_dir is not None else default_cache_dir())
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
