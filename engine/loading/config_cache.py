@@ -1,4 +1,5 @@
-"""The model's config, read once through transformers' own class, then from our cache.
+"""The model's config and tokenizer class, resolved once by transformers' Auto classes, then
+from our cache.
 
 Why: transformers' per-family config modules import most of transformers on the way (the
 Llama one reaches `torch.distributed.tensor` through its hub-kernels integration): 2.4-2.7 s
@@ -11,13 +12,19 @@ with the family's `model_type` and `attribute_map` (GPT-2's `n_embd` is its `hid
 the engine sees the same object whether or not the cache was warm, so the KV identity and
 the model built from it cannot differ between a first start and the next.
 
-A missing, unreadable or foreign cache entry is a fresh read through `AutoConfig`; a cache
+`AutoTokenizer` resolves the tokenizer's class through the same config module, so the class
+it picks is remembered too (keyed by the config and tokenizer_config files and the version)
+and later loads call that class's own `from_pretrained`, as `AutoTokenizer` does once it
+knows the class.
+
+A missing, unreadable or foreign cache entry is a fresh read through the Auto class; a cache
 folder that cannot be written is a warning, never a failed start.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -28,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from engine.core.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,47 @@ def cached_hf_config(path: Path, cache_dir: Path) -> PretrainedConfig:
         entry = _fresh_entry(path, config_path, key)
         _write_entry(entry_path, entry)
     return rebuild(entry)
+
+
+def cached_tokenizer(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained(path)`, without its config-module imports once the class
+    it resolves to is known."""
+    import transformers
+
+    digest = hashlib.sha256(f"{transformers.__version__}|{FORMAT}".encode())
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            digest.update(name.encode() + (path / name).read_bytes())
+        except OSError:
+            digest.update(name.encode() + b"|absent")
+    key = digest.hexdigest()
+    entry_path = cache_dir / "tokenizers" / f"{key[:32]}.json"
+    entry = _read_entry(entry_path, key)
+    if entry is not None:
+        try:
+            tokenizer_class = getattr(importlib.import_module(entry["module"]), entry["name"])
+        except (ImportError, AttributeError, KeyError, TypeError) as exc:
+            logger.warning(
+                "tokenizer class in %s not importable (%s): resolving it afresh", entry_path, exc
+            )
+        else:
+            return _tokenizer(tokenizer_class, path)
+    from transformers import AutoTokenizer
+
+    tokenizer = _tokenizer(AutoTokenizer, path)
+    resolved = type(tokenizer)
+    _write_entry(
+        entry_path, {"key": key, "module": resolved.__module__, "name": resolved.__qualname__}
+    )
+    return tokenizer
+
+
+def _tokenizer(loader: Any, path: Path) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer: PreTrainedTokenizerBase = loader.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    return tokenizer
 
 
 def rebuild(entry: dict[str, Any]) -> PretrainedConfig:
@@ -100,11 +148,11 @@ def _read_entry(entry_path: Path, key: str) -> dict[str, Any] | None:
         return None
     except (OSError, ValueError) as exc:
         logger.warning(
-            "config cache entry %s unreadable (%s): reading the config afresh", entry_path, exc
+            "cache entry %s unreadable (%s): resolving it afresh", entry_path, exc
         )
         return None
     if not isinstance(entry, dict) or entry.get("key") != key:
-        logger.warning("config cache entry %s is not this config's: reading it afresh", entry_path)
+        logger.warning("cache entry %s is not this one's: resolving it afresh", entry_path)
         return None
     return entry
 

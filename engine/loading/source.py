@@ -41,7 +41,7 @@ from engine.core.errors import ModelLoadError
 from engine.executor.models import SUPPORTED_MODEL_TYPES
 from engine.executor.quantization import BITS, FILE_BLOCKS, WeightFormat
 from engine.loading import safetensors_io
-from engine.loading.config_cache import cached_hf_config
+from engine.loading.config_cache import cached_hf_config, cached_tokenizer
 from engine.loading.gguf import (
     ARCH_MODEL_TYPES,
     GGML_BITS,
@@ -117,16 +117,9 @@ def load_hf_config(path: Path, cache_dir: Path | None = None) -> PretrainedConfi
     return cached_hf_config(path, cache_dir if cache_dir is not None else default_cache_dir())
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            path, local_files_only=True
-        )
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
-    return tokenizer
+def load_tokenizer(path: Path, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer `AutoTokenizer` gives, its class remembered (config_cache.py)."""
+    return cached_tokenizer(path, cache_dir if cache_dir is not None else default_cache_dir())
 
 
 def load_chat_template(path: Path) -> str:

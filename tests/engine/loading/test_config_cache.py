@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from engine.executor.models import MODEL_CLASSES, SUPPORTED_MODEL_TYPES
 from engine.executor.models.layers import sliding_layers
-from engine.loading.config_cache import cached_hf_config
+from engine.loading.config_cache import cached_hf_config, cached_tokenizer
 
 SMALL = {
     "vocab_size": 128,
@@ -154,7 +154,7 @@ def test_a_broken_or_foreign_entry_is_read_afresh_with_a_warning(
         entry.write_text(damage)
         with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
             assert cached_hf_config(folder, cache).hidden_size == 64
-        assert f"config cache entry {entry}" in caplog.text
+        assert f"cache entry {entry}" in caplog.text
         caplog.clear()
         assert json.loads(entry.read_text())["config"]["hidden_size"] == 64  # rewritten whole
 
@@ -168,3 +168,73 @@ def test_a_cache_that_cannot_be_written_still_gives_the_config(
     with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
         assert cached_hf_config(folder, blocked).hidden_size == 64
     assert "cannot cache the model's config" in caplog.text
+
+
+MESSAGES = [
+    {"role": "system", "content": "Label the message."},
+    {"role": "user", "content": "Hello <|im_start|> world, café 123!"},
+]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_gpt2_path", "smollm2_source"])
+def test_the_remembered_tokenizer_class_tokenizes_as_auto_tokenizer_does(
+    tmp_path: Path, request: pytest.FixtureRequest, fixture: str
+) -> None:
+    value = request.getfixturevalue(fixture)
+    folder = value if isinstance(value, Path) else value.path
+    reference = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    cache = tmp_path / "cache"
+    first = cached_tokenizer(folder, cache)  # through AutoTokenizer, its class stored
+    again = cached_tokenizer(folder, cache)  # the stored class's own from_pretrained
+    [entry] = (cache / "tokenizers").glob("*.json")
+    assert json.loads(entry.read_text())["name"] == type(reference).__qualname__
+    for tokenizer in (first, again):
+        assert type(tokenizer) is type(reference)
+        assert tokenizer.get_vocab() == reference.get_vocab()
+        assert tokenizer.chat_template == reference.chat_template
+        assert tokenizer.all_special_tokens == reference.all_special_tokens
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+            reference.bos_token_id,
+            reference.eos_token_id,
+            reference.pad_token_id,
+        )
+        assert tokenizer.model_max_length == reference.model_max_length
+        for text in ("Hello world", " leading space", MESSAGES[1]["content"], ""):
+            assert tokenizer(text)["input_ids"] == reference(text)["input_ids"], text
+        if reference.chat_template:
+            assert tokenizer.apply_chat_template(MESSAGES) == reference.apply_chat_template(
+                MESSAGES
+            )
+
+
+def test_a_warm_tokenizer_cache_skips_the_family_module(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    cached_tokenizer(tiny_llama_path, cache)
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from engine.loading.config_cache import cached_tokenizer\n"
+        f"tokenizer = cached_tokenizer(Path({str(tiny_llama_path)!r}), Path({str(cache)!r}))\n"
+        "print(len(tokenizer) > 0,\n"
+        "      'transformers.models.llama.configuration_llama' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.split() == ["True", "False"]
+
+
+def test_a_tokenizer_class_that_no_longer_imports_is_resolved_afresh(
+    tmp_path: Path, tiny_llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    reference = cached_tokenizer(tiny_llama_path, cache)
+    [entry] = (cache / "tokenizers").glob("*.json")
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "name": "GoneTokenizer"}))
+    with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
+        tokenizer = cached_tokenizer(tiny_llama_path, cache)
+    assert "not importable" in caplog.text
+    assert type(tokenizer) is type(reference)
+    assert json.loads(entry.read_text())["name"] == type(reference).__qualname__  # rewritten
