@@ -147,9 +147,7 @@ def _read_entry(entry_path: Path, key: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        logger.warning(
-            "cache entry %s unreadable (%s): resolving it afresh", entry_path, exc
-        )
+        logger.warning("cache entry %s unreadable (%s): resolving it afresh", entry_path, exc)
         return None
     if not isinstance(entry, dict) or entry.get("key") != key:
         logger.warning("cache entry %s is not this one's: resolving it afresh", entry_path)
