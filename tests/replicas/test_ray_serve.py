@@ -29,6 +29,7 @@ from tests.gateway.server_harness import (
     ServerFactory,
     wait_until,
 )
+from tools.bench_replica_replacement import replica_pids
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -78,7 +79,7 @@ def cluster(
     yield server
     codes = factory.close()
     assert codes == {server.pid: 0}, server.log()
-    assert not _replica_pids(), "the engine replicas outlived the server"
+    assert not replica_pids(), "the engine replicas outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +98,6 @@ def sdk(cluster: Server) -> Iterator[openai.OpenAI]:
 def _listing(server: Server) -> dict[str, Any]:
     listing: dict[str, Any] = server.get_json("/v1/prefixes")
     return listing
-
-
-def _replica_pids() -> list[int]:
-    """Engine replicas' worker processes: Ray names them `ray::ServeReplica:<app>:<name>`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes()
-        except OSError:  # gone meanwhile
-            continue
-        if b"ServeReplica:prefixgate:engine" in command:
-            pids.append(int(entry.name))
-    return sorted(pids)
 
 
 def _by_replica(server: Server, name: str) -> dict[str, float]:
@@ -289,7 +275,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
     cluster: Server, sdk: openai.OpenAI
 ) -> None:
     _wait_healthy_pair(cluster)
-    [victim, survivor] = _replica_pids()
+    [victim, survivor] = replica_pids()
     params: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 440}
     num_streams = 6
     streaming = threading.Barrier(num_streams + 1)
@@ -343,7 +329,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
     # Serve restarts the replica; it refills the registry before it serves, then /health is
     # 200 "ok" again with two replicas holding the same registry.
     listing = _wait_healthy_pair(cluster)
-    assert survivor in _replica_pids() and victim not in _replica_pids()
+    assert survivor in replica_pids() and victim not in replica_pids()
     assert all(r["prefixes"] == 1 for r in listing["replicas"])
     completion = sdk.chat.completions.create(
         messages=MESSAGES, extra_body=IGNORE_EOS, **{**params, "max_tokens": 4}

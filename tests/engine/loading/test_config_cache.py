@@ -82,6 +82,14 @@ def _model_state(config: Any) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
+def _in_a_fresh_process(code: str) -> list[str]:
+    """What `code` prints, run where nothing is imported yet: the words of its output."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return done.stdout.split()
+
+
 def test_every_family_the_engine_serves_is_covered() -> None:
     assert {model_type for model_type, _ in CASES} == SUPPORTED_MODEL_TYPES
 
@@ -127,10 +135,7 @@ def test_a_warm_cache_reads_the_config_without_the_family_module(tmp_path: Path)
         "print(config.model_type, config.hidden_size,\n"
         "      'transformers.models.llama.configuration_llama' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert done.stdout.split() == ["llama", "64", "False"]
+    assert _in_a_fresh_process(probe) == ["llama", "64", "False"]
 
 
 def test_a_changed_config_file_is_read_afresh(tmp_path: Path) -> None:
@@ -220,10 +225,7 @@ def test_a_warm_tokenizer_cache_skips_the_family_module(
         "print(len(tokenizer) > 0,\n"
         "      'transformers.models.llama.configuration_llama' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert done.stdout.split() == ["True", "False"]
+    assert _in_a_fresh_process(probe) == ["True", "False"]
 
 
 def test_a_tokenizer_class_that_no_longer_imports_is_resolved_afresh(
