@@ -57,7 +57,9 @@ def cached_hf_config(path: Path, cache_dir: Path) -> PretrainedConfig:
     if entry is None:
         entry = _fresh_entry(path, config_path, key)
         _write_entry(entry_path, entry)
-    return rebuild(entry)
+    config = rebuild(entry)
+    config._name_or_path = str(path)  # as from_pretrained sets it (an entry serves any copy)
+    return config
 
 
 def cached_tokenizer(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:

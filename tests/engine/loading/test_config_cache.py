@@ -240,3 +240,16 @@ def test_a_tokenizer_class_that_no_longer_imports_is_resolved_afresh(
     assert "not importable" in caplog.text
     assert type(tokenizer) is type(reference)
     assert json.loads(entry.read_text())["name"] == type(reference).__qualname__  # rewritten
+
+
+def test_a_copy_of_the_model_elsewhere_shares_the_entry_and_keeps_its_own_path(
+    tmp_path: Path,
+) -> None:
+    folder, _ = _folder(tmp_path, "llama", {})
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_bytes((folder / "config.json").read_bytes())
+    cache = tmp_path / "cache"
+    assert cached_hf_config(folder, cache).name_or_path == str(folder)
+    assert cached_hf_config(copy, cache).name_or_path == str(copy)
+    assert len(list((cache / "configs").glob("*.json"))) == 1
