@@ -226,9 +226,9 @@ inline void with_rest(int64_t n, const F& f) {
 // `count` query rows (query heads of the tile's members, a KV head's group after group)
 // against the same transposed keys, row r over its first n[r] keys. Rows are blocked so that
 // each key load serves several: AVX2, three rows over 24 keys (9 chains, 3 keys, a query: 13
-// of 16 registers), or two / one over 32; AVX-512, six rows over 48 keys (18 chains: 22 of
-// 32). A block runs to its longest row (the extra lanes are never read), and which rows share
-// a block changes no score's chain.
+// of 16 registers), or two / one over 32; AVX-512, six rows over 64 keys (24 chains, 4 keys, a
+// query: 29 of 32), fewer rows over as many. A block runs to its longest row (the extra lanes
+// are never read), and which rows share a block changes no score's chain.
 template <int64_t HEAD_DIM>
 inline void score_rows(const float* const* q, const float* keys_t, const int64_t* n,
                        int64_t head_dim, float* const* out, int64_t count) {
@@ -403,28 +403,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float m = chunk_max(s + skip[i], len[i] - skip[i]);
           f8 sums{};
           int64_t k = skip[i];
-          for (; k + 32 <= len[i]; k += 32) {  // 32 at a time (vec.h: exp_lanes)
-#if defined(__AVX512F__)
-            // Two AVX-512 vectors: the same exponentials lane for lane, and the sum still
-            // takes them eight at a time in key order.
-            using L = prefixgate::Lanes16;
-            L::V e[2];
-            for (int j = 0; j < 2; ++j) e[j] = L::load(s + k + 16 * j) - m;
-            prefixgate::exp_lanes<L, 2>(e);
-            for (int j = 0; j < 2; ++j) {
-              L::store(s + k + 16 * j, e[j]);
-              sums += L::half(e[j], 0);
-              sums += L::half(e[j], 1);
+          // 32 at a time in the widest lanes (vec.h: exp_lanes); the same exponentials lane
+          // for lane at either width, and the sum takes them eight at a time in key order.
+          using W = prefixgate::WideLanes;
+          constexpr int kVectors = 32 / W::kWidth;
+          for (; k + 32 <= len[i]; k += 32) {
+            typename W::V e[kVectors];
+            for (int j = 0; j < kVectors; ++j) e[j] = W::load(s + k + W::kWidth * j) - m;
+            prefixgate::exp_lanes<W, kVectors>(e);
+            for (int j = 0; j < kVectors; ++j) {
+              W::store(s + k + W::kWidth * j, e[j]);
+              for (int o = 0; o < W::kWidth / 8; ++o) sums += W::octet(e[j], o);
             }
-#else
-            f8 e[4];
-            for (int j = 0; j < 4; ++j) e[j] = prefixgate::load8(s + k + 8 * j) - m;
-            prefixgate::exp8n(e);
-            for (int j = 0; j < 4; ++j) {
-              prefixgate::store8(s + k + 8 * j, e[j]);
-              sums += e[j];
-            }
-#endif
           }
           for (; k + 8 <= len[i]; k += 8) {
             const f8 e = prefixgate::exp8(prefixgate::load8(s + k) - m);

@@ -134,6 +134,7 @@ struct Lanes8 {
   static void store(float* p, V v) { store8(p, v); }
   static V splat(float x) { return splat8(x); }
   static V fma(V a, V b, V c) { return fma8(a, b, c); }
+  static f8 octet(V v, int) { return v; }  // lanes 8i..8i+7 as an f8: the vector itself
 };
 
 #if defined(__AVX512F__)
@@ -157,10 +158,10 @@ struct Lanes16 {
     std::memcpy(&v, &r, sizeof v);
     return v;
   }
-  // lanes 0-7 (which = 0) or 8-15 (which = 1) as an f8
-  static f8 half(V v, int which) {
+  // lanes 8i..8i+7 (i = 0, 1) as an f8
+  static f8 octet(V v, int i) {
     f8 out;
-    std::memcpy(&out, reinterpret_cast<const float*>(&v) + 8 * which, sizeof out);
+    std::memcpy(&out, reinterpret_cast<const float*>(&v) + 8 * i, sizeof out);
     return out;
   }
   static V fma(V a, V b, V c) {  // rounded once per lane, as fma8
