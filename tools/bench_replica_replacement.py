@@ -41,7 +41,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.local_server import local_server
-from tools.provenance import git_revision
+from tools.provenance import cpu_capability, git_revision
 
 MILESTONES = ("degraded", "process", "listed", "served")
 REPLICA_MARK = b"ServeReplica:prefixgate:engine"
@@ -233,18 +233,12 @@ def main() -> int:
     summary |= {
         "git_revision": git_revision(),
         "command": " ".join(sys.argv),
-        "cpu_capability": _cpu_capability(),
+        "cpu_capability": cpu_capability(),
         "cpus": os.cpu_count(),
     }
     args.out.write_text(json.dumps(summary, indent=2))
     print(markdown(summary))
     return 0
-
-
-def _cpu_capability() -> str:
-    import torch
-
-    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.local_server import local_server
-from tools.provenance import REPO, git_revision
+from tools.provenance import REPO, cpu_capability, git_revision
 
 PREFIX = "intent-classifier"
 
@@ -92,7 +91,7 @@ def main() -> int:
     summary.update(
         git_revision=git_revision(),
         command=" ".join(sys.argv),
-        cpu_capability=_cpu_capability(),
+        cpu_capability=cpu_capability(),
     )
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(markdown(summary))
@@ -242,12 +241,6 @@ def markdown(summary: dict[str, Any]) -> str:
     if added is not None:
         lines.append(f"Ingress-added TTFT p50, one torch thread each: {added:.1f} ms")
     return "\n".join(lines)
-
-
-def _cpu_capability() -> str:
-    import torch
-
-    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
 if __name__ == "__main__":

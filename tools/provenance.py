@@ -4,6 +4,7 @@ revision next to its command, date and CPU capability."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,14 @@ def git_revision() -> str:
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def cpu_capability() -> str:
+    """torch's CPU capability as a server started from here runs it: ATEN_CPU_CAPABILITY
+    (how a run caps itself to AVX2) where set, else what torch detects."""
+    import torch
+
+    return os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
 
 
 def write_report(report: dict[str, object], out: Path | None) -> None:

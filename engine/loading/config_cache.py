@@ -162,11 +162,11 @@ def _write_entry(entry_path: Path, entry: dict[str, Any]) -> None:
     temporary = None
     try:
         entry_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=entry_path.parent, prefix=".config-", suffix=".tmp")
+        fd, temporary = tempfile.mkstemp(dir=entry_path.parent, prefix=".entry-", suffix=".tmp")
         with os.fdopen(fd, "w") as out:
             json.dump(entry, out)
         os.replace(temporary, entry_path)
     except OSError as exc:
-        logger.warning("cannot cache the model's config in %s: %s", entry_path.parent, exc)
+        logger.warning("cannot write the cache entry %s: %s", entry_path, exc)
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)

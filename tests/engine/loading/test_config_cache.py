@@ -172,7 +172,7 @@ def test_a_cache_that_cannot_be_written_still_gives_the_config(
     blocked.write_text("a file where the cache folder would be")
     with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
         assert cached_hf_config(folder, blocked).hidden_size == 64
-    assert "cannot cache the model's config" in caplog.text
+    assert "cannot write the cache entry" in caplog.text
 
 
 MESSAGES = [
