@@ -54,6 +54,9 @@ class KernelBuild:
     # (AMX tiles for blocks of 16 rows where Linux grants them), "avx512-vnni", "avx2" or
     # "portable"; the same bits on every one
     dot_products: str = ""
+    # bf16 attention's path: "amx-bf16" (AMX tiles, where the CPU has them and Linux grants
+    # them) or "vector"; one path for every call on a machine, so the invariance holds
+    attention: str = ""
 
     @property
     def label(self) -> str:
@@ -64,7 +67,7 @@ class KernelBuild:
         if self.is_built:
             return (
                 f"C++ kernels ({self.target}: {' '.join(compile_flags())}; integer dot "
-                f"products on {self.dot_products})"
+                f"products on {self.dot_products}; bf16 attention on {self.attention})"
             )
         return f"no C++ kernels, torch paths ({self.error})"
 
@@ -118,13 +121,15 @@ def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
         )
         return build
     dot_products = str(torch.ops.prefixgate.quant_matmul_path())
+    attention = str(torch.ops.prefixgate.attention_path())
     logger.info(
-        "CPU kernels ready (%s; integer dot products on %s) in %.1f s",
+        "CPU kernels ready (%s; integer dot products on %s; bf16 attention on %s) in %.1f s",
         " ".join(compile_flags()),
         dot_products,
+        attention,
         time.perf_counter() - started,
     )
-    return KernelBuild(kernel_target(), True, dot_products=dot_products)
+    return KernelBuild(kernel_target(), True, dot_products=dot_products, attention=attention)
 
 
 def compile_and_load(cache_dir: Path, verbose: bool = False) -> None:

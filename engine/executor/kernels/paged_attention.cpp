@@ -11,7 +11,9 @@
 // chunk's max, exponentials and sums; value accumulation FMA by FMA in key order), and the
 // chunks merged in chunk order. Nothing in that depends on how many queries, sequences or
 // shared blocks the call holds: those only decide which queries share one read of a chunk's
-// keys (a tile) and how the loops are blocked.
+// keys (a tile) and how the loops are blocked. Where the CPU has AMX and queries and cache are
+// bf16, the chunk's scores and weighted values are tile products instead (tile_scores): the
+// same chunks, softmax and merge, other bits, and then every call of the machine takes them.
 //
 //   attention_plan(block_tables, seq_rows, positions, block_size, window)
 //       -> (items [I, 3] = (chunk, first member, member count), members [M], part_start [T+1])
@@ -34,11 +36,22 @@
 
 #include "vec.h"
 
+// Intel's AMX tiles with bf16 products (Sapphire Rapids and later; -march=native says so at
+// build time, prefixgate::amx_ready at run time).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PREFIXGATE_ATTN_AMX 1
+#else
+#define PREFIXGATE_ATTN_AMX 0
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -278,6 +291,108 @@ inline float chunk_max(const float* s, int64_t len) {
   return m;
 }
 
+#if PREFIXGATE_ATTN_AMX
+// The tile path: where the CPU has AMX and both the queries and the cache are bf16, scores and
+// the values' weighted sum are tile products (TDPBF16PS: bf16 pairs multiplied exactly and
+// added into float32 lanes) over the same 128-key chunks, the softmax between them and the
+// merge as on the vector path. A query row's scores are one tile row against the chunk's
+// keys, its weighted sum one tile row of bf16 numerators against the chunk's values, 32 keys
+// a step in key order (steps past the row's keys add exact zeros): no row's arithmetic
+// depends on which other rows share its tiles, so the invariance holds as on the vector path;
+// the bits differ from it (the numerators are rounded to bf16, the scale is applied to the
+// float32 score), so a machine keeps one path for every call: the tiles wherever they serve.
+//
+// Tiles 0-3 accumulate (16 rows x 16 float32), 4 holds A (16 rows x 32 bf16), 5-7 B (16 bf16
+// pairs x 16 columns); every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+  }
+};
+
+constexpr int64_t kTileRows = 16;
+
+// out[r][n] (n < 16 * key_tiles, row stride kScoreStride) = the dot product of query row r
+// (q: 16 rows of HEAD_DIM bf16) with key n; keys: the chunk's keys as dim pairs, pair j of
+// key n at keys[j * kChunkTokens + n]. Four key tiles share each load of A.
+template <int64_t HEAD_DIM>
+void tile_scores(const uint16_t* q, const uint32_t* keys, int64_t key_tiles, float* out) {
+  constexpr int64_t kStride = kChunkTokens * 4;
+  for (int64_t n0 = 0; n0 < key_tiles; n0 += 4) {
+    const int64_t n = std::min<int64_t>(4, key_tiles - n0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t step = 0; step < HEAD_DIM / 32; ++step) {
+      _tile_loadd(4, q + step * 32, HEAD_DIM * 2);
+      const uint32_t* b = keys + step * 16 * kChunkTokens + n0 * 16;
+      _tile_loadd(5, b, kStride);
+      _tile_dpbf16ps(0, 4, 5);
+      if (n > 1) {
+        _tile_loadd(6, b + 16, kStride);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (n > 2) {
+        _tile_loadd(7, b + 32, kStride);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (n > 3) {
+        _tile_loadd(5, b + 48, kStride);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    float* o = out + n0 * 16;
+    _tile_stored(0, o, kScoreStride * 4);
+    if (n > 1) _tile_stored(1, o + 16, kScoreStride * 4);
+    if (n > 2) _tile_stored(2, o + 32, kScoreStride * 4);
+    if (n > 3) _tile_stored(3, o + 48, kScoreStride * 4);
+  }
+}
+
+// out[r][d] (row stride HEAD_DIM) = sum over keys k < 32 * key_steps of probs[r][k] (bf16,
+// row stride kChunkTokens) times value k's dim d; values: key pairs, pair j's dim d at
+// values[j * HEAD_DIM + d]. 32 keys a step, in key order.
+template <int64_t HEAD_DIM>
+void tile_values(const uint16_t* probs, const uint32_t* values, int64_t key_steps, float* out) {
+  static_assert(HEAD_DIM % 64 == 0, "four tiles of 16 dims a pass");
+  constexpr int64_t kStride = HEAD_DIM * 4;
+  for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t step = 0; step < key_steps; ++step) {
+      _tile_loadd(4, probs + step * 32, kChunkTokens * 2);
+      const uint32_t* b = values + step * 16 * HEAD_DIM + d0;
+      _tile_loadd(5, b, kStride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 16, kStride);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b + 32, kStride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 48, kStride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, out + d0, kStride);
+    _tile_stored(1, out + d0 + 16, kStride);
+    _tile_stored(2, out + d0 + 32, kStride);
+    _tile_stored(3, out + d0 + 48, kStride);
+  }
+}
+
+// 16 bf16 as their float32 bit patterns shifted into place: `high` puts them in the upper half.
+inline __m512i widen16(const c10::BFloat16* p, bool high) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return high ? _mm512_slli_epi32(w, 16) : w;
+}
+#endif
+
 // HEAD_DIM > 0 fixes the row length at compile time (unrolled loops); 0 reads it at run time.
 template <typename T, typename KV, int64_t HEAD_DIM>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -311,8 +426,45 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   float* part_max = part_acc + num_parts * num_heads * head_dim;
   float* part_sum = part_max + num_parts * num_heads;
 
+  // The tile path where it serves (see tile_scores); otherwise the vector path.
+  constexpr bool kTileTypes = PREFIXGATE_ATTN_AMX && std::is_same_v<T, c10::BFloat16> &&
+                              std::is_same_v<KV, c10::BFloat16> && HEAD_DIM > 0 &&
+                              HEAD_DIM % 64 == 0;
+#if PREFIXGATE_ATTN_AMX
+  const bool tiles = kTileTypes && prefixgate::amx_ready();
+#else
+  constexpr bool tiles = false;
+#endif
+
   at::parallel_for(0, items.size(0), 1, [&](int64_t begin, int64_t end) {
     const int64_t q_row = num_heads * head_dim, kv_row = num_kv_heads * head_dim;
+#if PREFIXGATE_ATTN_AMX
+    // The tile path's buffers: queries per KV head [kv_heads][rows][HEAD_DIM] bf16, the
+    // chunk's keys as dim pairs [kv_heads][HEAD_DIM / 2][kChunkTokens], its values as key
+    // pairs [kv_heads][kChunkTokens / 2][HEAD_DIM], one KV head's numerators [rows]
+    // [kChunkTokens] bf16, and one block of 16 rows' results.
+    static thread_local std::vector<uint32_t> tile_scratch;
+    const int64_t tile_rows = (kTileQueries * group + kTileRows - 1) / kTileRows * kTileRows;
+    uint16_t* tq = nullptr;
+    uint32_t *tkeys = nullptr, *tvalues = nullptr;
+    uint16_t* tprobs = nullptr;
+    float* block_out = nullptr;
+    if (tiles) {
+      const size_t q_words = num_kv_heads * tile_rows * head_dim / 2;
+      const size_t kv_words = num_kv_heads * head_dim / 2 * kChunkTokens;
+      const size_t p_words = tile_rows * kChunkTokens / 2;
+      const size_t out_words = kTileRows * std::max<int64_t>(kScoreStride, head_dim);
+      const size_t words = q_words + 2 * kv_words + p_words + out_words + 16;
+      if (tile_scratch.size() < words) tile_scratch.resize(words);
+      tq = reinterpret_cast<uint16_t*>(tile_scratch.data());
+      tkeys = tile_scratch.data() + q_words;
+      tvalues = tkeys + kv_words;
+      tprobs = reinterpret_cast<uint16_t*>(tvalues + kv_words);
+      block_out = reinterpret_cast<float*>(tvalues + kv_words + p_words);
+      const TileConfig config;
+      _tile_loadconfig(&config);
+    }
+#endif
     // Per-thread scratch, kept between calls (not allocated and zeroed per layer): the
     // tile's scaled queries, its scores, and for 16-bit storage the chunk's K and V rows
     // widened once for every member and head.
@@ -345,11 +497,61 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         skip[i] = std::max<int64_t>(0, lo - start);
         part_of[i] = starts[t] + chunk - lo / kChunkTokens;
         longest = std::max(longest, len[i]);
+        if (tiles) continue;
         const float* src = float_row(q_ptr + t * q_row, qf + i * q_row, q_row);
         for (int64_t j = 0; j < q_row; ++j) qf[i * q_row + j] = src[j] * fscale;
       }
       // Every tile member reads these blocks for this chunk (the plan's grouping key).
       const int64_t* table = tables + rows[tile[0]] * cols;
+      const auto cache_offset = [&](int64_t k) {
+        const int64_t p = start + k;
+        return table[p / block_size] * block_stride + p % block_size * token_stride;
+      };
+#if PREFIXGATE_ATTN_AMX
+      if constexpr (kTileTypes) {
+        if (tiles) {
+          const int64_t key_tiles = (longest + 15) / 16, rows_per_head = count * group;
+          const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
+          const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_ptr);
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            // A: the members' query heads of this KV head, then zero rows to a whole tile
+            uint16_t* qa = tq + h * tile_rows * HEAD_DIM;
+            for (int64_t i = 0, r = 0; i < count; ++i)
+              for (int64_t g = 0; g < group; ++g, ++r)
+                std::memcpy(qa + r * HEAD_DIM, q_bits + tile[i] * q_row + (h * group + g) * HEAD_DIM,
+                            HEAD_DIM * 2);
+            std::fill(qa + rows_per_head * HEAD_DIM, qa + padded_rows * HEAD_DIM, uint16_t{0});
+            // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time (past the last
+            // key: it again, as on the vector path; those scores are never read)
+            uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
+            for (int64_t k0 = 0; k0 < key_tiles * 16; k0 += 8) {
+              const c10::BFloat16* key_rows[8];
+              for (int64_t j = 0; j < 8; ++j)
+                key_rows[j] = k_ptr + cache_offset(std::min(k0 + j, longest - 1)) + h * HEAD_DIM;
+              for (int64_t pair = 0; pair < HEAD_DIM / 2; pair += 8) {
+                const float* src[8];
+                for (int j = 0; j < 8; ++j)
+                  src[j] = reinterpret_cast<const float*>(key_rows[j]) + pair;
+                prefixgate::transpose8(src, reinterpret_cast<float*>(kb + pair * kChunkTokens + k0),
+                                       kChunkTokens);
+              }
+            }
+            for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
+              tile_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out);
+              const __m512 scale16 = _mm512_set1_ps(fscale);
+              for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
+                const int64_t i = r / group, head = h * group + r % group;
+                float* dst = probs + (i * num_heads + head) * kScoreStride;
+                const float* src = block_out + (r - rb) * kScoreStride;
+                for (int64_t k = 0; k < key_tiles * 16; k += 16)
+                  _mm512_storeu_ps(dst + k, _mm512_mul_ps(_mm512_loadu_ps(src + k), scale16));
+              }
+            }
+          }
+        }
+      }
+#endif
+      if (!tiles) {
       // Keys transposed (a key per lane: [kv_head][dim][key]), 8 keys at a time; values as
       // rows (widened once where stored in 16 bits).
       for (int64_t k0 = 0; k0 < longest; k0 += 8) {
@@ -369,8 +571,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           }
       }
       for (int64_t k = 0; k < longest; ++k) {
-        const int64_t p = start + k;
-        const int64_t offset = table[p / block_size] * block_stride + p % block_size * token_stride;
+        const int64_t offset = cache_offset(k);
         if constexpr (std::is_same_v<KV, float>) {
           value_rows[k] = v_ptr + offset;
         } else {
@@ -394,6 +595,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         score_rows<HEAD_DIM>(q_rows, keys_t + h * head_dim * kScoreStride, row_len, head_dim,
                              out_rows, num_rows);
       }
+      }  // the vector path's scores
       // Softmax numerators per (member, head), with the chunk's max and sum.
       for (int64_t i = 0; i < count; ++i) {
         const int64_t part = part_of[i];
@@ -403,19 +605,26 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float m = chunk_max(s + skip[i], len[i] - skip[i]);
           f8 sums{};
           int64_t k = skip[i];
-          // 32 at a time in the widest lanes (vec.h: exp_lanes); the same exponentials lane
-          // for lane at either width, and the sum takes them eight at a time in key order.
+          // Eight vectors of the widest lanes at a time, then 32 keys (vec.h: exp_lanes): the
+          // same exponentials lane for lane at any width, and the sum takes them eight at a
+          // time in key order. Eight independent chains hide the ~25 dependent operations of
+          // one vector's exponential (two left it latency-bound at ~3 cycles an exponential).
           using W = prefixgate::WideLanes;
-          constexpr int kVectors = 32 / W::kWidth;
-          for (; k + 32 <= len[i]; k += 32) {
-            typename W::V e[kVectors];
-            for (int j = 0; j < kVectors; ++j) e[j] = W::load(s + k + W::kWidth * j) - m;
-            prefixgate::exp_lanes<W, kVectors>(e);
-            for (int j = 0; j < kVectors; ++j) {
-              W::store(s + k + W::kWidth * j, e[j]);
-              for (int o = 0; o < W::kWidth / 8; ++o) sums += W::octet(e[j], o);
+          const auto exponentials = [&](auto vectors) {
+            constexpr int kVectors = decltype(vectors)::value;
+            constexpr int64_t kSpan = kVectors * W::kWidth;
+            for (; k + kSpan <= len[i]; k += kSpan) {
+              typename W::V e[kVectors];
+              for (int j = 0; j < kVectors; ++j) e[j] = W::load(s + k + W::kWidth * j) - m;
+              prefixgate::exp_lanes<W, kVectors>(e);
+              for (int j = 0; j < kVectors; ++j) {
+                W::store(s + k + W::kWidth * j, e[j]);
+                for (int o = 0; o < W::kWidth / 8; ++o) sums += W::octet(e[j], o);
+              }
             }
-          }
+          };
+          exponentials(std::integral_constant<int, 8>{});
+          exponentials(std::integral_constant<int, 32 / W::kWidth>{});
           for (; k + 8 <= len[i]; k += 8) {
             const f8 e = prefixgate::exp8(prefixgate::load8(s + k) - m);
             prefixgate::store8(s + k, e);
@@ -433,6 +642,55 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           std::fill(acc, acc + head_dim, 0.f);
         }
       }
+#if PREFIXGATE_ATTN_AMX
+      if constexpr (kTileTypes) {
+        if (tiles) {
+          const int64_t key_steps = (longest + 31) / 32, rows_per_head = count * group;
+          const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word); past the
+            // chunk's last key, zeros
+            uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
+            for (int64_t pair = 0; pair < key_steps * 16; ++pair) {
+              const int64_t k = 2 * pair;
+              const c10::BFloat16* even = k < longest ? v_ptr + cache_offset(k) + h * HEAD_DIM : nullptr;
+              const c10::BFloat16* odd =
+                  k + 1 < longest ? v_ptr + cache_offset(k + 1) + h * HEAD_DIM : nullptr;
+              for (int64_t d = 0; d < HEAD_DIM; d += 16) {
+                const __m512i lo = even ? widen16(even + d, false) : _mm512_setzero_si512();
+                const __m512i hi = odd ? widen16(odd + d, true) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vb + pair * HEAD_DIM + d, _mm512_or_si512(lo, hi));
+              }
+            }
+            // A: each row's numerators in bf16, zero past its keys
+            for (int64_t i = 0, r = 0; i < count; ++i) {
+              for (int64_t g = 0; g < group; ++g, ++r) {
+                const float* src = probs + (i * num_heads + h * group + g) * kScoreStride;
+                uint16_t* dst = tprobs + r * kChunkTokens;
+                for (int64_t k = 0; k < key_steps * 32; k += 16) {
+                  const int64_t live = std::clamp<int64_t>(len[i] - k, 0, 16);
+                  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+                  const __m256bh bf = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));
+                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                                      (__m256i)bf);
+                }
+              }
+            }
+            std::fill(tprobs + rows_per_head * kChunkTokens, tprobs + padded_rows * kChunkTokens,
+                      uint16_t{0});
+            for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
+              tile_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, key_steps, block_out);
+              for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
+                const int64_t i = r / group, head = h * group + r % group;
+                std::memcpy(part_acc + (part_of[i] * num_heads + head) * HEAD_DIM,
+                            block_out + (r - rb) * HEAD_DIM, HEAD_DIM * 4);
+              }
+            }
+          }
+          continue;
+        }
+      }
+#endif
       // The numerator-weighted sum of the values, in key order, 16 value rows at a time for
       // every member (they stay in L1 meanwhile); the query heads of the members that read
       // as many of the 16 (all but the diagonal chunk's) share each pass over them.
@@ -457,6 +715,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       }
     }
+#if PREFIXGATE_ATTN_AMX
+    if (tiles) _tile_release();
+#endif
   });
 
   // Merge each (query, head)'s chunks in chunk order: out = sum_c acc_c e^(m_c - M) / L.
@@ -560,6 +821,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// Which path bf16 queries over a bf16 cache take (head_dim a multiple of 64), for the start-up
+// line: "amx-bf16" (the tiles) or "vector". Every other call takes the vector path.
+std::string attention_path() {
+#if PREFIXGATE_ATTN_AMX
+  if (prefixgate::amx_ready()) return "amx-bf16";
+#endif
+  return "vector";
+}
+
 }  // namespace
 
 TORCH_LIBRARY(prefixgate, m) {
@@ -570,6 +840,7 @@ TORCH_LIBRARY(prefixgate, m) {
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_rows, Tensor positions, Tensor items, Tensor members, Tensor part_start, "
       "float scale, int window=0) -> Tensor");
+  m.def("attention_path() -> str", &attention_path);
 }
 
 TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {

@@ -66,8 +66,6 @@ constexpr bool kVnniBuild = false;
 #if PREFIXGATE_QMM_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
     defined(__AVX512F__) && defined(__AVX512DQ__)
 #define PREFIXGATE_QMM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -478,17 +476,7 @@ constexpr int64_t kAmxRows = 16;  // activation rows per AMX block: a tile's row
 // measured (family 6 model 207) it, not the tile multiply, bounds the loop.
 constexpr int64_t kAmxChunkRows = 256;  // rows whose codes (<= 384 KB at K = 1536) stay in L2
 
-// Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XTILEDATA); where it refuses (an older kernel, a hypervisor that hides it) the VNNI path
-// serves. Asked once, for every thread of the process.
-bool amx_ready() {
-  static const bool ready = [] {
-    constexpr long kReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+using prefixgate::amx_ready;
 
 // The tile configuration (palette 1) for a group's part of `part_cols` columns: tiles 0-3 the
 // sums (16 x 16 int32) of two row blocks times two pairs, 4-5 the two row blocks' activations

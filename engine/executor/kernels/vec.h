@@ -11,6 +11,10 @@
 #if defined(__F16C__) || defined(__FMA__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -35,12 +39,21 @@ inline f8 load8(const float* p) {
 }
 
 inline f8 load8(const c10::BFloat16* p) {  // bf16 -> float is a 16-bit shift
+#if defined(__AVX2__)
+  // One zero-extension and a shift: GCC spells the generic form below as two 128-bit halves.
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i bits = _mm256_slli_epi32(wide, 16);
+  f8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+#else
   h8 h;
   std::memcpy(&h, p, sizeof h);
   const u8 bits = __builtin_convertvector(h, u8) << 16;
   f8 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
 
 // float -> bf16 bits, round to nearest even (NaN stays NaN), as c10::BFloat16 rounds.
@@ -257,5 +270,19 @@ inline void transpose8(const float* const* src, float* dst, int64_t stride) {
     for (int j = 0; j < 8; ++j) dst[i * stride + j] = src[j][i];
 #endif
 }
+
+#if defined(__AMX_TILE__)
+// Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); where it refuses (an older kernel, a hypervisor that hides it) the kernels take
+// their vector paths. Asked once, for every thread of the process.
+inline bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+#endif
 
 }  // namespace prefixgate

@@ -22,6 +22,7 @@ from engine.executor.attention import (
     use_cuda_sdpa_without_cudnn,
 )
 from engine.executor.kernels import load_cpu_kernels
+from tests.engine.executor.cpu_flags import cpu_flags, linux_grants_amx
 
 NUM_BLOCKS, BLOCK, KV, HEADS, DIM = 32, 4, 2, 6, 8
 
@@ -228,19 +229,27 @@ def test_paged_attention_kernel_matches_dense_reference(
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("window", [0, 150], ids=["full", "window"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),  # AMX tiles where the CPU has them
+    ],
+)
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(
-    kv_dtype: torch.dtype, window: int
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, window: int
 ) -> None:
     """Batch invariance: 300 positions of one sequence computed as one prefill, in chunks of
     several sizes, one query at a time (decodes), and beside other sequences' queries that
     share its first 10 blocks (a registry prefix) or not: every query's output is the same,
     bit for bit, with or without a sliding window."""
     gen = torch.Generator().manual_seed(4)
-    block_size, head_dim, n = 16, 64, 300
+    block_size, n = 16, 300
     k_cache, v_cache, tables = _pool(gen, [n, n, 200], block_size, head_dim, kv_dtype)
     tables[1, :10] = tables[0, :10]  # sequence 1 shares sequence 0's first 160 tokens
-    q_all = torch.randn(n, HEADS, head_dim, generator=gen)
+    q_all = torch.randn(n, HEADS, head_dim, generator=gen).to(q_dtype)
     whole = _kernel(
         q_all, k_cache, v_cache, tables, [Query(0, p) for p in range(n)], block_size, window
     )
@@ -259,7 +268,7 @@ def test_a_query_gets_the_same_bits_whatever_else_the_call_holds(
         ]
         assert torch.equal(torch.cat(parts), whole), f"chunks of {chunk}"
     # beside others: sequence 1 (shared blocks) and 2 decoding, in front of and behind it
-    others = torch.randn(4, HEADS, head_dim, generator=gen)
+    others = torch.randn(4, HEADS, head_dim, generator=gen).to(q_dtype)
     mixed_queries = [
         Query(1, 250),
         Query(2, 199),
@@ -323,3 +332,16 @@ def test_cuda_sdpa_leaves_out_cudnn_and_keeps_the_shape_free_kernels() -> None:
         assert torch.backends.cuda.math_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_bf16_attention_takes_the_amx_tiles_where_the_cpu_has_them() -> None:
+    """The start-up line names the path bf16 attention takes: AMX tiles where the CPU has
+    them (with AVX512-BF16), the build targets it and Linux grants them; the vector path
+    otherwise. The tests above then check the tiles' invariance and accuracy on such a CPU."""
+    from engine.executor.kernels import kernel_target
+
+    flags = cpu_flags()
+    tiles = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= flags
+    want = "amx-bf16" if kernel_target() == "avx512" and tiles and linux_grants_amx() else "vector"
+    assert torch.ops.prefixgate.attention_path() == want

@@ -60,8 +60,12 @@ def test_a_failed_build_is_reported_not_raised(
 
 
 def test_a_build_names_its_integer_dot_products_in_the_start_up_line() -> None:
-    build = kernels.KernelBuild("avx512", True, dot_products="amx+avx512-vnni")
-    assert build.describe().endswith("; integer dot products on amx+avx512-vnni)")
+    build = kernels.KernelBuild(
+        "avx512", True, dot_products="amx+avx512-vnni", attention="amx-bf16"
+    )
+    assert build.describe().endswith(
+        "; integer dot products on amx+avx512-vnni; bf16 attention on amx-bf16)"
+    )
     assert build.label == "avx512"
 
 

@@ -27,6 +27,7 @@ from engine.executor.quantization import (
     quantize_linears,
     quantize_weight,
 )
+from tests.engine.executor.cpu_flags import cpu_flags, linux_grants_amx
 
 N, K = 48, 128
 
@@ -226,31 +227,19 @@ def test_every_build_gives_the_pinned_bits(
     assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
 
 
-def _linux_grants_amx() -> bool:
-    """What the kernel asks Linux for before it uses AMX tiles (arch_prctl
-    ARCH_REQ_XCOMP_PERM for XTILEDATA); asking twice is harmless."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    return int(libc.syscall(158, 0x1023, 18)) == 0  # SYS_arch_prctl on x86-64
-
-
 def test_the_integer_dot_products_are_the_best_this_cpu_and_build_have(kernels: None) -> None:
     """The start-up line names the path (`KernelBuild.dot_products`): AMX tiles where the CPU
     has them, the build targets it and Linux grants them; VNNI where an AVX-512 build has it;
     else AVX2 or the portable loop. Every path gives the pinned bits above."""
-    from pathlib import Path
-
     from engine.executor.kernels import kernel_target
 
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
+    flags = cpu_flags()
     target = kernel_target()
     if target == "portable":
         want = "portable"
     elif target == "avx2" or not {"avx512_vnni", "avx512vl"} <= flags:
         want = "avx2"
-    elif {"amx_tile", "amx_int8", "avx512dq"} <= flags and _linux_grants_amx():
+    elif {"amx_tile", "amx_int8", "avx512dq"} <= flags and linux_grants_amx():
         want = "amx+avx512-vnni"
     else:
         want = "avx512-vnni"
