@@ -386,6 +386,36 @@ void tile_values(const uint16_t* probs, const uint32_t* values, int64_t key_step
   }
 }
 
+// s[k] = e^(s[k] - m) for k in [first, last), returning their sum (16 lanes, then a fixed
+// tree): the tile path's own exponentials, 2^n * 2^f with f's polynomial (vec.h's
+// coefficients) in FMAs and the power by VSCALEFPS, ten operations a vector where exp_lanes
+// takes ~25: with the products on the tiles, the softmax was most of the time left. Lanes
+// past `last` are neither read nor written.
+inline float tile_exponentials(float* s, int64_t first, int64_t last, float m) {
+  const __m512 max = _mm512_set1_ps(m), floor = _mm512_set1_ps(-87.f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = first; k < last; k += 16) {
+    const __mmask16 mask =
+        last - k >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (last - k)) - 1u);
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + k), max), floor);
+    const __m512 t = _mm512_mul_ps(x, log2e);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512 e = _mm512_maskz_mov_ps(mask, _mm512_scalef_ps(p, n));
+    _mm512_mask_storeu_ps(s + k, mask, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 // 16 bf16 as their float32 bit patterns shifted into place: `high` puts them in the upper half.
 inline __m512i widen16(const c10::BFloat16* p, bool high) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -449,6 +479,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     uint32_t *tkeys = nullptr, *tvalues = nullptr;
     uint16_t* tprobs = nullptr;
     float* block_out = nullptr;
+    // Consecutive items of one chunk (the plan lists a chunk's tiles together) reuse its keys
+    // and values as the last item laid them out: the same blocks, and at least as many keys.
+    int64_t laid_chunk = -1, laid_keys = 0;
+    std::vector<int64_t> laid_blocks;
     if (tiles) {
       const size_t q_words = num_kv_heads * tile_rows * head_dim / 2;
       const size_t kv_words = num_kv_heads * head_dim / 2 * kChunkTokens;
@@ -486,6 +520,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     const float* pv_weights[kTileQueries * kMaxGroup];
     float* pv_acc[kTileQueries * kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
+      [[maybe_unused]] bool laid_out = false;  // the tile path: this chunk's keys and values are
+                                               // in place from the item before
       const int64_t chunk = item_ptr[3 * item], count = item_ptr[3 * item + 2];
       const int64_t* tile = member_ptr + item_ptr[3 * item + 1];
       const int64_t start = chunk * kChunkTokens;
@@ -513,6 +549,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const int64_t key_tiles = (longest + 15) / 16, rows_per_head = count * group;
           const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
           const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_ptr);
+          const int64_t* first_block = table + start / block_size;
+          const int64_t num_blocks = (start + longest - 1) / block_size - start / block_size + 1;
+          laid_out = chunk == laid_chunk && longest <= laid_keys &&
+                     std::equal(first_block, first_block + num_blocks, laid_blocks.begin());
+          if (!laid_out) {
+            laid_chunk = chunk;
+            laid_keys = longest;
+            laid_blocks.assign(first_block, first_block + num_blocks);
+          }
           for (int64_t h = 0; h < num_kv_heads; ++h) {
             // A: the members' query heads of this KV head, then zero rows to a whole tile
             uint16_t* qa = tq + h * tile_rows * HEAD_DIM;
@@ -524,7 +569,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time (past the last
             // key: it again, as on the vector path; those scores are never read)
             uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
-            for (int64_t k0 = 0; k0 < key_tiles * 16; k0 += 8) {
+            for (int64_t k0 = 0; k0 < (laid_out ? 0 : key_tiles * 16); k0 += 8) {
               const c10::BFloat16* key_rows[8];
               for (int64_t j = 0; j < 8; ++j)
                 key_rows[j] = k_ptr + cache_offset(std::min(k0 + j, longest - 1)) + h * HEAD_DIM;
@@ -603,6 +648,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float* __restrict s = probs + (i * num_heads + head) * kScoreStride;
           std::fill(s, s + skip[i], 0.f);  // outside the window: weight 0 in the values' sum
           float m = chunk_max(s + skip[i], len[i] - skip[i]);
+#if PREFIXGATE_ATTN_AMX
+          if (tiles) {  // no accumulator to clear: the tile path writes it whole
+            part_max[part * num_heads + head] = m;
+            part_sum[part * num_heads + head] = tile_exponentials(s, skip[i], len[i], m);
+            continue;
+          }
+#endif
           f8 sums{};
           int64_t k = skip[i];
           // Eight vectors of the widest lanes at a time, then 32 keys (vec.h: exp_lanes): the
@@ -651,7 +703,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word); past the
             // chunk's last key, zeros
             uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
-            for (int64_t pair = 0; pair < key_steps * 16; ++pair) {
+            for (int64_t pair = 0; pair < (laid_out ? 0 : key_steps * 16); ++pair) {
               const int64_t k = 2 * pair;
               const c10::BFloat16* even = k < longest ? v_ptr + cache_offset(k) + h * HEAD_DIM : nullptr;
               const c10::BFloat16* odd =
