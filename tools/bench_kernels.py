@@ -14,8 +14,11 @@ must not move a result.
 
 Shapes: SmolLM2-135M's four linears (q/k/v fused 960 x 576, o 576 x 576, gate/up fused
 3072 x 576, down 576 x 1536) as int4 at each row count of --rows, and its attention (9 query
-heads over 3 KV heads of 64, float16 cache) for a prefill of --tokens tokens and one decode
-query at that context. Prints and (with --out) writes one JSON object.
+heads over 3 KV heads of 64) for a prefill of --tokens tokens, the last --suffix queries of
+that context (a user turn after a registry hit) and one decode query, in the dtypes the engine
+picks here (`--dtype auto`: bf16 queries over a bf16 cache on CPUs with native bf16, whose
+AMX tiles then serve them; float32 over float16 elsewhere). Prints and (with --out) writes one
+JSON object.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.core.config import default_cache_dir
+from engine.core.cpu import auto_dtype
 from engine.executor.kernels import compile_flags, load_extension
 from engine.executor.quantization import quantize_weight
 from tools.provenance import REPO, git_revision, write_report
@@ -104,13 +108,22 @@ def linears(ops: list[object], rows: int, rounds: int) -> dict[str, object]:
     }
 
 
-def attention(ops: list[object], tokens: int, queries: int, rounds: int) -> dict[str, object]:
+def attention_dtypes(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """(query, cache) dtypes: bf16 over bf16, float32 over float16, or what the engine picks."""
+    compute = auto_dtype(torch.device("cpu")) if name == "auto" else getattr(torch, name)
+    return compute, torch.bfloat16 if compute == torch.bfloat16 else torch.float16
+
+
+def attention(
+    ops: list[object], tokens: int, queries: int, rounds: int, dtypes: tuple[torch.dtype, ...]
+) -> dict[str, object]:
     """The last `queries` positions of a `tokens`-token sequence (all of them: a prefill)."""
     gen = torch.Generator().manual_seed(tokens + queries)
     blocks = (tokens + BLOCK - 1) // BLOCK
-    k_cache = torch.randn(blocks + 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
-    v_cache = torch.randn(blocks + 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
-    q = torch.randn(queries, HEADS, HEAD_DIM, generator=gen)
+    q_dtype, kv_dtype = dtypes
+    k_cache = torch.randn(blocks + 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(blocks + 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(kv_dtype)
+    q = torch.randn(queries, HEADS, HEAD_DIM, generator=gen).to(q_dtype)
     tables = torch.randperm(blocks + 2, generator=gen)[:blocks][None].long()
     rows = torch.zeros(queries, dtype=torch.long)
     positions = torch.arange(tokens - queries, tokens)
@@ -136,6 +149,7 @@ def attention(ops: list[object], tokens: int, queries: int, rounds: int) -> dict
     return {
         "tokens": tokens,
         "queries": queries,
+        "dtypes": [str(q_dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")],
         "ms": [round(s * 1e3, 3) for s in best],
         "gmac_per_s": [round(macs / s / 1e9, 1) for s in best],
         "same_bits": same,
@@ -147,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--against", default="HEAD", help="git revision to compare with")
     parser.add_argument("--rows", default="1,16,1000", help="linear row counts, comma-separated")
     parser.add_argument("--tokens", type=int, default=1000, help="attention context (0: none)")
+    parser.add_argument("--suffix", type=int, default=100, help="a suffix's queries (0: none)")
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="attention's"
+    )
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -165,11 +183,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             for rows in args.rows.split(",")
         ],
         "attention": [
-            attention(ops, args.tokens, args.tokens, args.rounds),
-            attention(ops, args.tokens, 1, args.rounds * 10),
-        ]
-        if args.tokens > 0
-        else [],
+            attention(ops, args.tokens, queries, rounds, attention_dtypes(args.dtype))
+            for queries, rounds in (
+                (args.tokens, args.rounds),
+                (args.suffix, args.rounds * 3),
+                (1, args.rounds * 10),
+            )
+            if 0 < queries <= args.tokens
+        ],
     }
     write_report(report, args.out)
     return report
