@@ -304,14 +304,9 @@ inline float chunk_max(const float* s, int64_t len) {
 //
 // Tiles 0-3 accumulate (16 rows x 16 float32), 4 holds A (16 rows x 32 bf16), 5-7 B (16 bf16
 // pairs x 16 columns); every tile 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+struct AttentionTiles : prefixgate::TileConfig {
+  AttentionTiles() {
+    for (int i = 0; i < 8; ++i) set(i, 16, 64);
   }
 };
 
@@ -495,7 +490,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       tvalues = tkeys + kv_words;
       tprobs = reinterpret_cast<uint16_t*>(tvalues + kv_words);
       block_out = reinterpret_cast<float*>(tvalues + kv_words + p_words);
-      const TileConfig config;
+      const AttentionTiles config;
       _tile_loadconfig(&config);
     }
 #endif

@@ -483,16 +483,11 @@ using prefixgate::amx_ready;
 // (16 rows x part_cols bytes), 6-7 the two pairs' weights (part_cols / 4 rows of 64 bytes).
 // Four independent multiplies a part: one tile multiply's latency is several times its
 // issue interval, and one chain at a time left the tile unit idle most of the time.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+struct AmxConfig : prefixgate::TileConfig {
   explicit AmxConfig(int part_cols) {
-    for (int i = 0; i < 4; ++i) colsb[i] = 64, rows[i] = kAmxRows;
-    for (int i = 4; i < 6; ++i) colsb[i] = static_cast<uint16_t>(part_cols), rows[i] = kAmxRows;
-    for (int i = 6; i < 8; ++i) colsb[i] = 64, rows[i] = static_cast<uint8_t>(part_cols / 4);
+    for (int i = 0; i < 4; ++i) set(i, kAmxRows, 64);
+    for (int i = 4; i < 6; ++i) set(i, kAmxRows, part_cols);
+    for (int i = 6; i < 8; ++i) set(i, part_cols / 4, 64);
   }
 };
 

@@ -272,6 +272,19 @@ inline void transpose8(const float* const* src, float* dst, int64_t stride) {
 }
 
 #if defined(__AMX_TILE__)
+// AMX's tile configuration, palette 1, as LDTILECFG reads it: each tile's rows and bytes a row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int tile, int tile_rows, int row_bytes) {
+    rows[tile] = static_cast<uint8_t>(tile_rows);
+    colsb[tile] = static_cast<uint16_t>(row_bytes);
+  }
+};
+
 // Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XTILEDATA); where it refuses (an older kernel, a hypervisor that hides it) the kernels take
 // their vector paths. Asked once, for every thread of the process.
