@@ -383,7 +383,7 @@ void tile_values(const uint16_t* probs, const uint32_t* values, int64_t key_step
 
 // s[k] = e^(s[k] - m) for k in [first, last), returning their sum (16 lanes, then a fixed
 // tree): the tile path's own exponentials, 2^n * 2^f with f's polynomial (vec.h's
-// coefficients) in FMAs and the power by VSCALEFPS, ten operations a vector where exp_lanes
+// kExp2Poly) in FMAs and the power by VSCALEFPS, ten operations a vector where exp_lanes
 // takes ~25: with the products on the tiles, the softmax was most of the time left. Lanes
 // past `last` are neither read nor written.
 inline float tile_exponentials(float* s, int64_t first, int64_t last, float m) {
@@ -397,13 +397,8 @@ inline float tile_exponentials(float* s, int64_t first, int64_t last, float m) {
     const __m512 t = _mm512_mul_ps(x, log2e);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(prefixgate::kExp2Poly[0]);
+    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(prefixgate::kExp2Poly[c]));
     const __m512 e = _mm512_maskz_mov_ps(mask, _mm512_scalef_ps(p, n));
     _mm512_mask_storeu_ps(s + k, mask, e);
     sum = _mm512_add_ps(sum, e);

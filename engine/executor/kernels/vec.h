@@ -201,6 +201,12 @@ using WideLanes = Lanes8;
 // vector's ~25 dependent operations (~70 cycles) at a time, the out-of-order window overlapped
 // ~3 of them: a softmax over 128 scores took ~2.5 cycles an exp on Zen 3, ~18% of a prefill's
 // attention.
+// 2^f for f in [-0.5, 0.5], highest power first: exp_lanes' polynomial, and the attention tile
+// path's (which takes it in FMAs).
+constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                9.618437357674640e-3f, 5.550332471162809e-2f,
+                                2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+
 template <typename L, int N>
 inline void exp_lanes(typename L::V (&x)[N]) {
   using V = typename L::V;
@@ -216,13 +222,9 @@ inline void exp_lanes(typename L::V (&x)[N]) {
     k[n] = __builtin_convertvector(t + half, I);  // round to nearest (ties away)
     f[n] = t - __builtin_convertvector(k[n], V);
   }
-  for (int n = 0; n < N; ++n) p[n] = V{} + 1.535336188319500e-4f;
-  for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 1.339887440266574e-3f;
-  for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 9.618437357674640e-3f;
-  for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 5.550332471162809e-2f;
-  for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 2.402264791363012e-1f;
-  for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 6.931472028550421e-1f;
-  for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + 1.f;
+  for (int n = 0; n < N; ++n) p[n] = V{} + kExp2Poly[0];
+  for (int c = 1; c < 7; ++c)
+    for (int n = 0; n < N; ++n) p[n] = p[n] * f[n] + kExp2Poly[c];
   for (int n = 0; n < N; ++n) {
     I bits;
     std::memcpy(&bits, &p[n], sizeof bits);
