@@ -53,7 +53,7 @@ class ModelRunner:
         self.device = device
         self.use_cpu_kernels = use_cpu_kernels
         self.compute_dtype = model.dtype
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_cpu_kernels)
         self.masker: GrammarMasker | None = None  # made when a constrained row first comes
         self.num_forward_calls = 0
         self.num_forward_tokens = 0

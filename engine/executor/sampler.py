@@ -9,7 +9,7 @@ logprobs cross to the CPU, each as one `.tolist()`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +48,29 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [rows, vocab] -> [rows] int64
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(dim=-1)'s result (first maximum, first NaN) from the C++ op
+    (engine/executor/kernels/sampling_ops.cpp): torch's CPU argmax was ~1 ms of a batch-8
+    decode step."""
+    out: torch.Tensor = torch.ops.prefixgate.argmax_rows(logits)
+    return out
+
+
 class Sampler:
-    """Stateless; one call per step. Never mutates the caller's logits."""
+    """Stateless; one call per step. Never mutates the caller's logits.
+
+    `use_cpu_kernels`: the logits are on the CPU and the C++ ops are loaded, so argmax takes
+    the op (the same ids as torch's)."""
+
+    def __init__(self, use_cpu_kernels: bool = False) -> None:
+        self.argmax: Argmax = kernel_argmax if use_cpu_kernels else torch_argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [num_rows, vocab_size], any float dtype, any device
@@ -57,11 +78,13 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(batch.generators)
         if all(_is_plain_greedy(p) for p in params):
             # Fast path: argmax is exact in any dtype, so no upcast and no copies.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(params))
         # .float() returns the caller's tensor itself when it is already float32: only
         # out-of-place ops below.
         raw = logits.float()  # [num_rows, vocab_size]
-        token_ids = _choose_tokens(apply_penalties(raw, batch), params, batch.generators)
+        token_ids = _choose_tokens(
+            apply_penalties(raw, batch), params, batch.generators, self.argmax
+        )
         token_id_list: list[int] = token_ids.tolist()
         return SamplerOutput(token_id_list, _gather_logprobs(raw, token_ids, token_id_list, params))
 
@@ -109,32 +132,35 @@ def _choose_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: Argmax,
 ) -> torch.Tensor:
     """Argmax for greedy rows, a sample for the rest. Returns `[num_rows]` int64 on device."""
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     if len(rows) == len(params):
-        return _sample(logits, params, generators)
+        return _sample(logits, params, generators, argmax)
     index = _index(rows, logits.device)
     sampled = _sample(
         logits.index_select(0, index),
         [params[i] for i in rows],
         [generators[i] for i in rows],
+        argmax,
     )
-    return logits.argmax(dim=-1).index_copy(0, index, sampled)
+    return argmax(logits).index_copy(0, index, sampled)
 
 
 def _sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: Argmax,
 ) -> torch.Tensor:
     # logits: [num_sampled, vocab_size]; every row has temperature > 0
     logits = logits / _column([p.temperature for p in params], logits.device)
     logits = _apply_top_k_top_p(logits, params)
     logits = _apply_min_p(logits, params)
-    return _exponential_race(logits.softmax(dim=-1), generators)
+    return _exponential_race(logits.softmax(dim=-1), generators, argmax)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -173,7 +199,7 @@ def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 def _exponential_race(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None], argmax: Argmax
 ) -> torch.Tensor:
     """argmax(probs / Exp(1) noise) is an exact draw from `probs`, with no CPU sync.
 
@@ -189,7 +215,7 @@ def _exponential_race(
             noise[row] = own
     # A zero draw would make 0 / 0 = NaN for a filtered token, and argmax prefers NaN.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div(noise).argmax(dim=-1)
+    return argmax(probs.div(noise))
 
 
 def _gather_logprobs(

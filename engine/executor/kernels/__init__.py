@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_matmul.cpp")
+    for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_matmul.cpp", "sampling_ops.cpp")
 )
 HEADERS = (Path(__file__).with_name("vec.h"),)  # part of the cache key, not compiled alone
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1

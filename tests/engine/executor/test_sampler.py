@@ -310,3 +310,79 @@ def test_mixed_batch() -> None:
     penalized[argmax[5]] -= 2.0
     assert out.token_ids[5] == int(penalized.argmax())
     assert [lp is not None for lp in out.logprobs] == [False, False, False, True, True, False]
+
+
+# -- the C++ argmax (engine/executor/kernels/sampling_ops.cpp) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel_ops() -> None:
+    from engine.core.config import default_cache_dir
+    from engine.executor.kernels import load_cpu_kernels
+
+    assert load_cpu_kernels(default_cache_dir()), "the C++ kernels did not build"
+
+
+def _crafted_rows(vocab: int) -> torch.Tensor:
+    """Rows whose argmax is decided by ties, the tail past the last full vector, NaN, infinities
+    and signed zeros; the rest random."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(12, vocab, generator=gen)
+    rows[0, [3, vocab - 1]] = 9.0  # a tie: the first wins
+    rows[1, vocab - 1] = 9.0  # the maximum in the tail (or the only lane)
+    rows[2, [vocab // 2, 5]] = float("nan")  # the first NaN, wherever the maximum is
+    rows[2, 0] = float("inf")
+    rows[3, vocab - 1] = float("nan")  # a NaN in the tail only
+    rows[4] = float("-inf")  # every entry the same: index 0
+    rows[5] = -1.0
+    rows[5, [vocab - 1, vocab // 3]] = 0.0
+    rows[5, vocab // 3] = -0.0  # -0.0 == +0.0: the first of the two
+    rows[6, [vocab // 4, vocab // 4 + 1]] = float("inf")
+    rows[7] = 0.0
+    return rows
+
+
+@pytest.mark.usefixtures("kernel_ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [7, 8, 33, 49152, 49155])
+def test_kernel_argmax_is_torch_argmax(dtype: torch.dtype, vocab: int) -> None:
+    rows = _crafted_rows(vocab).to(dtype)
+    expected = rows.argmax(dim=-1)
+    for count in (1, 5, rows.shape[0]):  # one row alone, and rows split over threads
+        got = torch.ops.prefixgate.argmax_rows(rows[:count])
+        assert got.dtype == torch.long
+        assert got.tolist() == expected[:count].tolist()
+    # a non-contiguous view (a column slice) reads the same values
+    wide = torch.cat([rows, rows], dim=1)[:, :vocab]
+    assert torch.ops.prefixgate.argmax_rows(wide).tolist() == expected.tolist()
+
+
+@pytest.mark.usefixtures("kernel_ops")
+def test_sampler_on_the_kernel_argmax_picks_what_torch_picks() -> None:
+    """Greedy, seeded and mixed batches: the same ids either way (the exponential race's
+    argmax included), in bf16 logits as the engine computes them here."""
+    logits = _logits(9, 49152, seed=3).to(torch.bfloat16)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.0, top_k=40, seed=2),
+        GREEDY,
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=1.2, min_p=0.05, seed=4),
+        SamplingParams(temperature=0.9, seed=5),
+        GREEDY,
+    ]
+
+    def run(sampler: Sampler, rows: list[int]) -> list[int]:
+        chosen = [params[i] for i in rows]
+        generators: list[torch.Generator | None] = [
+            make_generator(p.seed, CPU) if p.seed is not None else None for p in chosen
+        ]
+        batch = _batch(
+            chosen, generators, output_token_ids=[[1, 2, 3]] * len(rows), vocab_size=49152
+        )
+        return sampler(logits[rows], batch).token_ids
+
+    for rows in ([0, 3, 8], list(range(9)), [1, 2, 4, 6, 7]):
+        assert run(Sampler(use_cpu_kernels=True), rows) == run(Sampler(), rows)
