@@ -15,10 +15,11 @@ must not move a result.
 Shapes: SmolLM2-135M's four linears (q/k/v fused 960 x 576, o 576 x 576, gate/up fused
 3072 x 576, down 576 x 1536) as int4 at each row count of --rows, and its attention (9 query
 heads over 3 KV heads of 64) for a prefill of --tokens tokens, the last --suffix queries of
-that context (a user turn after a registry hit) and one decode query, in the dtypes the engine
-picks here (`--dtype auto`: bf16 queries over a bf16 cache on CPUs with native bf16, whose
-AMX tiles then serve them; float32 over float16 elsewhere). Prints and (with --out) writes one
-JSON object.
+that context (a user turn after a registry hit), one decode query, and decode batches of
+--decodes sequences sharing the context's first 15/16 (the registry prefix), in the dtypes
+the engine picks here (`--dtype auto`: bf16 queries over a bf16 cache on CPUs with native
+bf16, whose AMX tiles then serve them; float32 over float16 elsewhere). Prints and (with
+--out) writes one JSON object.
 """
 
 from __future__ import annotations
@@ -156,12 +157,65 @@ def attention(
     }
 
 
+def shared_decodes(
+    ops: list[object], tokens: int, batch: int, rounds: int, dtypes: tuple[torch.dtype, ...]
+) -> dict[str, object]:
+    """One decode query each of `batch` sequences at `tokens` tokens of context whose first
+    ~94% (the registry prefix of an `intent` turn: 937 of ~1000) are the same blocks, the
+    rest their own: a decode step of the `intent` workload at concurrency `batch`."""
+    gen = torch.Generator().manual_seed(tokens * batch)
+    shared = tokens * 15 // 16 // BLOCK
+    own = (tokens + BLOCK - 1) // BLOCK - shared
+    num_blocks = shared + batch * own
+    q_dtype, kv_dtype = dtypes
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(*shape, generator=gen).to(kv_dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(q_dtype)
+    tables = torch.tensor(
+        [list(range(shared)) + [shared + b * own + i for i in range(own)] for b in range(batch)]
+    )
+    rows = torch.arange(batch)
+    positions = torch.full((batch,), tokens - 1)
+    calls = []
+    for op in ops:
+        plan = op.attention_plan(tables, rows, positions, BLOCK)  # type: ignore[attr-defined]
+        calls.append(
+            partial(
+                op.paged_attention,  # type: ignore[attr-defined]
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                rows,
+                positions,
+                *plan,
+                HEAD_DIM**-0.5,
+            )
+        )
+    best, same = in_turns(calls, rounds)
+    macs = 2 * HEADS * HEAD_DIM * tokens * batch
+    return {
+        "tokens": tokens,
+        "decodes": batch,
+        "dtypes": [str(q_dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")],
+        "ms": [round(s * 1e3, 3) for s in best],
+        "gmac_per_s": [round(macs / s / 1e9, 1) for s in best],
+        "same_bits": same,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD", help="git revision to compare with")
     parser.add_argument("--rows", default="1,16,1000", help="linear row counts, comma-separated")
     parser.add_argument("--tokens", type=int, default=1000, help="attention context (0: none)")
     parser.add_argument("--suffix", type=int, default=100, help="a suffix's queries (0: none)")
+    parser.add_argument(
+        "--decodes",
+        default="8,16",
+        help="decode batches sharing a prefix, comma-separated (empty: none)",
+    )
     parser.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="attention's"
     )
@@ -190,6 +244,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 (1, args.rounds * 10),
             )
             if 0 < queries <= args.tokens
+        ],
+        "shared_decodes": [
+            shared_decodes(
+                ops, args.tokens, int(batch), args.rounds * 10, attention_dtypes(args.dtype)
+            )
+            for batch in args.decodes.split(",")
+            if batch and args.tokens > 0
         ],
     }
     write_report(report, args.out)
