@@ -146,11 +146,16 @@ def attention(
         )
     best, same = in_turns(calls, rounds)
     keys = positions.add(1).sum().item()
-    macs = 2 * HEADS * HEAD_DIM * keys
+    shape = {"tokens": tokens, "queries": queries}
+    return shape | _timings(dtypes, best, 2 * HEADS * HEAD_DIM * keys, same)
+
+
+def _timings(
+    dtypes: tuple[torch.dtype, ...], best: list[float], macs: int, same: bool
+) -> dict[str, object]:
+    """An attention entry's dtypes, ms and rates per build, and whether the bits agreed."""
     return {
-        "tokens": tokens,
-        "queries": queries,
-        "dtypes": [str(q_dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")],
+        "dtypes": [str(dtype).removeprefix("torch.") for dtype in dtypes],
         "ms": [round(s * 1e3, 3) for s in best],
         "gmac_per_s": [round(macs / s / 1e9, 1) for s in best],
         "same_bits": same,
@@ -197,16 +202,8 @@ def shared_decodes(
 
     best, same = in_turns([partial(step, op) for op in ops], rounds)
     best = [b / layers for b in best]
-    macs = 2 * HEADS * HEAD_DIM * tokens * batch
-    return {
-        "tokens": tokens,
-        "decodes": batch,
-        "layers": layers,
-        "dtypes": [str(q_dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")],
-        "ms": [round(s * 1e3, 3) for s in best],
-        "gmac_per_s": [round(macs / s / 1e9, 1) for s in best],
-        "same_bits": same,
-    }
+    shape = {"tokens": tokens, "decodes": batch, "layers": layers}
+    return shape | _timings(dtypes, best, 2 * HEADS * HEAD_DIM * tokens * batch, same)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

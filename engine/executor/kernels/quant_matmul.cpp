@@ -114,6 +114,31 @@ struct QuantizedActivations {
   std::vector<float> sum;     // [M, G]: scale * sum(codes)
   std::vector<int32_t> code_sum;  // [M, G]: sum(codes), for 8-bit weights taken unsigned
   std::vector<int32_t> half_code_sum;  // [M, G] or empty: the sum of codes 0-15 (halves, VNNI)
+
+};
+
+// Rows from `first_row` of quantized activations: where their codes and per-group numbers
+// start (half_code_sum null where there are none), for the register blocks.
+struct ActivationRows {
+  const int8_t* codes;
+  const float* scale;
+  const float* sum;
+  const int32_t* code_sum;
+  const int32_t* half_code_sum;
+
+  ActivationRows(const QuantizedActivations& act, int64_t first_row, int64_t k) {
+    const int64_t at = first_row * (k / kGroup);
+    codes = act.codes.data() + first_row * k;
+    scale = act.scale.data() + at;
+    sum = act.sum.data() + at;
+    code_sum = act.code_sum.data() + at;
+    half_code_sum = act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + at;
+  }
+
+  // Entry i's activation codes summed over `part` of its group: 0 all, 1 codes 0-15, 2 16-31.
+  int32_t codes_summed(int64_t i, int part) const {
+    return part == 0 ? code_sum[i] : part == 1 ? half_code_sum[i] : code_sum[i] - half_code_sum[i];
+  }
 };
 
 // One group of 32 activations: a = absmax / 127, codes round(x / a) (ties away from zero)
@@ -233,18 +258,34 @@ inline float add_group(float acc, int32_t sum, float d, float a, float m, float 
   return std::fma(m, s, acc);
 }
 
+// A group in a register block: its integer sums, then their scaling (the d, then the min
+// term), whole, or half by half with HALVES (steps 0-3 are columns 0-15, each half its own
+// d; `scale_sums(d_row, part, with_min)`, part 0 all codes, 1 codes 0-15, 2 codes 16-31).
+// The same order in every block and every width.
+template <bool HALVES, bool MIN, typename Clear, typename Accumulate, typename Scale>
+__attribute__((always_inline)) inline void one_group(const Clear& clear,
+                                                     const Accumulate& accumulate,
+                                                     const Scale& scale_sums) {
+  clear();
+  if constexpr (!HALVES) {
+    accumulate(0, kSteps / 2);
+    scale_sums(0, 0, MIN);
+  } else {
+    accumulate(0, kSteps / 4);
+    scale_sums(0, 1, false);
+    clear();
+    accumulate(kSteps / 4, kSteps / 2);
+    scale_sums(1, 2, MIN);
+  }
+}
+
 // MB activation rows from `first_row` times the T tiles of `span`; writes
 // out[mb * n + 8 * t + r], rounded once to T (the activations' dtype).
 template <int BITS, int MB, int T, bool HALVES, bool MIN, typename OUT>
 void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
                int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
-  const int8_t* qa = act.codes.data() + first_row * k;
-  const float* da = act.scale.data() + first_row * groups;
-  const float* sa = act.sum.data() + first_row * groups;
-  [[maybe_unused]] const int32_t* ca = act.code_sum.data() + first_row * groups;
-  [[maybe_unused]] const int32_t* ha =
-      act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + first_row * groups;
+  const ActivationRows rows(act, first_row, k);
   constexpr int64_t m_row = HALVES ? 2 : 1;  // which of a tile's scale rows holds m
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;  // 5 bits: 5th bits
@@ -322,7 +363,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         }
         for (int mb = 0; mb < MB; ++mb) {
           int32_t four;
-          std::memcpy(&four, qa + mb * k + g * kGroup + 4 * j, sizeof four);
+          std::memcpy(&four, rows.codes + mb * k + g * kGroup + 4 * j, sizeof four);
           const __m256i s = _mm256_set1_epi32(four);
           for (int t = 0; t < T; ++t) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -368,28 +409,18 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
           if constexpr (kPairs) total = _mm256_madd_epi16(total, _mm256_set1_epi16(1));
           if constexpr (BITS == 8 && kVnni) {  // the codes were taken as w + 128
-            const int64_t i = mb * groups + g;
-            const int32_t codes = part == 0 ? ca[i] : part == 1 ? ha[i] : ca[i] - ha[i];
+            const int32_t codes = rows.codes_summed(mb * groups + g, part);
             total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * codes));
           }
-          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(da[mb * groups + g]));
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(rows.scale[mb * groups + g]));
           acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
           if (with_min)
-            acc[mb][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[mb * groups + g]), acc[mb][t]);
+            acc[mb][t] =
+                _mm256_fmadd_ps(m, _mm256_set1_ps(rows.sum[mb * groups + g]), acc[mb][t]);
         }
       }
     };
-    clear();
-    if constexpr (!HALVES) {
-      accumulate(0, kSteps / 2);
-      scale_sums(0, 0, MIN);
-    } else {  // steps 0-3 are columns 0-15
-      accumulate(0, kSteps / 4);
-      scale_sums(0, 1, false);
-      clear();
-      accumulate(kSteps / 4, kSteps / 2);
-      scale_sums(1, 2, MIN);
-    }
+    one_group<HALVES, MIN>(clear, accumulate, scale_sums);
   }
   for (int mb = 0; mb < MB; ++mb) {
     for (int t = 0; t < T; ++t) {
@@ -406,7 +437,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
       float total[kTile] = {};
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* group_codes = tile_codes + g * kGroupBytes;
-        const int8_t* a = qa + mb * k + g * kGroup;
+        const int8_t* a = rows.codes + mb * k + g * kGroup;
         for (int64_t r = 0; r < kTile; ++r) {
           int32_t sums[2] = {};  // steps 0-3 (columns 0-15) and 4-7
           for (int64_t j = 0; j < kSteps; ++j) {
@@ -423,16 +454,16 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
               sums[j / (kSteps / 2)] += code * a[4 * j + i];
             }
           }
-          const float ga = da[mb * groups + g];
+          const float ga = rows.scale[mb * groups + g];
           const float m =
               MIN ? scale_at(span, tile_scales + (m_row * groups + g) * kTile + r) : 0.f;
           const float d = scale_at(span, tile_scales + g * kTile + r);
           if constexpr (!HALVES) {  // without a min row m = 0: its fma adds nothing
-            total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, sa[mb * groups + g]);
+            total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, rows.sum[mb * groups + g]);
           } else {
             const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
             total[r] = std::fma(static_cast<float>(sums[0]), d * ga, total[r]);
-            total[r] = add_group(total[r], sums[1], d_high, ga, m, sa[mb * groups + g]);
+            total[r] = add_group(total[r], sums[1], d_high, ga, m, rows.sum[mb * groups + g]);
           }
         }
       }
@@ -484,12 +515,7 @@ template <int BITS, int MB, bool HALVES, bool MIN, typename OUT>
 void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
               int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
-  const int8_t* qa = act.codes.data() + first_row * k;
-  const float* da = act.scale.data() + first_row * groups;
-  const float* sa = act.sum.data() + first_row * groups;
-  [[maybe_unused]] const int32_t* ca = act.code_sum.data() + first_row * groups;
-  [[maybe_unused]] const int32_t* ha =
-      act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + first_row * groups;
+  const ActivationRows rows(act, first_row, k);
   constexpr int64_t m_row = HALVES ? 2 : 1;
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
@@ -529,7 +555,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
           }
           for (int mb = 0; mb < MB; ++mb) {
             int32_t four;
-            std::memcpy(&four, qa + mb * k + g * kGroup + 4 * j, sizeof four);
+            std::memcpy(&four, rows.codes + mb * k + g * kGroup + 4 * j, sizeof four);
             sums[j % kChains][mb] =
                 _mm512_dpbusd_epi32(sums[j % kChains][mb], u, _mm512_set1_epi32(four));
           }
@@ -545,26 +571,16 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
         if constexpr (BITS == 8) {
-          const int64_t i = mb * groups + g;
-          const int32_t codes = part == 0 ? ca[i] : part == 1 ? ha[i] : ca[i] - ha[i];
+          const int32_t codes = rows.codes_summed(mb * groups + g, part);
           total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * codes));
         }
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(da[mb * groups + g]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[mb * groups + g]));
         acc[mb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[mb]);
-        if (with_min) acc[mb] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[mb * groups + g]), acc[mb]);
+        if (with_min)
+          acc[mb] = _mm512_fmadd_ps(m, _mm512_set1_ps(rows.sum[mb * groups + g]), acc[mb]);
       }
     };
-    clear();
-    if constexpr (!HALVES) {
-      accumulate(0, kSteps / 2);
-      scale_sums(0, 0, MIN);
-    } else {
-      accumulate(0, kSteps / 4);
-      scale_sums(0, 1, false);
-      clear();
-      accumulate(kSteps / 4, kSteps / 2);
-      scale_sums(1, 2, MIN);
-    }
+    one_group<HALVES, MIN>(clear, accumulate, scale_sums);
   }
   for (int mb = 0; mb < MB; ++mb) {
     prefixgate::f8 low, high;
