@@ -222,20 +222,6 @@ inline void weigh_values(const float* const* weights, const float* const* rows, 
   pass(prefixgate::Lanes8{}, std::integral_constant<int, 1>{});
 }
 
-// f(std::integral_constant<int, n>{}) for the 1-5 rows left after the full blocks of six:
-// the blocked loops' remainders take a compile-time count.
-template <typename F>
-inline void with_rest(int64_t n, const F& f) {
-  switch (n) {
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
-}
-
 // `count` query rows (query heads of the tile's members, a KV head's group after group)
 // against the same transposed keys, row r over its first n[r] keys. Rows are blocked so that
 // each key load serves several: AVX2, three rows over 24 keys (9 chains, 3 keys, a query: 13
@@ -259,7 +245,7 @@ inline void score_rows(const float* const* q, const float* keys_t, const int64_t
     score_keys<W, HEAD_DIM, kRest, (kRest <= 2 ? 4 : kBlocks)>(
         q + r, keys_t, longest(r, kRest), head_dim, out + r);
   };
-  with_rest(count - r, rest);
+  prefixgate::with_count<kRows>(count - r, rest);
 }
 
 // `count` (weights, accumulator) pairs (query heads of several tile members) over the same
@@ -274,7 +260,7 @@ inline void weigh_heads(const float* const* weights, const float* const* rows, i
     weigh_values<HEAD_DIM, decltype(size)::value>(weights + h, rows, offset, n, head_dim,
                                                   acc + h);
   };
-  with_rest(count - h, rest);
+  prefixgate::with_count<6>(count - h, rest);
 }
 
 // max(s[0..len)): exact whatever the order, so eight lanes at a time.

@@ -605,16 +605,7 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
     const auto rest = [&](auto rows) {
       pair_dot<BITS, decltype(rows)::value, HALVES, MIN>(span, act, row, k, out + row * n, n);
     };
-    switch (end - row) {
-      case 7: rest(std::integral_constant<int, 7>{}); break;
-      case 6: rest(std::integral_constant<int, 6>{}); break;
-      case 5: rest(std::integral_constant<int, 5>{}); break;
-      case 4: rest(std::integral_constant<int, 4>{}); break;
-      case 3: rest(std::integral_constant<int, 3>{}); break;
-      case 2: rest(std::integral_constant<int, 2>{}); break;
-      case 1: rest(std::integral_constant<int, 1>{}); break;
-      default: break;
-    }
+    prefixgate::with_count<kWideRows>(end - row, rest);
     return;
   }
 #endif
@@ -625,13 +616,7 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
   const auto rest = [&](auto rows) {
     block_dot<BITS, decltype(rows)::value, T, HALVES, MIN>(span, act, i, k, out + i * n, n);
   };
-  switch (end - i) {
-    case 4: if constexpr (MB > 4) rest(std::integral_constant<int, 4>{}); break;
-    case 3: if constexpr (MB > 3) rest(std::integral_constant<int, 3>{}); break;
-    case 2: if constexpr (MB > 2) rest(std::integral_constant<int, 2>{}); break;
-    case 1: rest(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  prefixgate::with_count<MB>(end - i, rest);
 }
 
 constexpr int64_t kAmxRows = 16;  // activation rows per AMX block: a tile's rows

@@ -193,6 +193,25 @@ using WideLanes = Lanes16;
 using WideLanes = Lanes8;
 #endif
 
+// f(std::integral_constant<int, n>{}) for 0 < n < MAX, nothing otherwise: the rows a blocked
+// loop leaves after its full blocks of MAX, taken as a compile-time count.
+template <int MAX, typename F>
+inline void with_count(int64_t n, const F& f) {
+  if constexpr (MAX > 1) {
+    if (n == MAX - 1) {
+      f(std::integral_constant<int, MAX - 1>{});
+    } else {
+      with_count<MAX - 1>(n, f);
+    }
+  }
+}
+
+// 2^f for f in [-0.5, 0.5], highest power first: exp_lanes' polynomial, and the attention tile
+// path's (which takes it in FMAs).
+constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                9.618437357674640e-3f, 5.550332471162809e-2f,
+                                2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+
 // exp(x) of N vectors of L's width, in place, as 2^k * 2^f (f in [-0.5, 0.5], degree-6
 // polynomial, relative error ~2e-7); x clamped to [-87, 88], where float's exp is finite and
 // normal. glibc's expf is scalar: SwiGLU over a 100-token prefill spent 6x torch's time in it.
@@ -201,12 +220,6 @@ using WideLanes = Lanes8;
 // vector's ~25 dependent operations (~70 cycles) at a time, the out-of-order window overlapped
 // ~3 of them: a softmax over 128 scores took ~2.5 cycles an exp on Zen 3, ~18% of a prefill's
 // attention.
-// 2^f for f in [-0.5, 0.5], highest power first: exp_lanes' polynomial, and the attention tile
-// path's (which takes it in FMAs).
-constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f,
-                                9.618437357674640e-3f, 5.550332471162809e-2f,
-                                2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
-
 template <typename L, int N>
 inline void exp_lanes(typename L::V (&x)[N]) {
   using V = typename L::V;
