@@ -69,6 +69,11 @@ class Job:
 
     async def run(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Merge the choices' streams; each output comes with its (updated) Choice."""
+        if any(
+            r.params.logprobs is not None or r.params.prompt_logprobs is not None
+            for r in self.requests
+        ):
+            await self.gateway.logprob_texts_ready()  # the outputs' logprobs name tokens by text
         try:
             async for index, out in _merge(self._streams()):
                 choice = self.choices[index]
