@@ -234,3 +234,33 @@ def test_parallel_and_serial_masks_agree(engine: LLMEngine) -> None:
     # After '{"intent":"re' only "refund" can go on: each allowed piece continues 'fund"'.
     pieces = {engine.tokenizer.decode([t]) for t in allowed[2]}
     assert pieces and all('fund"'.startswith(p) or p.startswith('fund"') for p in pieces)
+
+
+def test_llguidance_sees_the_tokenizer_as_its_own_wrapper_does(tiny_llama_path: Path) -> None:
+    """Our view of the tokenizer skips `llguidance.hf.from_tokenizer`'s copy; it must be the
+    same view (every token's bytes, the same tokenization), also for a tokenizer with padding
+    and truncation on, which is left as it was."""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from engine.structured.grammar import _llguidance_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    tokenizer.backend_tokenizer.enable_padding(length=64)
+    tokenizer.backend_tokenizer.enable_truncation(32)
+    vocab = len(tokenizer)
+    ours = _llguidance_tokenizer(tokenizer, vocab, frozenset({2, 3}))
+    theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[2, 3])
+    assert tokenizer.backend_tokenizer.padding is not None  # the caller's tokenizer unchanged
+    assert tokenizer.backend_tokenizer.truncation is not None
+    assert (ours.vocab_size, ours.eos_tokens, ours.is_canonical) == (
+        theirs.vocab_size,
+        theirs.eos_tokens,
+        theirs.is_canonical,
+    )
+    assert [ours.decode_bytes([i]) for i in range(vocab)] == [
+        theirs.decode_bytes([i]) for i in range(vocab)
+    ]
+    text = PROMPT * 8  # longer than the truncation: a truncating view would cut it
+    assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+    assert len(ours.tokenize_str(text)) > 32
