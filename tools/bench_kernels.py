@@ -25,7 +25,6 @@ bf16, whose AMX tiles then serve them; float32 over float16 elsewhere). Prints a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.core.config import default_cache_dir
 from engine.core.cpu import auto_dtype
-from engine.executor.kernels import compile_flags, load_extension
+from engine.executor.kernels import build_key, compile_flags, load_extension
 from engine.executor.quantization import quantize_weight
 from tools.provenance import REPO, git_revision, write_report
 
@@ -59,10 +58,9 @@ def source_text(revision: str | None, name: str) -> str:
 
 
 def build(revision: str | None) -> object:
-    """The revision's kernels as torch.ops.<namespace>, compiled once per source hash."""
+    """The revision's kernels as torch.ops.<namespace>, built once per `build_key`."""
     texts = {name: source_text(revision, name) for name in (*SOURCES, "vec.h")}
-    digest = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
-    namespace = f"bench_{digest}"
+    namespace = f"bench_{build_key([text.encode() for text in texts.values()])[:12]}"
     folder = default_cache_dir() / "bench_kernels" / namespace
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vec.h").write_text(texts["vec.h"])

@@ -85,11 +85,17 @@ def compile_flags() -> list[str]:
 
 
 def kernel_cache_key() -> str:
+    return build_key([source.read_bytes() for source in (*SOURCES, *HEADERS)])
+
+
+def build_key(sources: list[bytes]) -> str:
+    """What a built library depends on: torch, the flags, this CPU's features and the sources'
+    bytes. A build folder named by it never holds a stale library (`load_extension`)."""
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(" ".join(compile_flags()).encode())
     digest.update(_cpu_flags().encode())
-    for source in (*SOURCES, *HEADERS):
-        digest.update(source.read_bytes())
+    for source in sources:
+        digest.update(source)
     return digest.hexdigest()[:16]
 
 
@@ -150,7 +156,19 @@ def load_extension(
 ) -> None:
     """`sources` compiled with this machine's flags into `build_dir` (ninja skips what is
     built) and loaded, registering their ops. Also how tools/bench_kernels.py builds another
-    revision's kernels beside these."""
+    revision's kernels beside these.
+
+    `build_dir` is named by everything the build depends on (`build_key`), so a
+    library already in it is loaded as it is: torch's builder would import setuptools and run
+    ninja only to find nothing to do, ~0.1 s of every start. One that does not load (a build
+    cut short) is built again."""
+    built = build_dir / f"{name}.so"
+    if built.is_file():
+        try:
+            torch.ops.load_library(str(built))  # type: ignore[no-untyped-call]
+            return
+        except OSError as exc:
+            logger.warning("%s does not load (%s): building it again", built, _one_line(exc))
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()

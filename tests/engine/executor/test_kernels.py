@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.config import default_cache_dir
 from engine.executor import kernels
 from tests import kernel_variants
 
@@ -57,6 +58,31 @@ def test_a_failed_build_is_reported_not_raised(
     assert build.error.startswith("RuntimeError: Error building extension")
     assert f"{tmp_path / 'no-such-compiler'}: not found" in build.error
     assert build.describe() == f"no C++ kernels, torch paths ({build.error})"
+
+
+def test_a_built_library_is_loaded_as_it_is_and_a_broken_one_is_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A build folder is named by all the build depends on: a library in it loads without
+    torch's builder (setuptools, ninja); one that does not load goes to the builder."""
+    import torch.utils.cpp_extension
+
+    cache_dir = default_cache_dir()
+    if not kernels.build_cpu_kernels(cache_dir).is_built:
+        pytest.skip("no C++ kernels on this machine")
+    built: list[str] = []
+    monkeypatch.setattr(
+        torch.utils.cpp_extension, "load", lambda **kw: built.append(kw["build_directory"])
+    )
+    key = kernels.kernel_cache_key()
+    name = f"prefixgate_kernels_{key}"
+    kernels.load_extension(name, kernels.SOURCES, cache_dir / "kernels" / key)
+    assert built == []
+    (tmp_path / f"{name}.so").write_bytes(b"not a library")
+    with caplog.at_level("WARNING", logger="engine.executor.kernels"):
+        kernels.load_extension(name, kernels.SOURCES, tmp_path)
+    assert built == [str(tmp_path)]
+    assert "does not load" in caplog.text and "building it again" in caplog.text
 
 
 def test_a_build_names_its_integer_dot_products_in_the_start_up_line() -> None:
