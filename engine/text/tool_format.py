@@ -16,11 +16,15 @@ from the first token), and its `parse` reads them back out of the generated text
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import jinja2
+import jinja2.meta
 
 from engine.core.sampling_params import GrammarSpec
 
@@ -37,8 +41,24 @@ class ParsedToolCall:
     arguments: str  # JSON text, as the API returns it
 
 
+@functools.lru_cache(maxsize=8)
 def template_takes_tools(chat_template: str | None) -> bool:
-    return chat_template is not None and "tools" in chat_template
+    """Whether the template renders the `tools` it is given: whether it reads a top-level
+    `tools` variable. Naming the word is not enough: Phi-4-mini's template reads
+    `message['tools']` (a system message's field) and ignores the argument, so tools passed
+    to it would vanish; it gets them in the system turn like a template that takes none."""
+    if chat_template is None:
+        return False
+    try:
+        parsed = _TEMPLATE_PARSER.parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        # A tag only transformers' environment knows (`{% generation %}`): the word it is.
+        return "tools" in chat_template
+    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+
+# Parsing only (nothing is rendered with it), with the loop controls HF templates may use.
+_TEMPLATE_PARSER = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
 
 
 def messages_for_template(

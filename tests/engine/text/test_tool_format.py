@@ -17,6 +17,7 @@ from engine.text.tool_format import (
     LLAMA3_JSON,
     ParsedToolCall,
     ToolFormat,
+    template_takes_tools,
     tool_format_of,
 )
 from tests.helpers import tiny_engine
@@ -179,3 +180,38 @@ def test_a_template_that_takes_tools_gets_call_arguments_as_objects(
     text = tokenizer.decode(chat_prompt_ids(tokenizer, messages))
     assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
     assert "ipython" in text  # the result turn as Llama 3.x takes it
+
+
+@pytest.mark.parametrize(
+    ("template", "takes"),
+    [
+        ((TEMPLATES / "llama-3.2-instruct.jinja").read_text(), True),
+        ((TEMPLATES / "qwen3.jinja").read_text(), True),
+        # reads message['tools'] (a system message's field), never the argument
+        ((TEMPLATES / "phi-4-mini-instruct.jinja").read_text(), False),
+        ("{{ 'tools are welcome' }}{% for m in messages %}{{ m.content }}{% endfor %}", False),
+        ("{% set tools = [] %}{{ tools }}", False),  # its own variable, not the argument
+        ("{% for m in messages %}{% if m.tools %}{% break %}{% endif %}{% endfor %}", False),
+        ("{% generation %}{{ tools }}{% endgeneration %}", True),  # transformers' own tag
+    ],
+    ids=["llama-3.2", "qwen3", "phi-4-mini", "the-word", "own-variable", "field", "generation"],
+)
+def test_a_template_takes_tools_when_it_reads_the_tools_argument(
+    template: str, takes: bool
+) -> None:
+    assert template_takes_tools(template) is takes
+
+
+def test_tools_for_a_template_that_ignores_the_argument_go_in_the_system_turn(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Phi-4-mini's template names "tools" but drops the argument: the tools are described
+    in the system turn instead of vanishing."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "phi-4-mini-instruct.jinja").read_text()
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, messages, tools=[tool]))
+    assert text.startswith("<|system|>You may call these functions:")
+    assert '{"name": "get_weather", "parameters": {}}' in text
+    assert text.endswith("<|user|>Weather in Paris?<|end|><|assistant|>")
