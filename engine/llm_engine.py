@@ -93,6 +93,7 @@ class LLMEngine:
             self.snapshots,
         )
         self.num_steps = 0
+        self.num_forced_tokens = 0  # appended by grammar fast-forward (`_forced_token`)
         self.prefix_file = PrefixFileWatcher(
             Path(config.prefix_file) if config.prefix_file is not None else None,
             self.tokenizer,
@@ -337,24 +338,51 @@ class LLMEngine:
             return output
 
     def _append(self, sampled: SampledToken) -> RequestOutput:
-        """The sampled token joins its sequence; the finishes a token decides (a stop or EOS
-        token, a complete grammar, the length) end it here. Stop strings are the text's."""
-        seq, token_id = sampled.seq, sampled.token_id
+        """The sampled token joins its sequence, then each token its grammar forces after it
+        (`_forced_token`); the finishes a token decides (a stop or EOS token, a complete
+        grammar, the length) end it at that token. Stop strings are the text's."""
+        seq = sampled.seq
         if seq.params.max_tokens == 0:  # the prompt was only to be scored
             return self._finish(seq, [], "length", None, None)
-        seq.token_ids.append(token_id)
-        is_grammar_complete = seq.matcher is not None and _advance(seq.matcher, token_id)
         logprobs = [sampled.logprobs] if sampled.logprobs is not None else None
-        finish_reason: str | None
-        stop_reason: int | None
+        appended: list[int] = []
+        token_id: int | None = sampled.token_id
+        while token_id is not None:
+            seq.token_ids.append(token_id)
+            appended.append(token_id)
+            finish_reason, stop_reason = self._finish_of(seq, token_id)
+            if finish_reason is not None:
+                self.num_forced_tokens += len(appended) - 1
+                return self._finish(seq, appended, finish_reason, stop_reason, logprobs)
+            token_id = self._forced_token(seq)
+        self.num_forced_tokens += len(appended) - 1
+        return self._output(seq, appended, None, None, logprobs)
+
+    def _finish_of(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
+        """Whether `token_id`, just appended, ends `seq` (finish reason, stop token)."""
+        is_grammar_complete = seq.matcher is not None and _advance(seq.matcher, token_id)
         finish_reason, stop_reason = self._stop_by_token(seq, token_id)
         if finish_reason is None and is_grammar_complete:
             finish_reason = "stop"  # the grammar allows nothing more: no step for the EOS
         if finish_reason is None:
             finish_reason = self._stop_by_length(seq)
-        if finish_reason is not None:
-            return self._finish(seq, [token_id], finish_reason, stop_reason, logprobs)
-        return self._output(seq, [token_id], None, None, logprobs)
+        return finish_reason, stop_reason
+
+    def _forced_token(self, seq: Sequence) -> int | None:
+        """The next token when `seq`'s grammar allows only that one (grammar fast-forward):
+        it joins now, and its KV is computed in the next forward with the position after it,
+        instead of one decode step each (a JSON schema's keys and punctuation, a named tool
+        call's opening, the rest of a label). Exact: while llguidance has forced tokens, the
+        mask it gives is that one token, so a step would have sampled it whatever the logits
+        (and the kernels compute a position's KV to the same bits in any chunk)."""
+        if (
+            seq.matcher is None
+            or not self.config.enable_grammar_fast_forward
+            or not seq.params.may_fast_forward
+        ):
+            return None
+        forced = seq.matcher.compute_ff_tokens()
+        return forced[0] if forced else None
 
     def _finish(
         self,
@@ -403,8 +431,10 @@ class LLMEngine:
         stop_reason: str | int | None = None,
         logprobs: list[SampleLogprobs] | None = None,
     ) -> RequestOutput:
-        # Prompt logprobs are complete once the prompt is computed: the first output has them.
-        is_first = seq.num_output_tokens <= 1 and seq.params.prompt_logprobs is not None
+        # Prompt logprobs are complete once the prompt is computed: the first output (which
+        # may hold forced tokens after the sampled one) has them.
+        is_first = seq.num_output_tokens <= len(token_ids)
+        is_first = is_first and seq.params.prompt_logprobs is not None
         return RequestOutput(
             request_id=seq.request_id,
             text="",
@@ -462,6 +492,7 @@ class LLMEngine:
             self.registry,
             self.prefixes.is_pending,
             self.kernels.label,
+            self.num_forced_tokens,
         )
 
 

@@ -55,6 +55,8 @@ class EngineStats:
     is_reload_pending: bool
     # The C++ CPU kernels' target ("avx512", "avx2", "portable"), or "off": the torch paths
     cpu_kernels: str = "off"
+    # Output tokens a grammar forced, appended without a decode step each (fast-forward)
+    num_forced_tokens: int = 0
     # Pacing's choices (engine/scheduler/pacing.py): prompt tokens per step, and the seconds
     # of each step that carried decodes
     prefill_tokens_per_step: HistogramCounts | None = None
@@ -72,6 +74,7 @@ def snapshot(
     registry: PrefixRegistry,
     is_reload_pending: bool,
     cpu_kernels: str,
+    num_forced_tokens: int = 0,
 ) -> EngineStats:
     reload, pool = registry.last_reload, cache.pool
     return EngineStats(
@@ -111,6 +114,7 @@ def snapshot(
         last_reload_error=reload.error,
         is_reload_pending=is_reload_pending,
         cpu_kernels=cpu_kernels,
+        num_forced_tokens=num_forced_tokens,
         prefill_tokens_per_step=scheduler.pacing.prefill_tokens.frozen(),
         decode_step_seconds=scheduler.pacing.decode_step_seconds.frozen(),
     )

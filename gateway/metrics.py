@@ -217,6 +217,11 @@ class _EngineCollector:
             "Requests preempted (blocks freed, recomputed later) for lack of KV blocks.",
             snap.num_preemptions,
         )
+        yield s.counter(
+            "prefixgate_forced_tokens",
+            "Output tokens a grammar forced, appended without a decode step each.",
+            snap.num_forced_tokens,
+        )
 
     def _pacing(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
         if snap.prefill_tokens_per_step is not None:

@@ -32,6 +32,7 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         auto_prefix_cached_tokens=sum(s.auto_prefix_cached_tokens for s in all_stats),
         block_size=first.block_size,
         num_preemptions=sum(s.num_preemptions for s in all_stats),
+        num_forced_tokens=sum(s.num_forced_tokens for s in all_stats),
         prefix_lookups=sum(s.prefix_lookups for s in all_stats),
         prefix_hits=sum(s.prefix_hits for s in all_stats),
         prefix_cached_tokens=sum(s.prefix_cached_tokens for s in all_stats),

@@ -94,6 +94,13 @@ class EngineConfig:
         True,
         "cache every computed block by content for later prompts (off: registered prefixes only)",
     )
+    enable_grammar_fast_forward: bool = option(
+        True,
+        "append the tokens a response's grammar forces (the only ones it allows next) without "
+        "a decode step each: they are computed in the next forward, with the next position "
+        "sampled; the same tokens as without (requests with logprobs, stop strings or a seed "
+        "and a temperature take them one step each)",
+    )
     enable_kv_snapshots: bool = option(
         True,
         "write each registered prefix's KV to disk once filled and read it back at the next "

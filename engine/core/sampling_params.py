@@ -136,6 +136,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def may_fast_forward(self) -> bool:
+        """Whether the tokens a grammar forces may join without a step each and still give
+        this request what one step each would: not when it wants each token's logprobs
+        (computed from its own step's logits), stops on strings (a forced run could pass the
+        stop, and the tokens after it would count), or samples with a seed (its generator
+        draws once per sampled token, forced or not)."""
+        return self.logprobs is None and not self.stop and (self.is_greedy or self.seed is None)
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

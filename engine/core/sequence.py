@@ -93,5 +93,12 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def is_decoding(self) -> bool:
+        """Its prompt is computed and what it feeds are output tokens: the last sampled one,
+        and any its grammar forced after it (`LLMEngine._append`), all in one step. The
+        scheduler treats it as a decode, however many tokens that is."""
+        return self.num_prompt_tokens <= self.num_computed_tokens < self.num_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -57,6 +57,12 @@ class ScheduledSequence:
         """True when this chunk reaches the last known token, so a new token gets sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def is_prefill(self) -> bool:
+        """A chunk of a prompt (or of a recompute): more than one token, not a decode's
+        (whose tokens past the sampled one its grammar forced). Read before `on_step_done`."""
+        return self.num_new_tokens > 1 and not self.seq.is_decoding
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -75,8 +81,8 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        """Tokens of chunks longer than one (prompts, recomputes)."""
-        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1)
+        """Tokens of prompt chunks (prompts, recomputes; not a decode's forced tokens)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
     @property
     def num_attention_keys(self) -> int:
@@ -149,9 +155,7 @@ class Scheduler:
         out = SchedulerOutput()
         step = _StepRoom(self.max_num_batched_tokens, self._pacing_time())
         # Decodes first (oldest first), then unfinished prefills: see the module docstring.
-        for seq in sorted(
-            self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_index)
-        ):
+        for seq in sorted(self.running, key=lambda s: (not _is_decode(s), s.arrival_index)):
             if step.tokens == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -188,21 +192,21 @@ class Scheduler:
         """Seconds this step's prompt chunks may take (None: no limit, and nothing counted)."""
         if not self.pacing.is_on:
             return None
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        decodes = [s for s in self.running if _is_decode(s)]
         return self.pacing.time_left(len(decodes), sum(s.num_tokens for s in decodes))
 
     def _chunk(self, seq: Sequence, step: _StepRoom) -> int:
-        """New tokens `seq` may feed this step: its next token, or a prompt chunk within
+        """New tokens `seq` may feed this step: a decode's token(s), or a prompt chunk within
         the step's token budget and pacing's time."""
         num_new = min(seq.num_uncomputed_tokens, step.tokens)
-        if num_new <= 1:
+        if num_new <= 1 or seq.is_decoding:
             return num_new
         return self.pacing.chunk(step.seconds, seq.num_computed_tokens, num_new, step.prefilled)
 
     def _take(self, seq: Sequence, num_new: int, step: _StepRoom) -> None:
         """Count a scheduled chunk (before `seq.num_computed_tokens` advances)."""
         step.tokens -= num_new
-        if num_new > 1:
+        if num_new > 1 and not seq.is_decoding:
             step.seconds = self.pacing.spent(step.seconds, seq.num_computed_tokens, num_new)
             step.prefilled += num_new
 
@@ -299,3 +303,9 @@ class _StepRoom:
     tokens: int  # of the token budget
     seconds: float | None  # of pacing's time for prompt chunks (None: no limit)
     prefilled: int = 0  # prompt tokens scheduled so far
+
+
+def _is_decode(seq: Sequence) -> bool:
+    """Scheduled first and never cut by pacing: a decode (with any tokens its grammar forced),
+    or whatever has a single token left to feed."""
+    return seq.num_uncomputed_tokens == 1 or seq.is_decoding

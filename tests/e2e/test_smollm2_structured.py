@@ -59,21 +59,36 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
     return random_schema(rng, depth + 1)
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_source: ModelSource) -> LLMEngine:
+def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
+    """The GGUF itself, as the server serves the embedded model: its own Q4_1 blocks on the
+    C++ kernels, where a position's bits do not depend on the batch (the converted folder's
+    dense float weights make no such promise)."""
+    assert source.gguf_path is not None
     return LLMEngine(
         EngineConfig(
-            model=str(smollm2_source.path),
+            model=str(source.gguf_path),
             kv_cache_memory=512 << 20,
             max_model_len=2048,
             max_num_seqs=32,
+            **overrides,
         )
     )
 
 
-def test_sixty_generated_schemas_all_validate(engine: LLMEngine) -> None:
+@pytest.fixture(scope="module")
+def engine(smollm2_source: ModelSource) -> LLMEngine:
+    return _engine(smollm2_source)
+
+
+def _schemas(n: int) -> list[dict[str, Any]]:
     rng = random.Random(20261123)
-    schemas = [random_schema(rng) for _ in range(NUM_SCHEMAS)]
+    return [random_schema(rng) for _ in range(n)]
+
+
+def _answers(
+    engine: LLMEngine, schemas: list[dict[str, Any]]
+) -> tuple[list[list[int]], list[str | None]]:
+    """Each schema's greedy answer (tokens, finish reason), all in one continuous batch."""
     for i, schema in enumerate(schemas):
         question = (
             f"Reply with one JSON object that matches this JSON schema:\n{json.dumps(schema)}"
@@ -83,18 +98,39 @@ def test_sixty_generated_schemas_all_validate(engine: LLMEngine) -> None:
             temperature=0, max_tokens=MAX_TOKENS, grammar=GrammarSpec.json_schema(schema)
         )
         engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(NUM_SCHEMAS)}
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(schemas))}
     finish: dict[str, str | None] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens[output.request_id] += output.token_ids
             finish[output.request_id] = output.finish_reason
     assert_all_free(engine)
-    texts = [
-        engine.tokenizer.decode(tokens[str(i)], skip_special_tokens=True)
-        for i in range(NUM_SCHEMAS)
+    return [tokens[str(i)] for i in range(len(schemas))], [
+        finish[str(i)] for i in range(len(schemas))
     ]
-    unfinished = [(i, texts[i]) for i in range(NUM_SCHEMAS) if finish[str(i)] != "stop"]
+
+
+def test_sixty_generated_schemas_all_validate(engine: LLMEngine) -> None:
+    schemas = _schemas(NUM_SCHEMAS)
+    tokens, finish = _answers(engine, schemas)
+    texts = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    unfinished = [(i, texts[i]) for i in range(NUM_SCHEMAS) if finish[i] != "stop"]
     assert unfinished == []
     for schema, text in zip(schemas, texts, strict=True):
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_forced_tokens_without_their_own_steps_give_the_same_answers(
+    engine: LLMEngine, smollm2_source: ModelSource
+) -> None:
+    """Grammar fast-forward on the real model and tokenizer: the keys, punctuation and enum
+    tails a schema forces join without a decode step each, and every answer is the answer
+    one step a token gives, in a batch whose shapes differ from that one's at every step."""
+    schemas = _schemas(24)
+    off = _engine(smollm2_source, enable_grammar_fast_forward=False)
+    forced_before, steps_before = engine.num_forced_tokens, engine.num_steps
+    expected = _answers(off, schemas)
+    assert _answers(engine, schemas) == expected
+    num_forced = engine.num_forced_tokens - forced_before
+    assert off.num_forced_tokens == 0 and num_forced >= sum(map(len, expected[0])) // 5
+    assert engine.num_steps - steps_before < off.num_steps / 2
