@@ -14,19 +14,16 @@ import torch
 
 from engine import GrammarSpec, LLMEngine, SamplingParams
 from engine.structured.grammar import GrammarMasker
+from tests.engine.structured import test_grammar
 from tests.helpers import assert_all_free, tiny_engine
 
-PROMPT = "Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 appear in text too"
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "intent": {"enum": ["billing_question", "refund_request", "other"]},
-        "score": {"type": "integer", "minimum": 0, "maximum": 9},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
-    },
-    "required": ["intent", "score", "tags"],
-    "additionalProperties": False,
+# Longer labels than test_grammar's: once one is decided, the rest of it is forced.
+INTENT = {"enum": ["billing_question", "refund_request", "other"]}
+SCHEMA = {
+    **test_grammar.SCHEMA,
+    "properties": {**test_grammar.SCHEMA["properties"], "intent": INTENT},
 }
+PROMPT = test_grammar.PROMPT
 GRAMMARS = {
     "schema": GrammarSpec.json_schema(SCHEMA),
     "choice": GrammarSpec.choice(["refund_request", "refund_status", "billing_question"]),
