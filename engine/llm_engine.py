@@ -373,8 +373,9 @@ class LLMEngine:
         it joins now, and its KV is computed in the next forward with the position after it,
         instead of one decode step each (a JSON schema's keys and punctuation, a named tool
         call's opening, the rest of a label). Exact: while llguidance has forced tokens, the
-        mask it gives is that one token, so a step would have sampled it whatever the logits
-        (and the kernels compute a position's KV to the same bits in any chunk)."""
+        mask it gives is that one token, so a step would have sampled it whatever the logits,
+        and the C++ kernels compute a position's KV to the same bits in any chunk (the dense
+        and CUDA paths promise that for no batch shape: docs/architecture.md)."""
         if (
             seq.matcher is None
             or not self.config.enable_grammar_fast_forward
