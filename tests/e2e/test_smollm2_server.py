@@ -130,8 +130,12 @@ def test_knows_the_capital_of_france(sdk: openai.OpenAI) -> None:
     assert content is not None and "Paris" in content
 
 
-def test_the_intent_entry_answers_one_label_as_json_by_default(sdk: openai.OpenAI) -> None:
-    """No response_format, no max_tokens, no temperature: the entry's contract applies."""
+def test_the_intent_entry_answers_one_label_as_json_by_default(
+    sdk: openai.OpenAI, real_server: Server
+) -> None:
+    """No response_format, no max_tokens, no temperature: the entry's contract applies, and
+    the tokens it forces (`{"intent": "`, a label's tail, `"}`) take no step of their own."""
+    forced_before = real_server.metrics()["prefixgate_forced_tokens_total"]
     completion = sdk.chat.completions.create(model=model_of(sdk), messages=_intent_messages())
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -139,6 +143,8 @@ def test_the_intent_entry_answers_one_label_as_json_by_default(sdk: openai.OpenA
     answer = json.loads(choice.message.content)
     assert list(answer) == ["intent"] and answer["intent"] in LABELS
     assert completion.usage is not None and completion.usage.completion_tokens <= 24
+    forced = real_server.metrics()["prefixgate_forced_tokens_total"] - forced_before
+    assert forced >= completion.usage.completion_tokens // 2
 
 
 def test_parse_with_a_pydanticmodel_of(sdk: openai.OpenAI, real_server: Server) -> None:
