@@ -351,11 +351,10 @@ class LLMEngine:
             seq.token_ids.append(token_id)
             appended.append(token_id)
             finish_reason, stop_reason = self._finish_of(seq, token_id)
-            if finish_reason is not None:
-                self.num_forced_tokens += len(appended) - 1
-                return self._finish(seq, appended, finish_reason, stop_reason, logprobs)
-            token_id = self._forced_token(seq)
+            token_id = self._forced_token(seq) if finish_reason is None else None
         self.num_forced_tokens += len(appended) - 1
+        if finish_reason is not None:
+            return self._finish(seq, appended, finish_reason, stop_reason, logprobs)
         return self._output(seq, appended, None, None, logprobs)
 
     def _finish_of(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:

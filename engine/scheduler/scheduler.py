@@ -61,7 +61,7 @@ class ScheduledSequence:
     def is_prefill(self) -> bool:
         """A chunk of a prompt (or of a recompute): more than one token, not a decode's
         (whose tokens past the sampled one its grammar forced). Read before `on_step_done`."""
-        return self.num_new_tokens > 1 and not self.seq.is_decoding
+        return _is_prompt_chunk(self.seq, self.num_new_tokens)
 
 
 @dataclass(slots=True)
@@ -199,14 +199,14 @@ class Scheduler:
         """New tokens `seq` may feed this step: a decode's token(s), or a prompt chunk within
         the step's token budget and pacing's time."""
         num_new = min(seq.num_uncomputed_tokens, step.tokens)
-        if num_new <= 1 or seq.is_decoding:
+        if not _is_prompt_chunk(seq, num_new):
             return num_new
         return self.pacing.chunk(step.seconds, seq.num_computed_tokens, num_new, step.prefilled)
 
     def _take(self, seq: Sequence, num_new: int, step: _StepRoom) -> None:
         """Count a scheduled chunk (before `seq.num_computed_tokens` advances)."""
         step.tokens -= num_new
-        if num_new > 1 and not seq.is_decoding:
+        if _is_prompt_chunk(seq, num_new):
             step.seconds = self.pacing.spent(step.seconds, seq.num_computed_tokens, num_new)
             step.prefilled += num_new
 
@@ -303,6 +303,12 @@ class _StepRoom:
     tokens: int  # of the token budget
     seconds: float | None  # of pacing's time for prompt chunks (None: no limit)
     prefilled: int = 0  # prompt tokens scheduled so far
+
+
+def _is_prompt_chunk(seq: Sequence, num_new: int) -> bool:
+    """`num_new` tokens of `seq` are prompt (or recompute) tokens that pacing may cut and
+    counts: more than one, and not a decode's forced tokens. Read before `on_step_done`."""
+    return num_new > 1 and not seq.is_decoding
 
 
 def _is_decode(seq: Sequence) -> bool:
