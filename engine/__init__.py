@@ -32,6 +32,7 @@ from engine.registry.spec import PrefixContract, PrefixSpec, RegistryFileError
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.pacing import HistogramCounts
+from engine.speculative.drafter import DraftCounts
 from engine.stats import EngineStats, PrefixInfo
 from engine.text.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.text.tool_format import (
@@ -49,6 +50,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "AsyncEngine",
     "BlockHash",
+    "DraftCounts",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",

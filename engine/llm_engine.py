@@ -37,6 +37,7 @@ from engine.registry.watcher import PrefixFileWatcher
 from engine.request import EngineRequest
 from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.scheduler import Scheduler
+from engine.speculative.drafter import Drafter
 from engine.stats import EngineStats, snapshot
 from engine.structured.grammar import GrammarCompiler
 from engine.text.detokenizer import RequestText
@@ -65,8 +66,13 @@ class LLMEngine:
             self.registry if config.enable_prefix_cache else None,
         )
         self.scheduler = Scheduler(
-            self.cache, config.max_num_seqs, config.token_budget, config.max_itl
+            self.cache,
+            config.max_num_seqs,
+            config.token_budget,
+            config.max_itl,
+            speculative=config.is_speculative,
         )
+        self.drafter = Drafter(config.num_speculative_tokens, self.max_model_len)
         self.runner = ModelRunner(
             loaded.model, self.pool, config.torch_device, loaded.has_cpu_kernels
         )
@@ -94,6 +100,7 @@ class LLMEngine:
         )
         self.num_steps = 0
         self.num_forced_tokens = 0  # appended by grammar fast-forward (`_forced_token`)
+        self.num_accepted_draft_tokens = 0  # kept by speculative decoding's verification
         self.prefix_file = PrefixFileWatcher(
             Path(config.prefix_file) if config.prefix_file is not None else None,
             self.tokenizer,
@@ -209,6 +216,8 @@ class LLMEngine:
             matcher=request.grammar.new_matcher() if request.grammar is not None else None,
         )
         self._requests[request_id] = seq
+        if self.config.is_speculative and params.may_speculate and seq.matcher is None:
+            self.drafter.start(seq, self._entry_of(seq))
         self.scheduler.add(seq)
         logger.debug(
             "request %s: %d prompt tokens, max_tokens %s",
@@ -217,12 +226,20 @@ class LLMEngine:
             params.max_tokens,
         )
 
+    def _entry_of(self, seq: Sequence) -> str | None:
+        """The registry entry `seq`'s prompt extends (its earlier answers are drafts)."""
+        spec = self.prefixes.spec_index.longest(
+            seq.prompt_token_ids, visible=lambda s: s.visible_to(seq.tenant)
+        )
+        return spec.name if spec is not None else None
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, None if unknown."""
         seq = self._requests.pop(request_id, None)
         self._texts.pop(request_id, None)
         if seq is None:
             return None
+        self.drafter.finish(seq, remember=False)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "abort")
 
@@ -338,24 +355,48 @@ class LLMEngine:
             return output
 
     def _append(self, sampled: SampledToken) -> RequestOutput:
-        """The sampled token joins its sequence, then each token its grammar forces after it
-        (`_forced_token`); the finishes a token decides (a stop or EOS token, a complete
-        grammar, the length) end it at that token. Stop strings are the text's."""
+        """The draft tokens the forward kept and the sampled token join the sequence, then
+        each token its grammar forces after them (`_forced_token`); the finishes a token
+        decides (a stop or EOS token, a complete grammar, the length) end it at that token.
+        Stop strings are the text's. A running sequence then gets its next drafts."""
         seq = sampled.seq
         if seq.params.max_tokens == 0:  # the prompt was only to be scored
             return self._finish(seq, [], "length", None, None)
         logprobs = [sampled.logprobs] if sampled.logprobs is not None else None
         appended: list[int] = []
-        token_id: int | None = sampled.token_id
-        while token_id is not None:
-            seq.token_ids.append(token_id)
-            appended.append(token_id)
-            finish_reason, stop_reason = self._finish_of(seq, token_id)
-            token_id = self._forced_token(seq) if finish_reason is None else None
-        self.num_forced_tokens += len(appended) - 1
+        finish_reason, stop_reason = None, None
+        for token_id in (*sampled.accepted, sampled.token_id):
+            finish_reason, stop_reason = self._join(seq, token_id, appended)
+            if finish_reason is not None:
+                break
+        self._count_drafts(sampled, min(len(appended), len(sampled.accepted)))
+        while finish_reason is None and (forced := self._forced_token(seq)) is not None:
+            finish_reason, stop_reason = self._join(seq, forced, appended)
+            self.num_forced_tokens += 1
         if finish_reason is not None:
             return self._finish(seq, appended, finish_reason, stop_reason, logprobs)
+        self.drafter.propose(seq)
         return self._output(seq, appended, None, None, logprobs)
+
+    def _join(
+        self, seq: Sequence, token_id: int, appended: list[int]
+    ) -> tuple[str | None, int | None]:
+        """`token_id` joins `seq`; whether it ends it (`_finish_of`)."""
+        seq.token_ids.append(token_id)
+        appended.append(token_id)
+        return self._finish_of(seq, token_id)
+
+    def _count_drafts(self, sampled: SampledToken, num_joined: int) -> None:
+        """The kept draft tokens that joined have their K/V computed by the forward that
+        verified them: count them computed, and index the blocks they filled."""
+        if not sampled.num_drafted:
+            return
+        seq = sampled.seq
+        self.drafter.record(seq, sampled.num_drafted, len(sampled.accepted))
+        self.num_accepted_draft_tokens += len(sampled.accepted)
+        if num_joined:
+            seq.num_computed_tokens += num_joined
+            self.cache.index_computed(seq)
 
     def _finish_of(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         """Whether `token_id`, just appended, ends `seq` (finish reason, stop token)."""
@@ -396,8 +437,10 @@ class LLMEngine:
         return self._output(seq, token_ids, finish_reason, stop_reason, logprobs)
 
     def _release(self, seq: Sequence, finish_reason: str, stop_reason: str | int | None) -> None:
-        """A request ends: out of the engine, its blocks back to the cache."""
+        """A request ends: out of the engine, its blocks back to the cache, its answer a
+        draft source for later requests of its scope."""
         del self._requests[seq.request_id]
+        self.drafter.finish(seq, remember=finish_reason in ("stop", "length"))
         self.scheduler.finish(seq, finish_reason)
         seq.stop_reason = stop_reason
         logger.debug(
@@ -493,6 +536,7 @@ class LLMEngine:
             self.prefixes.is_pending,
             self.kernels.label,
             self.num_forced_tokens,
+            self.drafter.counts(),
         )
 
 

@@ -14,6 +14,7 @@ from engine.registry.registry import PrefixRegistry
 from engine.registry.spec import PrefixContract
 from engine.scheduler.pacing import HistogramCounts
 from engine.scheduler.scheduler import Scheduler
+from engine.speculative.drafter import DraftCounts
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class EngineStats:
     cpu_kernels: str = "off"
     # Output tokens a grammar forced, appended without a decode step each (fast-forward)
     num_forced_tokens: int = 0
+    # Speculative decoding: draft tokens verified and kept, per registry entry ("": none)
+    draft_tokens: dict[str, DraftCounts] = field(default_factory=dict)
     # Pacing's choices (engine/scheduler/pacing.py): prompt tokens per step, and the seconds
     # of each step that carried decodes
     prefill_tokens_per_step: HistogramCounts | None = None
@@ -75,6 +78,7 @@ def snapshot(
     is_reload_pending: bool,
     cpu_kernels: str,
     num_forced_tokens: int = 0,
+    draft_tokens: dict[str, DraftCounts] | None = None,
 ) -> EngineStats:
     reload, pool = registry.last_reload, cache.pool
     return EngineStats(
@@ -115,6 +119,7 @@ def snapshot(
         is_reload_pending=is_reload_pending,
         cpu_kernels=cpu_kernels,
         num_forced_tokens=num_forced_tokens,
+        draft_tokens=draft_tokens or {},
         prefill_tokens_per_step=scheduler.pacing.prefill_tokens.frozen(),
         decode_step_seconds=scheduler.pacing.decode_step_seconds.frozen(),
     )

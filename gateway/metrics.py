@@ -222,6 +222,27 @@ class _EngineCollector:
             "Output tokens a grammar forced, appended without a decode step each.",
             snap.num_forced_tokens,
         )
+        yield from self._drafts(snap, s)
+
+    def _drafts(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
+        labels = [*s.labels, "prefix"]
+        drafted = CounterMetricFamily(
+            "prefixgate_draft_tokens",
+            "Draft tokens verified by speculative decoding, by the registered prefix the "
+            'request hit ("" for none).',
+            labels=labels,
+        )
+        accepted = CounterMetricFamily(
+            "prefixgate_accepted_draft_tokens",
+            "Draft tokens the model agreed with: output tokens that took no decode step of "
+            'their own, by the registered prefix the request hit ("" for none).',
+            labels=labels,
+        )
+        for entry, counts in sorted(snap.draft_tokens.items()):
+            drafted.add_metric(s.values(entry), counts.drafted)
+            accepted.add_metric(s.values(entry), counts.accepted)
+        yield drafted
+        yield accepted
 
     def _pacing(self, snap: EngineStats, s: _Series) -> Iterator[Metric]:
         if snap.prefill_tokens_per_step is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine import EngineStats, PrefixInfo
+from engine import DraftCounts, EngineStats, PrefixInfo
 
 MIXED_DIGEST = "mixed"
 
@@ -33,6 +33,7 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         block_size=first.block_size,
         num_preemptions=sum(s.num_preemptions for s in all_stats),
         num_forced_tokens=sum(s.num_forced_tokens for s in all_stats),
+        draft_tokens=_sum_drafts(all_stats),
         prefix_lookups=sum(s.prefix_lookups for s in all_stats),
         prefix_hits=sum(s.prefix_hits for s in all_stats),
         prefix_cached_tokens=sum(s.prefix_cached_tokens for s in all_stats),
@@ -46,6 +47,17 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         if len(kernels := {s.cpu_kernels for s in all_stats}) == 1
         else "mixed",
     )
+
+
+def _sum_drafts(all_stats: list[EngineStats]) -> dict[str, DraftCounts]:
+    total: dict[str, DraftCounts] = {}
+    for stats in all_stats:
+        for entry, counts in stats.draft_tokens.items():
+            seen = total.get(entry, DraftCounts())
+            total[entry] = DraftCounts(
+                seen.drafted + counts.drafted, seen.accepted + counts.accepted
+            )
+    return total
 
 
 def _sum_prefixes(all_stats: list[EngineStats]) -> tuple[PrefixInfo, ...]:

@@ -54,6 +54,7 @@ DEFAULT_PREFIX = {
     "intent": "intent-classifier",
     "unique": "intent-classifier",
     "chat-multi-turn": "support-assistant",
+    "copy": "support-assistant",
 }
 
 
@@ -671,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="intent: the intent-classifier system prompt + a unique customer message; "
         "unique: the same with a nonce first, so no prefix can be reused (caching-off "
         "baseline); chat-multi-turn: conversations growing turn by turn, each turn sent after "
-        "the previous one finished; decode-heavy: ~20-token prompts, long outputs "
+        "the previous one finished; decode-heavy: ~20-token prompts, long outputs; copy: the "
+        "support-assistant entry and a request to quote or rewrite part of it "
         "(default: %(default)s; see tools/workloads.py)",
     )
     add(
@@ -685,7 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-name",
         metavar="NAME",
         help="entry of --prefixes the workload starts from (default: intent-classifier for "
-        "intent/unique, support-assistant for chat-multi-turn)",
+        "intent/unique, support-assistant for chat-multi-turn and copy)",
     )
     add(
         "--tokenizer",

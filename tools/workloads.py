@@ -12,7 +12,11 @@ all deterministic for a given seed and stream:
   chat-multi-turn  conversations growing turn by turn: each request is the conversation so far
                    (fixed canned assistant replies) plus a new user turn, sent after the
                    previous turn of the same conversation has finished;
-  decode-heavy     ~20-token prompts with no system prompt, meant for long outputs.
+  decode-heavy     ~20-token prompts with no system prompt, meant for long outputs;
+  copy             a registered policy (the support-assistant entry: its rules and worked
+                   examples) followed by a request to quote, extract or rewrite part of it,
+                   so that the answer copies runs of the prompt (extraction, quoting, rewriting;
+                   long outputs, where prompt-lookup drafts are accepted).
 
 Message lengths are measured in tokens by a `tokenizer` with `encode(text) -> list`. Without
 one, `ApproxTokenizer` stands in so that no model has to be loaded: it counts one token per
@@ -30,8 +34,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-WORKLOADS = ("intent", "chat-multi-turn", "decode-heavy", "unique")
-DEFAULT_MAX_TOKENS = {"intent": 30, "chat-multi-turn": 64, "decode-heavy": 128, "unique": 30}
+WORKLOADS = ("intent", "chat-multi-turn", "decode-heavy", "unique", "copy")
+DEFAULT_MAX_TOKENS = {
+    "intent": 30,
+    "chat-multi-turn": 64,
+    "decode-heavy": 128,
+    "unique": 30,
+    "copy": 160,
+}
 
 _OPENERS = [
     "Hi there,",
@@ -149,7 +159,39 @@ def build_workload(
         return _multi_turn(rng, num, num_turns, system_messages, tokenizer)
     if name == "decode-heavy":
         return [WorkloadRequest([_user(_story_prompt(rng))], i, 0) for i in range(num)]
+    if name == "copy":
+        return [
+            WorkloadRequest([*system_messages, _user(_copy_request(rng))], i, 0) for i in range(num)
+        ]
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+_COPY_ASKS = [
+    "Quote, word for word, every rule of yours that mentions {topic}.",
+    "Copy the part of your instructions about {topic} exactly as written, then say which "
+    "menu it names.",
+    "Repeat your instructions about {topic} verbatim, as a bulleted list.",
+    "What exactly do your rules say about {topic}? Quote them, do not paraphrase.",
+    "Rewrite your rules about {topic} as short numbered steps, keeping their wording.",
+    "Extract the sentences of your instructions that mention {topic} and list them in order.",
+]
+_COPY_TOPICS = [
+    "Trash and deleted files",
+    "refunds",
+    "passwords and suspicious logins",
+    "how to answer (tone and length)",
+    "what you cannot see or change",
+    "unknown answers and human agents",
+    "other topics",
+    "file versions",
+]
+
+
+def _copy_request(rng: random.Random) -> str:
+    # A reference number makes every request's prompt its own (no answer can be served
+    # from an identical earlier prompt), as a customer's ticket would.
+    ask = rng.choice(_COPY_ASKS).format(topic=rng.choice(_COPY_TOPICS))
+    return f"{ask} (ticket {rng.randrange(10**5, 10**6)})"
 
 
 def _system_content(system_messages: list[dict[str, str]]) -> str:

@@ -23,6 +23,7 @@ GiB = 1 << 30
 # suffix prefill takes ~0.1 s; over HTTP at concurrency 8 on the intent workload (bf16, 2
 # cores) 512 tokens gave TTFT p50 1.0 s, 256 gave 0.60 s at 99 tok/s, 128 gave 0.38 s at
 # 89 tok/s (docs/benchmarks.md). Long uncached prompts pay ~10% more TTFT in 128-token chunks.
+SPECULATIVE_CHOICES = ("auto", "off")
 DEFAULT_TOKEN_BUDGET = {"cpu": 128, "cuda": 2048}
 
 
@@ -101,6 +102,18 @@ class EngineConfig:
         "sampled; the same tokens as without (requests with logprobs, stop strings or a seed "
         "and a temperature take them one step each)",
     )
+    speculative: str = option(
+        "auto",
+        "speculative decoding without a draft model: tokens drafted from the request's own "
+        "prompt and output and from earlier answers in its scope (tenant, cache_salt, registry "
+        "entry), verified in one forward; auto: a draft joins a step when this machine's step "
+        "cost model expects it to pay; off: never. The same tokens as without (only greedy "
+        "requests without logprobs, penalties, stop strings or a grammar take drafts)",
+        choices=SPECULATIVE_CHOICES,
+    )
+    num_speculative_tokens: int = option(
+        8, "most draft tokens one sequence verifies in a step (speculative decoding)"
+    )
     enable_kv_snapshots: bool = option(
         True,
         "write each registered prefix's KV to disk once filled and read it back at the next "
@@ -150,6 +163,11 @@ class EngineConfig:
             )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError("device must be cpu or cuda[:N]", param="device")
+        if self.speculative not in SPECULATIVE_CHOICES:
+            raise InvalidRequestError(
+                f"speculative must be one of {SPECULATIVE_CHOICES}", param="speculative"
+            )
+        _positive(self.num_speculative_tokens, "num_speculative_tokens")
         _positive(self.block_size, "block_size")
         _positive(self.max_num_seqs, "max_num_seqs")
         if not (isinstance(self.max_itl_ms, int | float) and 0 <= self.max_itl_ms < float("inf")):
@@ -205,6 +223,10 @@ class EngineConfig:
     def kv_snapshot_path(self) -> Path:
         folder = self.named_kv_snapshot_dir
         return Path(folder).expanduser() if folder else default_cache_dir() / "kv-snapshots"
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.speculative != "off"
 
     @property
     def max_itl(self) -> float | None:

@@ -69,6 +69,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must match
     prompt_logprobs: int | None = None
+    speculative: bool = True  # False: this request never takes drafted tokens (opt-out)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +144,21 @@ class SamplingParams:
         stop, and the tokens after it would count), or samples with a seed (its generator
         draws once per sampled token, forced or not)."""
         return self.logprobs is None and not self.stop and (self.is_greedy or self.seed is None)
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether drafted tokens may be verified for this request (engine/speculative/):
+        greedy, so a draft is kept exactly when it is the argmax the model gives at its
+        position, and the output is the one without drafts; none of what reads each step's
+        own logits or text (logprobs, penalties, stop strings) or a grammar (its masks change
+        with every token: a grammar's sure tokens join by fast-forward instead)."""
+        return (
+            self.speculative
+            and self.is_greedy
+            and self.may_fast_forward
+            and not self.has_penalties
+            and self.grammar is None
+        )
 
     @property
     def has_penalties(self) -> bool:

@@ -67,6 +67,12 @@ class Sequence:
     # position go to this hook instead of the sampler, once the scheduler has let go of it;
     # its blocks are not indexed for reuse by content (whoever the hook hands them to is).
     on_prefilled: Callable[[Sequence, torch.Tensor], None] | None = None
+    # Speculative decoding (engine/speculative/): tokens proposed to follow `token_ids`, not
+    # part of it until the forward that computes them agrees (the scheduler schedules a
+    # prefix of them, maybe none), and the estimated chance that its next draft token is
+    # accepted, from how its drafts fared so far.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_acceptance: float = 0.0
 
     @property
     def is_prompt_only(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +29,14 @@ from engine.structured.grammar import GrammarMasker
 
 @dataclass(slots=True)
 class SampledToken:
+    """A sequence's new token, after the draft tokens the forward verified and kept
+    (`accepted`, of `num_drafted`): `token_id` is the model's own token after them."""
+
     seq: Sequence
     token_id: int
     logprobs: SampleLogprobs | None
+    accepted: list[int] = field(default_factory=list)
+    num_drafted: int = 0
 
 
 @dataclass(slots=True)
@@ -74,7 +79,7 @@ class ModelRunner:
         self._copy_blocks(out, after_forward=False)
         ordered = batch_order(out)
         sampling = [item for item in ordered if item.is_sampling]
-        logits = self._logits_rows(ordered, sampling)  # [len(sampling), vocab]
+        logits, draft_logits = self._logits_rows(ordered, sampling)  # [len(sampling), vocab]
         self._copy_blocks(out, after_forward=True)
         fills = [(i, item.seq) for i, item in enumerate(sampling) if item.seq.is_prompt_only]
         prefilled = [(seq, logits[i].clone()) for i, seq in fills]
@@ -100,7 +105,34 @@ class ModelRunner:
             SampledToken(seq, tok, lp)
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
+        if draft_logits is not None:
+            self._verify(sampling, sampled, draft_logits)
         return StepResult(sampled, prefilled)
+
+    def _verify(
+        self,
+        sampling: list[ScheduledSequence],
+        sampled: list[SampledToken],
+        draft_logits: torch.Tensor,
+    ) -> None:
+        """Keep each draft token while it is the argmax at the position before it (the
+        sequences that take drafts are greedy: `SamplingParams.may_speculate`); the first
+        that is not gives way to the argmax, and if all are kept the last row's token comes
+        after them. `draft_logits` holds the rows of every drafted position, in batch order."""
+        targets: list[int] = self.sampler.argmax(draft_logits).tolist()
+        offset = 0
+        for item, token in zip(sampling, sampled, strict=True):
+            k = item.num_draft_tokens
+            if not k:
+                continue
+            wanted, drafts = targets[offset : offset + k], item.seq.draft_token_ids[:k]
+            offset += k
+            j = 0
+            while j < k and wanted[j] == drafts[j]:
+                j += 1
+            token.accepted, token.num_drafted = drafts[:j], k
+            if j < k:
+                token.token_id = wanted[j]
 
     def _copy_blocks(self, out: SchedulerOutput, after_forward: bool) -> None:
         for copy in out.copies:
@@ -114,31 +146,41 @@ class ModelRunner:
 
     def _logits_rows(
         self, ordered: list[ScheduledSequence], sampling: list[ScheduledSequence]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One logits row per sampling item: from this forward, a leader's row, or the
-        registry's stored row (exact hits need no forward at all)."""
+        registry's stored row (exact hits need no forward at all); and the rows of the draft
+        tokens' positions, to verify them (None when no item carries drafts)."""
         computed = [item for item in ordered if item.num_new_tokens > 0]
-        forward_logits = None
+        forward_logits = draft_logits = None
         if computed:
             batch = self.build_batch(computed)
             hidden = self.model(batch)  # [num_tokens, hidden]
             self._score_prompts(computed, hidden)
-            forward_logits = self.model.compute_logits(hidden[batch.logits_indices])
+            rows = batch.logits_indices
+            verified = _verified_rows(computed)
+            if verified:  # one head call for both: its rows do not depend on each other
+                rows = torch.cat([rows, self._tensor(verified)])
+            forward_logits = self.model.compute_logits(hidden[rows])
+            if verified:
+                num_sampling = len(batch.logits_indices)
+                draft_logits = forward_logits[num_sampling:]
+                forward_logits = forward_logits[:num_sampling]
             self.num_forward_calls += 1
             self.num_forward_tokens += len(batch.input_ids)
         if all(item.num_new_tokens > 0 for item in sampling):
             assert forward_logits is not None or not sampling
-            return forward_logits if forward_logits is not None else torch.empty(0)
+            logits = forward_logits if forward_logits is not None else torch.empty(0)
+            return logits, draft_logits
         row_of = {id(item.seq): i for i, item in enumerate(x for x in computed if x.is_sampling)}
-        rows = []
+        rows_out = []
         for item in sampling:
             if item.cached_logits is not None:
-                rows.append(item.cached_logits)
+                rows_out.append(item.cached_logits)
             else:
                 assert forward_logits is not None
                 source = item.leader if item.leader is not None else item.seq
-                rows.append(forward_logits[row_of[id(source)]])
-        return torch.stack(rows)  # [len(sampling), vocab]
+                rows_out.append(forward_logits[row_of[id(source)]])
+        return torch.stack(rows_out), draft_logits  # [len(sampling), vocab]
 
     def _score_prompts(self, computed: list[ScheduledSequence], hidden: torch.Tensor) -> None:
         """Prompt logprobs of the sequences that asked for them: position p's logits score
@@ -171,7 +213,10 @@ class ModelRunner:
         logits_indices: list[int] = []
         for item in ordered:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            if item.num_draft_tokens:  # its own tokens, then the drafts to verify
+                input_ids.extend(seq.token_ids[start:] + seq.draft_token_ids)
+            else:
+                input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             # One slot per token, from the list: on CPU at these batch sizes a Python list
@@ -298,6 +343,18 @@ class ModelRunner:
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+def _verified_rows(computed: list[ScheduledSequence]) -> list[int]:
+    """Flat indices of the positions whose logits verify draft tokens: for an item with k
+    drafts, its last k + 1 positions but the last (whose row is the sampling row)."""
+    rows: list[int] = []
+    end = 0
+    for item in computed:
+        end += item.num_new_tokens
+        k = item.num_draft_tokens
+        rows.extend(range(end - 1 - k, end - 1))
+    return rows
 
 
 def batch_order(out: SchedulerOutput) -> list[ScheduledSequence]:

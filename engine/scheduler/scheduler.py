@@ -45,17 +45,21 @@ class ScheduledSequence:
 
     `num_new_tokens == 0` happens for exact registry hits (`cached_logits` holds the row to
     sample) and in-batch duplicates (`leader` is the sequence whose logits row they share).
+    A decode's last `num_draft_tokens` new tokens are the first of `seq.draft_token_ids`,
+    fed after its own tokens to be verified (speculative decoding).
     """
 
     seq: Sequence
     num_new_tokens: int
     cached_logits: torch.Tensor | None = None
     leader: Sequence | None = None
+    num_draft_tokens: int = 0
 
     @property
     def is_sampling(self) -> bool:
         """True when this chunk reaches the last known token, so a new token gets sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        num_own = self.num_new_tokens - self.num_draft_tokens
+        return self.seq.num_computed_tokens + num_own == self.seq.num_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -105,6 +109,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_itl: float | None = None,
+        speculative: bool = False,
     ) -> None:
         self.cache = cache
         self.block_size = cache.block_size
@@ -113,6 +118,9 @@ class Scheduler:
         # Prompt chunks beside running decodes are sized to keep them within `max_itl`
         # seconds a step, at least a block of prompt per step (pacing.py)
         self.pacing = Pacing(max_itl, min_prefill_tokens=self.block_size)
+        # Draft tokens (seq.draft_token_ids) join decodes when the cost model says they pay
+        self.speculative = speculative
+        self.num_draft_tokens = 0  # scheduled for verification, in total
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -167,6 +175,8 @@ class Scheduler:
             self._take(seq, num_new, step)
         if not out.preempted:
             self._admit_waiting(out, step)
+        if self.speculative:
+            self._add_drafts(out, step)
         if not out.is_empty:  # an empty output runs nothing: the ids wait for the next one
             out.released_ids, self._released_ids = self._released_ids, []
         return out
@@ -176,14 +186,17 @@ class Scheduler:
         pacing's cost model learns from when pacing is on."""
         num_prefill = out.num_prefill_tokens
         self.pacing.count(num_prefill, num_prefill < out.num_batched_tokens, seconds)
-        if self.pacing.is_on:
+        if self.pacing.is_on or self.speculative:
             self.pacing.cost.observe(out.num_batched_tokens, out.num_attention_keys, seconds)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """After the forward: advance computed-token counts and index the blocks that are
-        now full and computed."""
+        now full and computed. Draft tokens count once accepted (`LLMEngine._append`): the
+        K/V of rejected ones sit past `num_computed_tokens`, overwritten before anything
+        reads them."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
+            item.seq.draft_token_ids = []
         for item in out.scheduled:
             self.cache.index_computed(item.seq)
 
@@ -209,6 +222,66 @@ class Scheduler:
         if _is_prompt_chunk(seq, num_new):
             step.seconds = self.pacing.spent(step.seconds, seq.num_computed_tokens, num_new)
             step.prefilled += num_new
+
+    def _add_drafts(self, out: SchedulerOutput, step: _StepRoom) -> None:
+        """Give decodes the draft tokens that raise the step's expected tokens per second.
+
+        Without drafts the step costs S seconds (the cost model's estimate) and yields D
+        tokens, one per sampling sequence. A sequence's i-th draft token adds Δ seconds (one
+        more row, reading its keys) and yields a token with the chance that it and every
+        draft before it are accepted, p^i (p: `seq.draft_acceptance`). Drafts are taken best
+        yield per second first while that beats the step's running yield per second: at one
+        decode a row is cheap beside the step's weight reads and a draft pays even at modest
+        odds; beside many decodes rows cost nearly a token each and only sure drafts pay. Until
+        the model has seen enough steps, every draft is taken (that is how it learns what
+        rows cost). Drafts only use blocks that are free: they never preempt anyone."""
+        items = [
+            item
+            for item in out.scheduled
+            if item.seq.draft_token_ids and item.is_sampling and item.seq.is_decoding
+        ]
+        if not items:
+            return
+        cost = self.pacing.cost
+        candidates: list[tuple[float, float, int, int]] = []  # (yield, seconds, item, i)
+        for index, item in enumerate(items):
+            seq, p = item.seq, item.seq.draft_acceptance
+            position = seq.num_computed_tokens + item.num_new_tokens  # of its first draft
+            for i in range(1, len(seq.draft_token_ids) + 1):
+                seconds = cost.marginal(1, position + i) if cost.is_ready else 0.0
+                candidates.append((p**i, max(seconds, 1e-9), index, i))
+        candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
+        gained = float(sum(1 for item in out.scheduled if item.is_sampling))
+        spent = cost.seconds(out.num_batched_tokens, out.num_attention_keys)
+        taken = [0] * len(items)
+        for expected, seconds, index, i in candidates:
+            if step.tokens == 0:
+                break
+            if cost.is_ready and expected * spent <= gained * seconds:
+                break  # no better than the step's own tokens per second
+            if i != taken[index] + 1:
+                continue  # its earlier draft token was not taken
+            taken[index] = i
+            step.tokens -= 1
+            gained += expected
+            spent += seconds
+        for item, num_drafts in zip(items, taken, strict=True):
+            seq = item.seq
+            if (
+                num_drafts
+                and self.cache.allocate_slots(seq, item.num_new_tokens + num_drafts) is None
+            ):
+                # no free block for them all: those that fit in the blocks it holds
+                room = len(seq.block_table) * self.block_size - seq.num_computed_tokens
+                num_drafts = max(0, min(num_drafts, room - item.num_new_tokens))
+            if num_drafts == 0:
+                seq.draft_token_ids = []
+                continue
+            num_new = item.num_new_tokens + num_drafts
+            seq.draft_token_ids = seq.draft_token_ids[:num_drafts]
+            item.num_new_tokens = num_new
+            item.num_draft_tokens = num_drafts
+            self.num_draft_tokens += num_drafts
 
     def _admit_waiting(self, out: SchedulerOutput, step: _StepRoom) -> None:
         if not self.waiting:

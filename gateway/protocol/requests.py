@@ -285,6 +285,11 @@ class GenerationRequest(GenerationBase):
     )
     ignore_eos: bool = Field(default=False, description="extension")
     skip_special_tokens: bool = Field(default=True, description="extension")
+    speculative: bool = Field(
+        default=True,
+        description="extension: false keeps this request off speculative decoding (drafted "
+        "tokens verified in one forward); its tokens are the same either way",
+    )
     # vLLM's structured-output extensions (gateway/protocol/structured.py): one at a time.
     guided_json: JsonSchemaValue | None = Field(default=None, description="extension")
     guided_regex: str | None = Field(default=None, description="extension")
@@ -297,7 +302,9 @@ class GenerationRequest(GenerationBase):
     def _integral_number(cls, value: Any) -> Any:
         return _integral(value)
 
-    @field_validator("n", "stream", "ignore_eos", "skip_special_tokens", mode="before")
+    @field_validator(
+        "n", "stream", "ignore_eos", "skip_special_tokens", "speculative", mode="before"
+    )
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None
@@ -402,6 +409,7 @@ class GenerationRequest(GenerationBase):
             skip_special_tokens=self.skip_special_tokens,
             grammar=grammar,
             prompt_logprobs=prompt_logprobs,
+            speculative=self.speculative,
         )
 
     @property

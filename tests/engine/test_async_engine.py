@@ -62,6 +62,9 @@ def _config(path: Path, **overrides: Any) -> EngineConfig:
         "max_num_seqs": 8,
         "max_num_batched_tokens": 64,
         "max_model_len": 256,  # the pool (64 blocks x 4) must hold one max_model_len sequence
+        # One token a step: these tests count steps and deltas (drafts would join several
+        # tokens a step; tests/engine/speculative/ covers them)
+        "speculative": "off",
     }
     settings.update(overrides)
     return EngineConfig(**settings)

@@ -129,9 +129,15 @@ def test_preempted_sequences_recompute_from_their_cached_blocks(
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [_prompt(20 + i, 30) for i in range(5)]
-    small = tiny_engine(tiny_llama_path, num_kv_blocks=40, max_model_len=96)
+    # One token a step, so that this pool runs out mid-decode (tests/engine/speculative/
+    # preempts with drafts)
+    small = tiny_engine(tiny_llama_path, num_kv_blocks=40, max_model_len=96, speculative="off")
     plain = tiny_engine(
-        tiny_llama_path, num_kv_blocks=40, max_model_len=96, enable_prefix_cache=False
+        tiny_llama_path,
+        num_kv_blocks=40,
+        max_model_len=96,
+        enable_prefix_cache=False,
+        speculative="off",
     )
     got = run_staggered(small, prompts, params, [0] * 5)
     want = run_staggered(plain, prompts, params, [0] * 5)

@@ -1,7 +1,8 @@
 """Imports point one way, and `engine/__init__.py` is a working public API.
 
 The order, bottom first (docs/architecture.md draws it):
-    engine:  core < text < structured < kvcache < registry < scheduler < executor < loading
+    engine:  core < text < structured < kvcache < registry < speculative < scheduler < executor
+             < loading
              < the orchestration modules at engine/*.py (llm_engine, async_engine, ...)
     packages: engine < gateway < replicas < prefixgate (the command)
 
@@ -33,6 +34,7 @@ ENGINE_LAYERS = (
     "structured",
     "kvcache",
     "registry",
+    "speculative",
     "scheduler",
     "executor",
     "loading",

@@ -244,7 +244,8 @@ class Reference:
     """Expected outputs: an LLMEngine in this process, on the weights the server serves.
 
     Greedy and seeded outputs are deterministic, so a server's text must equal these to the
-    character (the engine tests already pin them to transformers)."""
+    character (the engine tests already pin them to transformers), with or without the
+    server's speculative decoding."""
 
     def __init__(self, model: Path, block_size: int, num_kv_blocks: int, max_model_len: int):
         config = EngineConfig(
@@ -253,6 +254,7 @@ class Reference:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,
+            speculative="off",  # one token a step: `run` gives each token's own delta
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -221,6 +221,7 @@ GENERATION_KINDS: dict[str, Kind] = {
     "cache_salt": STRING,
     "ignore_eos": BOOLEAN,
     "skip_special_tokens": BOOLEAN,
+    "speculative": BOOLEAN,
     "guided_json": _kind("an object or a string", "object", "string"),
     "guided_regex": STRING,
     "guided_choice": ARRAY,

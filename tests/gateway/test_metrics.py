@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineStats, HistogramCounts, PrefixInfo
+from engine import DraftCounts, EngineStats, HistogramCounts, PrefixInfo
 from gateway.metrics import (
     E2E_BUCKETS,
     TPOT_BUCKETS,
@@ -31,6 +31,8 @@ ENGINE_FAMILIES = {
     "prefixgate_num_requests_waiting",
     "prefixgate_num_preemptions",
     "prefixgate_forced_tokens",
+    "prefixgate_draft_tokens",
+    "prefixgate_accepted_draft_tokens",
     "prefixgate_kv_blocks_total",
     "prefixgate_kv_blocks_free",
     "prefixgate_kv_blocks_pinned",
@@ -88,6 +90,7 @@ SNAP = EngineStats(
     block_size=16,
     num_preemptions=1,
     num_forced_tokens=12,
+    draft_tokens={"sys": DraftCounts(40, 31), "": DraftCounts(9, 2)},
     prefix_lookups=9,
     prefix_hits=7,
     prefix_cached_tokens=264,
@@ -160,6 +163,12 @@ def test_render_content_type_is_prometheus_text_0_0_4() -> None:
         f"prefixgate_num_preemptions_total{{{M}}} 1.0",
         "# TYPE prefixgate_forced_tokens_total counter",
         f"prefixgate_forced_tokens_total{{{M}}} 12.0",
+        "# TYPE prefixgate_draft_tokens_total counter",
+        f'prefixgate_draft_tokens_total{{{M},prefix="sys"}} 40.0',
+        f'prefixgate_draft_tokens_total{{{M},prefix=""}} 9.0',
+        "# TYPE prefixgate_accepted_draft_tokens_total counter",
+        f'prefixgate_accepted_draft_tokens_total{{{M},prefix="sys"}} 31.0',
+        f'prefixgate_accepted_draft_tokens_total{{{M},prefix=""}} 2.0',
         "# TYPE prefixgate_prefix_lookups_total counter",
         f"prefixgate_prefix_lookups_total{{{M}}} 9.0",
         f"prefixgate_prefix_cache_hits_total{{{M}}} 7.0",
@@ -205,6 +214,8 @@ def test_families_and_types() -> None:
         "prefixgate_prompt_cached_tokens",
         "prefixgate_num_preemptions",
         "prefixgate_forced_tokens",
+        "prefixgate_draft_tokens",
+        "prefixgate_accepted_draft_tokens",
         "prefixgate_prefix_lookups",
         "prefixgate_prefix_cache_hits",
         "prefixgate_auto_prefix_cache_hits",

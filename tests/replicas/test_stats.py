@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine import EngineStats, PrefixInfo
+from engine import DraftCounts, EngineStats, PrefixInfo
 from replicas.stats import MIXED_DIGEST, sum_stats
 
 
@@ -72,3 +72,14 @@ def test_disagreeing_digests_and_a_failed_reload_show() -> None:
 def test_prefixes_only_one_replica_holds_are_listed() -> None:
     total = sum_stats([stats(), stats(prefixes=(prefix("other", 1, None),))])
     assert sorted(p.name for p in total.prefixes) == ["intent", "other"]
+
+
+def test_forced_and_draft_tokens_add_up_by_entry() -> None:
+    one = stats(num_forced_tokens=4, draft_tokens={"intent": DraftCounts(10, 7)})
+    two = stats(
+        num_forced_tokens=5,
+        draft_tokens={"intent": DraftCounts(3, 1), "": DraftCounts(8, 8)},
+    )
+    total = sum_stats([one, two])
+    assert total.num_forced_tokens == 9
+    assert total.draft_tokens == {"intent": DraftCounts(13, 8), "": DraftCounts(8, 8)}

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -555,7 +556,7 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 # ---------------------------------------------------------------- workloads
 
 
-@pytest.mark.parametrize("name", ["intent", "unique", "chat-multi-turn", "decode-heavy"])
+@pytest.mark.parametrize("name", ["intent", "unique", "chat-multi-turn", "decode-heavy", "copy"])
 def test_workloads_are_deterministic(name: str) -> None:
     def build(seed: int, stream: int | str = 0) -> list[WorkloadRequest]:
         return build_workload(name, 10, seed, SYSTEM, num_turns=3, stream=stream)
@@ -627,6 +628,16 @@ def test_decode_heavy_prompts_are_short_and_have_no_system_prompt() -> None:
         assert 12 <= len(tokenizer.encode(message["content"])) <= 28
 
 
+def test_copy_requests_follow_the_whole_entry_and_differ_from_each_other() -> None:
+    entry = [*SYSTEM, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    requests = build_workload("copy", 50, 0, entry)
+    for r in requests:
+        assert r.messages[:-1] == entry
+        assert r.messages[-1]["role"] == "user"
+        assert re.search(r"(Quote|Copy|Repeat|quote|Rewrite|Extract)", r.messages[-1]["content"])
+    assert len({r.messages[-1]["content"] for r in requests}) == 50
+
+
 def test_the_shipped_prefixes_feed_the_workloads() -> None:
     args = bs.parse_args(["--prefixes", str(REPO / "prefixes.yaml")])
     [system] = bs._prefix_messages(args)
@@ -634,6 +645,7 @@ def test_the_shipped_prefixes_feed_the_workloads() -> None:
     assert system["content"].startswith("You are the intent classifier for Acme Cloud Storage")
     chat = bs._prefix_messages(bs.parse_args(["--workload", "chat-multi-turn"]))
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant"]
+    assert bs._prefix_messages(bs.parse_args(["--workload", "copy"])) == chat
     assert bs._prefix_messages(bs.parse_args(["--workload", "decode-heavy"])) == []
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload("nope", 1, 0, SYSTEM)

@@ -153,8 +153,12 @@ def test_hits_survive_preemption(
     tiny_llama_path: Path, prefix_file: Path, prompts: list[list[int]]
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    small = _engine(tiny_llama_path, prefix_file, num_kv_blocks=60, max_model_len=96)
-    plain = _engine(tiny_llama_path, None, num_kv_blocks=60, max_model_len=96)
+    # One token a step, so that this pool runs out mid-decode (drafts finish these
+    # sequences in fewer steps; tests/engine/speculative/ preempts with drafts)
+    small = _engine(
+        tiny_llama_path, prefix_file, num_kv_blocks=60, max_model_len=96, speculative="off"
+    )
+    plain = _engine(tiny_llama_path, None, num_kv_blocks=60, max_model_len=96, speculative="off")
     got = run_staggered(small, prompts, params, [0, 0, 0, 0, 0])
     want = run_staggered(plain, prompts, params, [0, 0, 0, 0, 0])
     assert small.scheduler.num_preemptions > 0

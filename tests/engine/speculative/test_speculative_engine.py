@@ -1,0 +1,147 @@
+"""Speculative decoding in the engine, on the tiny Llama as the default model is served (int4
+layers, int8 head, the attention kernel: a position's logits have the same bits in any
+chunk). Greedy tokens are those of the engine without drafts whatever the schedule; rejected
+drafts leave nothing behind; requests that may not take drafts get none."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.core.sampling_params import GrammarSpec
+from engine.core.sequence import Sequence
+from tests.helpers import assert_all_free, run_staggered, tiny_engine, tokens_of
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _engine(path: Path, **overrides: Any) -> LLMEngine:
+    return tiny_engine(path, quantization="int4", **overrides)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat runs of themselves (drafts find them) and plain random ones."""
+    rng = random.Random(3)
+    prompts = []
+    for n in (6, 9, 14):
+        run = [rng.randrange(3, vocab) for _ in range(n)]
+        prompts.append(run * 3 + run[: n // 2])
+    prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 31, 70)]
+    base = prompts[1]
+    prompts.append(base + [rng.randrange(3, vocab) for _ in range(4)])  # shares its start
+    return prompts
+
+
+def _lone_answers(path: Path, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    engine = _engine(path, speculative="off", enable_prefix_cache=False)
+    answers = [tokens_of(run_staggered(engine, [p], params, [0])[0]) for p in prompts]
+    assert engine.scheduler.num_draft_tokens == 0
+    return answers
+
+
+def test_greedy_tokens_equal_the_engine_without_drafts_in_every_schedule(
+    tiny_llama_path: Path,
+) -> None:
+    probe = _engine(tiny_llama_path)
+    prompts = _prompts(probe.vocab_size)
+    want = _lone_answers(tiny_llama_path, prompts, GREEDY)
+    rng = random.Random(5)
+    for overrides in (
+        {},  # alone, one by one: drafts at every step the cost model allows
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 128},
+        {"num_kv_blocks": 40, "max_model_len": 96},  # preempted, some mid-verification
+    ):
+        engine = _engine(tiny_llama_path, **overrides)
+        for _ in range(2):  # the second round hits what the first cached, answers included
+            arrivals = [rng.randint(0, 6) for _ in prompts]
+            got = [tokens_of(r) for r in run_staggered(engine, prompts, GREEDY, arrivals)]
+            assert got == want, overrides
+            # n > 1: copies in the same step share the leader's prefill, then draft apart
+            copies = run_staggered(engine, [prompts[0]] * 3, GREEDY, [0, 0, 0])
+            assert [tokens_of(r) for r in copies] == [want[0]] * 3, overrides
+        assert engine.scheduler.num_draft_tokens > 0, overrides
+        assert engine.num_accepted_draft_tokens > 0, overrides
+        assert engine.num_accepted_draft_tokens < engine.scheduler.num_draft_tokens, overrides
+        if "num_kv_blocks" in overrides:
+            assert engine.scheduler.num_preemptions > 0
+        assert_all_free(engine)
+
+
+def test_rejected_drafts_leave_no_trace_in_the_cache(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every draft wrong: the answers are the same, the blocks balance after every step
+    (debug_check_integrity), and a prompt that extends an answer starts from its cached
+    blocks and gets the answer it gets with nothing cached (the K/V of rejected drafts, past
+    each sequence's computed tokens, was overwritten before any block was indexed)."""
+    engine = _engine(tiny_llama_path)
+    vocab = engine.vocab_size
+    prompts = _prompts(vocab)
+    want = _lone_answers(tiny_llama_path, prompts, GREEDY)
+
+    def wrong(seq: Sequence) -> None:
+        seq.draft_token_ids = [(t + 1) % vocab for t in seq.token_ids[-4:]]
+
+    monkeypatch.setattr(engine.drafter, "propose", wrong)
+    got = [tokens_of(r) for r in run_staggered(engine, prompts, GREEDY, [0, 1, 1, 2, 2, 3, 3])]
+    assert got == want
+    drafted = engine.scheduler.num_draft_tokens
+    assert drafted > 0 and engine.num_accepted_draft_tokens < drafted / 4
+    assert_all_free(engine)
+
+    longer = [p + a for p, a in zip(prompts, want, strict=True)]
+    cached = run_staggered(engine, longer, GREEDY, [0] * len(longer))
+    assert all(r[-1].num_cached_tokens > 0 for r in cached)
+    assert [tokens_of(r) for r in cached] == _lone_answers(tiny_llama_path, longer, GREEDY)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=("zzzz",)),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1),
+        SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False),
+        SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            ignore_eos=True,
+            grammar=GrammarSpec.json_schema({"type": "string"}),
+        ),
+    ],
+    ids=["logprobs", "stop", "penalty", "sampling", "opt-out", "grammar"],
+)
+def test_requests_that_may_not_take_drafts_get_none(
+    tiny_llama_path: Path, params: SamplingParams
+) -> None:
+    engine = _engine(tiny_llama_path)
+    prompts = _prompts(engine.vocab_size)[:3]
+    run_staggered(engine, prompts, params, [0, 0, 0])
+    assert engine.scheduler.num_draft_tokens == 0
+    run_staggered(engine, prompts, GREEDY, [0, 0, 0])  # the same prompts do take drafts
+    assert engine.scheduler.num_draft_tokens > 0
+    assert_all_free(engine)
+
+
+def test_max_tokens_and_the_context_end_where_they_would_without_drafts(
+    tiny_llama_path: Path,
+) -> None:
+    engine = _engine(tiny_llama_path, max_model_len=64)
+    prompt = _prompts(engine.vocab_size)[0]  # 31 tokens that repeat
+    for max_tokens in (1, 2, 3, 5, 8, 13):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        [outputs] = run_staggered(engine, [prompt], params, [0])
+        assert len(tokens_of(outputs)) == max_tokens
+        assert outputs[-1].finish_reason == "length"
+        assert outputs[-1].num_completion_tokens == max_tokens
+    unbounded = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    [outputs] = run_staggered(engine, [prompt], unbounded, [0])
+    assert len(prompt) + len(tokens_of(outputs)) == 64
+    assert engine.num_accepted_draft_tokens > 0
+    assert_all_free(engine)
