@@ -3,7 +3,8 @@
 # prefixgate with its registry and with --no-prefix-cache, llama.cpp server with its prompt
 # cache on and off, transformers serve with continuous batching.
 #   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode",
-#                                                  "multiturn"
+#                                                  "multiturn", "contract" (intent with the
+#                                                  entry's label schema), "copy", "copy8"
 # SYSTEMS picks who runs (default "registry nocache llamacpp llamacpp-nocache transformers");
 # DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
 # suffixes prefixgate's result names (to keep two configurations apart); LLAMA_ISA picks the
@@ -11,7 +12,8 @@
 # its result names unless native. MODEL (a .gguf file) is served by prefixgate and llama.cpp
 # instead of the embedded model, CHAT_TEMPLATE (a Jinja file) given to both (a base model's
 # file has none: tools/chat_templates/); BENCH_FLAGS adds flags to every load run (e.g.
-# --ignore-eos, so two servers that answer differently write as many tokens).
+# --ignore-eos, so two servers that answer differently write as many tokens); LLAMA_FLAGS adds
+# flags to llama-server (e.g. "--spec-type ngram-simple", its lookup decoding).
 # Every server is started on 127.0.0.1 and stopped by PID; every load run is bounded.
 # The QPS sweep uses SWEEP for servers that reuse the prefix and SWEEP_SLOW for those that
 # cannot (each step sends QPS x 60 s requests, 10 to 40, and stops after 120 s).
@@ -49,6 +51,15 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
       multiturn) $PY tools/bench_serving.py --label "$label" --workload chat-multi-turn \
              --concurrency 8 --num-requests 48 --max-duration 600 --warmup 2 \
              --out "$OUT/$label-multiturn.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
+      contract) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 1 \
+             --num-requests 20 --warmup 2 --max-duration 600 --extra-body '{"response_format": null}' \
+             --out "$OUT/$label-contract.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
+      copy) $PY tools/bench_serving.py --label "$label" --workload copy --concurrency 1 \
+             --num-requests 12 --warmup 2 --max-duration 600 \
+             --out "$OUT/$label-copy.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
+      copy8) $PY tools/bench_serving.py --label "$label" --workload copy --concurrency 8 \
+             --num-requests 32 --warmup 2 --max-duration 600 \
+             --out "$OUT/$label-copy8.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
     esac
   done
 }
@@ -62,6 +73,9 @@ prefixgate() {  # label flags...
   local pid=$!
   for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
   bench "$label" --base-url "http://127.0.0.1:$PORT/v1"
+  # what its engine did over the whole run: tokens forced, drafted and accepted
+  curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E '^prefixgate_(forced_tokens|draft_tokens|accepted_draft_tokens|generation_tokens)_total' \
+    > "$OUT/$label.metrics.txt" || true
   kill -TERM "$pid"; wait "$pid" || true
 }
 
@@ -75,8 +89,10 @@ fi
 if wants llamacpp || wants llamacpp-nocache; then
   ISA=${LLAMA_ISA:-native}
   SUFFIX=$([[ $ISA == native ]] || echo "-$ISA")
+  read -r -a LLAMA_EXTRA <<< "${LLAMA_FLAGS:-}"
+  [[ -n ${CHAT_TEMPLATE:-} ]] && LLAMA_EXTRA+=(--jinja --chat-template-file "$CHAT_TEMPLATE")
   $PY tools/peers.py start llama-cpp --port 8081 --no-build --isa "$ISA" ${MODEL:+--model "$MODEL"} \
-    ${CHAT_TEMPLATE:+-- --jinja --chat-template-file "$CHAT_TEMPLATE"}
+    ${LLAMA_EXTRA[@]+-- "${LLAMA_EXTRA[@]}"}
   if wants llamacpp; then
     bench "llama.cpp-cache-on$SUFFIX" --base-url http://127.0.0.1:8081/v1 \
       --extra-body '{"cache_prompt": true}'

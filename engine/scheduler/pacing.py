@@ -12,8 +12,9 @@ at least `min_prefill_tokens` of a waiting prompt, so new requests are never sta
 first token is late by a bounded number of steps, never postponed without end.
 
 What a chunk costs comes from `StepCostModel`, fitted on this machine's own steps as the
-engine serves them: a step's seconds ~ a + b * tokens + c * keys, `keys` being the sum over
-the step's queries of the positions they attend to (attention's work). Until it has seen
+engine serves them: a step's seconds ~ a + b * tokens + c * keys + d * rows, `keys` being the
+sum over the step's queries of the positions they attend to (attention's work), `rows` the
+positions whose logits are computed (the head's work). Until it has seen
 enough steps the model does not limit anything. The choices are counted for /metrics: prompt
 tokens per step, and the seconds of each step that carried decodes (the delay every running
 stream saw).
@@ -33,58 +34,67 @@ def attention_keys(start: int, num_new: int) -> int:
     return num_new * start + num_new * (num_new + 1) // 2
 
 
+_NUM_FEATURES = 4
+
+
 @dataclass(slots=True)
 class StepCostModel:
-    """Recursive least squares over (1, tokens, keys / 1000) -> seconds, with forgetting, so
-    it follows a machine whose speed drifts (other load, frequency scaling)."""
+    """Recursive least squares over (1, tokens, keys / 1000, logits rows) -> seconds, with
+    forgetting, so it follows a machine whose speed drifts (other load, frequency scaling).
+    Logits rows (one per sampling sequence, plus one per draft token verified) pay the
+    model's head besides the layers: a draft row costs more than a prompt token."""
 
     forgetting: float = 0.98
     min_observations: int = 8
     num_observations: int = 0
-    theta: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    theta: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
     p: list[list[float]] = field(
-        default_factory=lambda: [[1e3, 0.0, 0.0], [0.0, 1e3, 0.0], [0.0, 0.0, 1e3]]
+        default_factory=lambda: [
+            [1e3 if i == j else 0.0 for j in range(_NUM_FEATURES)] for i in range(_NUM_FEATURES)
+        ]
     )
 
     @property
     def is_ready(self) -> bool:
         return self.num_observations >= self.min_observations
 
-    def observe(self, tokens: int, keys: int, seconds: float) -> None:
-        x = _features(tokens, keys)
-        px = [sum(self.p[i][j] * x[j] for j in range(3)) for i in range(3)]
-        denominator = self.forgetting + sum(x[i] * px[i] for i in range(3))
+    def observe(self, tokens: int, keys: int, seconds: float, rows: int = 0) -> None:
+        n = _NUM_FEATURES
+        x = _features(tokens, keys, rows)
+        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denominator = self.forgetting + sum(x[i] * px[i] for i in range(n))
         gain = [v / denominator for v in px]
         error = seconds - sum(t * v for t, v in zip(self.theta, x, strict=True))
         self.theta = [t + g * error for t, g in zip(self.theta, gain, strict=True)]
         self.p = [
-            [(self.p[i][j] - gain[i] * px[j]) / self.forgetting for j in range(3)] for i in range(3)
+            [(self.p[i][j] - gain[i] * px[j]) / self.forgetting for j in range(n)] for i in range(n)
         ]
         # Steps alike (a steady decode batch) teach nothing new in some directions, and
         # forgetting would then grow their variance without end: keep it bounded.
-        for i in range(3):
+        for i in range(n):
             if self.p[i][i] > _MAX_VARIANCE:
                 shrink = (_MAX_VARIANCE / self.p[i][i]) ** 0.5
-                for j in range(3):
+                for j in range(n):
                     self.p[i][j] *= shrink
                     self.p[j][i] *= shrink
         self.num_observations += 1
 
-    def seconds(self, tokens: int, keys: int) -> float:
+    def seconds(self, tokens: int, keys: int, rows: int = 0) -> float:
         """The predicted step time (each term taken at no less than zero)."""
-        x = _features(tokens, keys)
+        x = _features(tokens, keys, rows)
         return sum(max(t, 0.0) * v for t, v in zip(self.theta, x, strict=True))
 
-    def marginal(self, tokens: int, keys: int) -> float:
-        """What `tokens` more tokens reading `keys` more keys add to a step."""
-        return self.seconds(tokens, keys) - max(self.theta[0], 0.0)
+    def marginal(self, tokens: int, keys: int, rows: int = 0) -> float:
+        """What `tokens` more tokens reading `keys` more keys (`rows` of them with logits)
+        add to a step."""
+        return self.seconds(tokens, keys, rows) - max(self.theta[0], 0.0)
 
 
 _MAX_VARIANCE = 1e3
 
 
-def _features(tokens: int, keys: int) -> list[float]:
-    return [1.0, float(tokens), keys / 1000.0]
+def _features(tokens: int, keys: int, rows: int) -> list[float]:
+    return [1.0, float(tokens), keys / 1000.0, float(rows)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +153,7 @@ class Pacing:
         target, a model not fitted yet, or no decode to keep waiting)."""
         if self.max_itl is None or num_decodes == 0 or not self.cost.is_ready:
             return None
-        return self.max_itl - self.cost.seconds(num_decodes, decode_keys)
+        return self.max_itl - self.cost.seconds(num_decodes, decode_keys, num_decodes)
 
     def chunk(self, time_left: float | None, start: int, wanted: int, prefilled: int) -> int:
         """Prompt tokens from position `start` (at most `wanted`) that fit in `time_left`,

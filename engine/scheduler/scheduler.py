@@ -89,6 +89,14 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
     @property
+    def num_logits_rows(self) -> int:
+        """Positions whose logits the forward computes: a sampling row per computed sequence
+        that samples, and one per draft token."""
+        return sum(
+            1 + s.num_draft_tokens for s in self.scheduled if s.num_new_tokens and s.is_sampling
+        )
+
+    @property
     def num_attention_keys(self) -> int:
         """Keys the step's queries read (valid until `on_step_done` advances the counts)."""
         return sum(
@@ -187,7 +195,9 @@ class Scheduler:
         num_prefill = out.num_prefill_tokens
         self.pacing.count(num_prefill, num_prefill < out.num_batched_tokens, seconds)
         if self.pacing.is_on or self.speculative:
-            self.pacing.cost.observe(out.num_batched_tokens, out.num_attention_keys, seconds)
+            self.pacing.cost.observe(
+                out.num_batched_tokens, out.num_attention_keys, seconds, out.num_logits_rows
+            )
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """After the forward: advance computed-token counts and index the blocks that are
@@ -224,22 +234,21 @@ class Scheduler:
             step.prefilled += num_new
 
     def _add_drafts(self, out: SchedulerOutput, step: _StepRoom) -> None:
-        """Give decodes the draft tokens that raise the step's expected tokens per second.
+        """Give decodes the draft tokens that raise their expected tokens per second.
 
-        Without drafts the step costs S seconds (the cost model's estimate) and yields D
-        tokens, one per sampling sequence. A sequence's i-th draft token adds Δ seconds (one
-        more row, reading its keys) and yields a token with the chance that it and every
-        draft before it are accepted, p^i (p: `seq.draft_acceptance`). Drafts are taken best
-        yield per second first while that beats the step's running yield per second: at one
-        decode a row is cheap beside the step's weight reads and a draft pays even at modest
-        odds; beside many decodes rows cost nearly a token each and only sure drafts pay. Until
-        the model has seen enough steps, every draft is taken (that is how it learns what
-        rows cost). Drafts only use blocks that are free: they never preempt anyone."""
-        items = [
-            item
-            for item in out.scheduled
-            if item.seq.draft_token_ids and item.is_sampling and item.seq.is_decoding
-        ]
+        The step's decodes alone would cost S seconds (the cost model's estimate) for D
+        tokens, one per decode: what a token costs without drafts. A sequence's i-th draft
+        token adds Δ seconds (a position and its logits row) and yields a token with the
+        chance that it and every draft before it are accepted, p^i (p:
+        `seq.draft_acceptance`). Drafts are taken best yield per second first while that
+        beats the decodes' running yield per second: beside one decode a row is cheap next
+        to the step's weight reads and a draft pays even at modest odds; beside many decodes
+        a row costs nearly a token and only sure drafts pay. Prompt chunks in the step do not
+        lower the bar (they are other work, not these tokens). Until the model has seen
+        enough steps every draft is taken (that is how it learns what rows cost). Drafts use
+        only what is left of the token budget and blocks that are free: they never preempt."""
+        decodes = [item for item in out.scheduled if item.is_sampling and item.seq.is_decoding]
+        items = [item for item in decodes if item.seq.draft_token_ids]
         if not items:
             return
         cost = self.pacing.cost
@@ -248,17 +257,21 @@ class Scheduler:
             seq, p = item.seq, item.seq.draft_acceptance
             position = seq.num_computed_tokens + item.num_new_tokens  # of its first draft
             for i in range(1, len(seq.draft_token_ids) + 1):
-                seconds = cost.marginal(1, position + i) if cost.is_ready else 0.0
+                seconds = cost.marginal(1, position + i, 1) if cost.is_ready else 0.0
                 candidates.append((p**i, max(seconds, 1e-9), index, i))
         candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
-        gained = float(sum(1 for item in out.scheduled if item.is_sampling))
-        spent = cost.seconds(out.num_batched_tokens, out.num_attention_keys)
+        gained = float(len(decodes))
+        spent = cost.seconds(
+            sum(item.num_new_tokens for item in decodes),
+            sum(attention_keys(i.seq.num_computed_tokens, i.num_new_tokens) for i in decodes),
+            len(decodes),
+        )
         taken = [0] * len(items)
         for expected, seconds, index, i in candidates:
             if step.tokens == 0:
                 break
             if cost.is_ready and expected * spent <= gained * seconds:
-                break  # no better than the step's own tokens per second
+                break  # no better than the decodes' own tokens per second
             if i != taken[index] + 1:
                 continue  # its earlier draft token was not taken
             taken[index] = i

@@ -25,6 +25,9 @@ from engine.speculative.ngram import Match, TokenBuffer, find_continuation
 MIN_NGRAM = 2
 MAX_NGRAM = 4
 DECAY = 0.8  # weight of earlier verifications in a sequence's acceptance estimate
+SCOPE_DECAY = 0.98  # the same over a scope's requests: a new request's prior
+PRIOR_WEIGHT = 4.0  # verifications' worth of the scope's record a new request starts with
+MAX_SCOPE_RECORDS = 1024
 
 
 @dataclass(slots=True)
@@ -58,6 +61,10 @@ class Drafter:
         self.max_model_len = max_model_len
         self.answers = AnswerIndex()
         self._live: dict[str, _Drafting] = {}
+        # How drafts fared in each scope (decayed accepted, rejected): a new request's
+        # prior, so one whose scope's answers copy well starts with drafts even in a busy
+        # step, where an unproven sequence's even odds would not pay.
+        self._scope_record: dict[AnswerScope, tuple[float, float]] = {}
         # Per registry entry ("" for requests that hit none). Values are replaced, never
         # changed, and `counts` copies the dict in one C call: a metrics scrape on another
         # thread reads it while steps run.
@@ -66,6 +73,10 @@ class Drafter:
     def start(self, seq: Sequence, entry: str | None) -> None:
         """Follow `seq` (a request that may take drafts) from now on."""
         state = _Drafting((seq.tenant, seq.cache_salt, entry))
+        accepted, rejected = self._scope_record.get(state.scope, (0.0, 0.0))
+        if accepted + rejected > 0:
+            scale = min(1.0, PRIOR_WEIGHT / (accepted + rejected))
+            state.accepted, state.rejected = accepted * scale, rejected * scale
         state.tokens.extend(seq.token_ids)
         self._live[seq.request_id] = state
         seq.draft_acceptance = state.acceptance
@@ -95,9 +106,17 @@ class Drafter:
         state = self._live.get(seq.request_id)
         if state is None or num_drafted == 0:
             return
+        rejected = float(num_accepted < num_drafted)
         state.accepted = DECAY * state.accepted + num_accepted
-        state.rejected = DECAY * state.rejected + (num_accepted < num_drafted)
+        state.rejected = DECAY * state.rejected + rejected
         seq.draft_acceptance = state.acceptance
+        scope_accepted, scope_rejected = self._scope_record.pop(state.scope, (0.0, 0.0))
+        self._scope_record[state.scope] = (  # most recently used last
+            SCOPE_DECAY * scope_accepted + num_accepted,
+            SCOPE_DECAY * scope_rejected + rejected,
+        )
+        if len(self._scope_record) > MAX_SCOPE_RECORDS:
+            del self._scope_record[next(iter(self._scope_record))]
         entry = state.scope[2] or ""
         before = self._counts.get(entry, DraftCounts())
         self._counts[entry] = DraftCounts(

@@ -22,9 +22,9 @@ def _scheduler(num_blocks: int = 256, budget: int = 256) -> Scheduler:
 
 
 def _teach(sched: Scheduler, fixed: float, per_token: float) -> None:
-    """Steps of a machine whose step costs `fixed` + `per_token` x tokens seconds."""
+    """Decode steps of a machine whose step costs `fixed` + `per_token` x tokens seconds."""
     for tokens in (1, 2, 4, 8, 16, 3, 5, 12, 1, 6, 9, 2):
-        sched.pacing.cost.observe(tokens, 0, fixed + per_token * tokens)
+        sched.pacing.cost.observe(tokens, 0, fixed + per_token * tokens, tokens)
 
 
 def _decoding(sched: Scheduler, num: int, acceptance: float) -> list[Sequence]:

@@ -77,3 +77,18 @@ def test_acceptance_falls_with_rejections_and_rises_with_kept_runs() -> None:
     assert seq.draft_acceptance > 0.9
     assert drafter.counts()[""].drafted == 48
     assert drafter.counts()[""].accepted == 32
+
+
+def test_a_new_request_starts_from_its_scopes_record() -> None:
+    drafter = Drafter(max_draft_tokens=4, max_model_len=100)
+    copier = _seq("a", [1, 2, 3], tenant="acme")
+    drafter.start(copier, "doc")
+    for _ in range(10):
+        drafter.record(copier, 4, 4)
+    drafter.finish(copier, remember=True)
+    same_scope = _seq("b", [1, 2, 3], tenant="acme")
+    drafter.start(same_scope, "doc")
+    assert same_scope.draft_acceptance > 0.8
+    other_scope = _seq("c", [1, 2, 3], tenant="globex")
+    drafter.start(other_scope, "doc")
+    assert other_scope.draft_acceptance == 0.5
