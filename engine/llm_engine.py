@@ -65,12 +65,23 @@ class LLMEngine:
             config.enable_auto_prefix_cache,
             self.registry if config.enable_prefix_cache else None,
         )
+        # Drafts only where a position's logits have the same bits in any chunk: elsewhere
+        # verification could keep tokens the one-step path would not have chosen
+        self.speculative = config.is_speculative and loaded.is_batch_invariant
+        if config.is_speculative:
+            logger.info(
+                "speculative decoding: %s",
+                f"on, up to {config.num_speculative_tokens} draft tokens a step"
+                if self.speculative
+                else "off (this compute path is not batch invariant: drafts could change "
+                "greedy answers)",
+            )
         self.scheduler = Scheduler(
             self.cache,
             config.max_num_seqs,
             config.token_budget,
             config.max_itl,
-            speculative=config.is_speculative,
+            speculative=self.speculative,
         )
         self.drafter = Drafter(config.num_speculative_tokens, self.max_model_len)
         self.runner = ModelRunner(
@@ -216,7 +227,7 @@ class LLMEngine:
             matcher=request.grammar.new_matcher() if request.grammar is not None else None,
         )
         self._requests[request_id] = seq
-        if self.config.is_speculative and params.may_speculate and seq.matcher is None:
+        if self.speculative and params.may_speculate and seq.matcher is None:
             self.drafter.start(seq, self._entry_of(seq))
         self.scheduler.add(seq)
         logger.debug(

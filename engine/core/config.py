@@ -106,9 +106,10 @@ class EngineConfig:
         "auto",
         "speculative decoding without a draft model: tokens drafted from the request's own "
         "prompt and output and from earlier answers in its scope (tenant, cache_salt, registry "
-        "entry), verified in one forward; auto: a draft joins a step when this machine's step "
-        "cost model expects it to pay; off: never. The same tokens as without (only greedy "
-        "requests without logprobs, penalties, stop strings or a grammar take drafts)",
+        "entry), verified in one forward; auto: where the compute path is batch invariant (the "
+        "C++ CPU kernels), a draft joins a step when this machine's step cost model expects it "
+        "to pay; off: never. The same tokens as without (only greedy requests without "
+        "logprobs, penalties, stop strings or a grammar take drafts)",
         choices=SPECULATIVE_CHOICES,
     )
     num_speculative_tokens: int = option(

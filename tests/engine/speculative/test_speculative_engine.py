@@ -20,7 +20,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def _engine(path: Path, **overrides: Any) -> LLMEngine:
-    return tiny_engine(path, quantization="int4", **overrides)
+    """Every draft taken: the step cost model never counts as fitted, so what these tests
+    see does not hang on this machine's timings (tests/engine/speculative/
+    test_draft_scheduling.py tests the choice itself)."""
+    engine = tiny_engine(path, quantization="int4", **overrides)
+    engine.scheduler.pacing.cost.min_observations = 2**62
+    return engine
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -52,7 +57,7 @@ def test_greedy_tokens_equal_the_engine_without_drafts_in_every_schedule(
     rng = random.Random(5)
     for overrides in (
         {},  # alone, one by one: drafts at every step the cost model allows
-        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 12},  # prompt chunks first, drafts in what is left
         {"max_num_batched_tokens": 128},
         {"num_kv_blocks": 40, "max_model_len": 96},  # preempted, some mid-verification
     ):
@@ -66,7 +71,6 @@ def test_greedy_tokens_equal_the_engine_without_drafts_in_every_schedule(
             assert [tokens_of(r) for r in copies] == [want[0]] * 3, overrides
         assert engine.scheduler.num_draft_tokens > 0, overrides
         assert engine.num_accepted_draft_tokens > 0, overrides
-        assert engine.num_accepted_draft_tokens < engine.scheduler.num_draft_tokens, overrides
         if "num_kv_blocks" in overrides:
             assert engine.scheduler.num_preemptions > 0
         assert_all_free(engine)
@@ -145,3 +149,14 @@ def test_max_tokens_and_the_context_end_where_they_would_without_drafts(
     assert len(prompt) + len(tokens_of(outputs)) == 64
     assert engine.num_accepted_draft_tokens > 0
     assert_all_free(engine)
+
+
+def test_no_drafts_where_the_compute_path_is_not_batch_invariant(tiny_llama_path: Path) -> None:
+    # Without the C++ kernels the int4 weights run on dense copies through oneDNN, whose
+    # results may change with the batch's shape: a draft could then keep a token the
+    # one-step path would not have chosen
+    engine = _engine(tiny_llama_path, enable_compile=False)
+    assert not engine.speculative
+    run_staggered(engine, _prompts(engine.vocab_size)[:3], GREEDY, [0, 0, 0])
+    assert engine.scheduler.num_draft_tokens == 0
+    assert _engine(tiny_llama_path).speculative
