@@ -108,8 +108,9 @@ class EngineConfig:
         "prompt and output and from earlier answers in its scope (tenant, cache_salt, registry "
         "entry), verified in one forward; auto: where the compute path is batch invariant (the "
         "C++ CPU kernels), a draft joins a step when this machine's step cost model expects it "
-        "to pay; off: never. The same tokens as without (only greedy requests without "
-        "logprobs, penalties, stop strings or a grammar take drafts)",
+        "to pay; off: never. The same tokens as without, greedy, or the same distribution, "
+        "sampled (requests with logprobs, penalties, stop strings, a grammar or a seed take "
+        "no drafts)",
         choices=SPECULATIVE_CHOICES,
     )
     num_speculative_tokens: int = option(

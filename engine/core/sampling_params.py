@@ -147,14 +147,15 @@ class SamplingParams:
 
     @property
     def may_speculate(self) -> bool:
-        """Whether drafted tokens may be verified for this request (engine/speculative/):
-        greedy, so a draft is kept exactly when it is the argmax the model gives at its
-        position, and the output is the one without drafts; none of what reads each step's
-        own logits or text (logprobs, penalties, stop strings) or a grammar (its masks change
-        with every token: a grammar's sure tokens join by fast-forward instead)."""
+        """Whether drafted tokens may be verified for this request (engine/speculative/)
+        and still give what one step a token gives: greedy (a draft is kept exactly when it
+        is the argmax at its position) or sampled without a seed (a draft is kept with the
+        probability the model gives it, so each token is drawn from the distribution one
+        step would draw it from; a seeded generator's stream would be drawn differently).
+        None of what reads each step's own logits or text (logprobs, penalties, stop
+        strings) or a grammar (whose sure tokens join by fast-forward instead)."""
         return (
             self.speculative
-            and self.is_greedy
             and self.may_fast_forward
             and not self.has_penalties
             and self.grammar is None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.outputs import SampleLogprobs
+from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.executor.attention import (
     DecodeGroup,
@@ -21,7 +22,7 @@ from engine.executor.input_batch import InputBatch
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import CausalLM
 from engine.executor.penalty_counts import PenaltyCounts
-from engine.executor.sampler import Sampler, SamplingBatch, score_tokens
+from engine.executor.sampler import Sampler, SamplingBatch, sampling_probabilities, score_tokens
 from engine.kvcache.block_pool import BlockPool
 from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
 from engine.structured.grammar import GrammarMasker
@@ -115,24 +116,35 @@ class ModelRunner:
         sampled: list[SampledToken],
         draft_logits: torch.Tensor,
     ) -> None:
-        """Keep each draft token while it is the argmax at the position before it (the
-        sequences that take drafts are greedy: `SamplingParams.may_speculate`); the first
-        that is not gives way to the argmax, and if all are kept the last row's token comes
-        after them. `draft_logits` holds the rows of every drafted position, in batch order."""
+        """Keep each sequence's draft tokens up to the first the model rejects, which gives
+        way to the model's own token; if none is rejected, the last row's token comes after
+        them. `draft_logits` holds the rows of every drafted position, in batch order.
+
+        Greedy: a draft is kept while it is the argmax at its position. Sampled (no seed):
+        the rule for a deterministic draft, so every token is drawn from the distribution
+        one step a token draws it from: keep draft d with probability p(d); on a rejection
+        draw from p with d taken out (renormalised)."""
         targets: list[int] = self.sampler.argmax(draft_logits).tolist()
         offset = 0
         for item, token in zip(sampling, sampled, strict=True):
             k = item.num_draft_tokens
             if not k:
                 continue
-            wanted, drafts = targets[offset : offset + k], item.seq.draft_token_ids[:k]
+            rows, drafts = slice(offset, offset + k), item.seq.draft_token_ids[:k]
             offset += k
-            j = 0
-            while j < k and wanted[j] == drafts[j]:
-                j += 1
+            params = item.seq.params
+            if params.is_greedy:
+                wanted = targets[rows]
+                j = 0
+                while j < k and wanted[j] == drafts[j]:
+                    j += 1
+                if j < k:
+                    token.token_id = wanted[j]
+            else:
+                j, replacement = _sample_verify(draft_logits[rows], drafts, params)
+                if replacement is not None:
+                    token.token_id = replacement
             token.accepted, token.num_drafted = drafts[:j], k
-            if j < k:
-                token.token_id = wanted[j]
 
     def _copy_blocks(self, out: SchedulerOutput, after_forward: bool) -> None:
         for copy in out.copies:
@@ -343,6 +355,24 @@ class ModelRunner:
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+
+def _sample_verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams
+) -> tuple[int, int | None]:
+    """(drafts kept, the token drawn in place of the first rejected one or None)."""
+    probs = sampling_probabilities(logits, params)  # [k, vocab]
+    index = torch.arange(len(drafts), device=probs.device)
+    chance = probs[index, torch.tensor(drafts, device=probs.device)]
+    kept = (torch.rand(len(drafts), device=probs.device) < chance).tolist()
+    j = 0
+    while j < len(drafts) and kept[j]:
+        j += 1
+    if j == len(drafts):
+        return j, None
+    residual = probs[j].clone()
+    residual[drafts[j]] = 0.0  # p(d) < 1 here, so something else is left
+    return j, int(torch.multinomial(residual, 1))
 
 
 def _verified_rows(computed: list[ScheduledSequence]) -> list[int]:

@@ -89,6 +89,16 @@ class Sampler:
         return SamplerOutput(token_id_list, _gather_logprobs(raw, token_ids, token_id_list, params))
 
 
+def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from (`temperature > 0`): temperature, top-k,
+    top-p, min-p, softmax, as `Sampler` applies them. `logits`: [rows, vocab] of one
+    request (speculative decoding's verification rows). Float32."""
+    rows = logits.shape[0]
+    scaled = logits.float() / params.temperature
+    scaled = _apply_min_p(_apply_top_k_top_p(scaled, [params] * rows), [params] * rows)
+    return scaled.softmax(dim=-1)
+
+
 def _is_plain_greedy(params: SamplingParams) -> bool:
     return params.is_greedy and not params.has_penalties and params.logprobs is None
 

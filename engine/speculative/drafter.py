@@ -8,10 +8,12 @@ from each sequence's `draft_acceptance`, which this module keeps: decayed counts
 tokens accepted and rejected, so a request whose drafts keep failing soon gets none, and one
 that copies runs of text gets long drafts.
 
-Which requests may take drafts is `SamplingParams.may_speculate` (greedy, nothing that reads
-every step's own logits or text) and no grammar: their output is the same with drafts as
-without, because a draft token is kept only where it equals the argmax of the logits the
-model computes at its position, bit for bit what a one-token step computes there.
+Which requests may take drafts is `SamplingParams.may_speculate` (greedy or sampled without a
+seed, nothing that reads every step's own logits or text) and no grammar: their output is the
+same with drafts as without. Greedy, because a draft token is kept only where it equals the
+argmax of the logits the model computes at its position, bit for bit what a one-token step
+computes there; sampled, because a draft is kept with the probability the model gives it and a
+rejected one is replaced by a draw from the rest (`ModelRunner._verify`).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=("zzzz",)),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1),
-        SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False),
         SamplingParams(
             temperature=0,
@@ -119,7 +119,7 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
             grammar=GrammarSpec.json_schema({"type": "string"}),
         ),
     ],
-    ids=["logprobs", "stop", "penalty", "sampling", "opt-out", "grammar"],
+    ids=["logprobs", "stop", "penalty", "seeded", "opt-out", "grammar"],
 )
 def test_requests_that_may_not_take_drafts_get_none(
     tiny_llama_path: Path, params: SamplingParams
