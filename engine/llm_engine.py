@@ -373,13 +373,17 @@ class LLMEngine:
         seq = sampled.seq
         if seq.params.max_tokens == 0:  # the prompt was only to be scored
             return self._finish(seq, [], "length", None, None)
-        logprobs = [sampled.logprobs] if sampled.logprobs is not None else None
         appended: list[int] = []
         finish_reason, stop_reason = None, None
         for token_id in (*sampled.accepted, sampled.token_id):
             finish_reason, stop_reason = self._join(seq, token_id, appended)
             if finish_reason is not None:
                 break
+        logprobs = (
+            [*sampled.accepted_logprobs, sampled.logprobs][: len(appended)]
+            if sampled.logprobs is not None
+            else None
+        )
         self._count_drafts(sampled, min(len(appended), len(sampled.accepted)))
         while finish_reason is None and (forced := self._forced_token(seq)) is not None:
             finish_reason, stop_reason = self._join(seq, forced, appended)

@@ -35,7 +35,7 @@ class Choice:
 
     def add(self, out: RequestOutput) -> None:
         self.is_started = True
-        self.text_offsets += [len(self.text)] * len(out.token_ids)
+        self.text_offsets += [len(self.text) + o for o in out.offsets()]
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []

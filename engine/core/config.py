@@ -107,10 +107,10 @@ class EngineConfig:
         "speculative decoding without a draft model: tokens drafted from the request's own "
         "prompt and output and from earlier answers in its scope (tenant, cache_salt, registry "
         "entry), verified in one forward; auto: where the compute path is batch invariant (the "
-        "C++ CPU kernels), a draft joins a step when this machine's step cost model expects it "
-        "to pay; off: never. The same tokens as without, greedy, or the same distribution, "
-        "sampled (requests with logprobs, penalties, stop strings, a grammar or a seed take "
-        "no drafts)",
+        "C++ CPU kernels on quantized weights), a draft joins a step when this machine's "
+        "step cost model expects it to pay; off: never. The same tokens as without, greedy, "
+        "or the same distribution, sampled (requests with penalties, stop strings, a grammar "
+        "or a seed take no drafts)",
         choices=SPECULATIVE_CHOICES,
     )
     num_speculative_tokens: int = option(

@@ -42,6 +42,9 @@ class RequestOutput:
     # On a request's first output when it asked for prompt_logprobs: one per prompt token.
     prompt_logprobs: list[SampleLogprobs | None] | None = None
     error: str | None = field(default=None)
+    # Set with the text: per token of `token_ids`, where its text starts in `text` (a delta
+    # may hold several tokens: forced, drafted, merged steps)
+    text_offsets: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,4 +65,11 @@ class RequestOutput:
             token_ids=[*self.token_ids, *later.token_ids],
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            text_offsets=[*self.offsets(), *(len(self.text) + o for o in later.offsets())],
         )
+
+    def offsets(self) -> list[int]:
+        """`text_offsets`, or (an output without text) every token at the start."""
+        if self.text_offsets is not None:
+            return self.text_offsets
+        return [0] * len(self.token_ids)

@@ -152,11 +152,13 @@ class SamplingParams:
         is the argmax at its position) or sampled without a seed (a draft is kept with the
         probability the model gives it, so each token is drawn from the distribution one
         step would draw it from; a seeded generator's stream would be drawn differently).
-        None of what reads each step's own logits or text (logprobs, penalties, stop
-        strings) or a grammar (whose sure tokens join by fast-forward instead)."""
+        Logprobs come from each kept position's own row. Not with penalties (their counts
+        change with every token), stop strings (a kept run could pass the stop, and the
+        tokens after it would count) or a grammar (whose sure tokens join by fast-forward)."""
         return (
             self.speculative
-            and self.may_fast_forward
+            and not self.stop
+            and (self.is_greedy or self.seed is None)
             and not self.has_penalties
             and self.grammar is None
         )

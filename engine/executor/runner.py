@@ -22,7 +22,13 @@ from engine.executor.input_batch import InputBatch
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import CausalLM
 from engine.executor.penalty_counts import PenaltyCounts
-from engine.executor.sampler import Sampler, SamplingBatch, sampling_probabilities, score_tokens
+from engine.executor.sampler import (
+    Sampler,
+    SamplingBatch,
+    sampling_probabilities,
+    score_tokens,
+    token_logprobs,
+)
 from engine.kvcache.block_pool import BlockPool
 from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
 from engine.structured.grammar import GrammarMasker
@@ -38,6 +44,8 @@ class SampledToken:
     logprobs: SampleLogprobs | None
     accepted: list[int] = field(default_factory=list)
     num_drafted: int = 0
+    # with params.logprobs: each accepted token's, from its own position's row
+    accepted_logprobs: list[SampleLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -145,6 +153,14 @@ class ModelRunner:
                 if replacement is not None:
                     token.token_id = replacement
             token.accepted, token.num_drafted = drafts[:j], k
+            if params.logprobs is not None:
+                # the kept drafts' rows, and the row of the token that replaced a rejected
+                # one (else the last row's, which the sampler reported)
+                scored = drafts[:j] + ([token.token_id] if j < k else [])
+                logprobs = token_logprobs(draft_logits[rows][: len(scored)], scored, params)
+                token.accepted_logprobs = logprobs[:j]
+                if j < k:
+                    token.logprobs = logprobs[j]
 
     def _copy_blocks(self, out: SchedulerOutput, after_forward: bool) -> None:
         for copy in out.copies:

@@ -99,6 +99,17 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     return scaled.softmax(dim=-1)
 
 
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], params: SamplingParams
+) -> list[SampleLogprobs]:
+    """Each row's logprobs of its token as `Sampler` reports a sampled row's (rows of one
+    request: the positions speculative decoding kept)."""
+    raw = logits.float()
+    ids = _index(token_ids, raw.device)
+    result = _gather_logprobs(raw, ids, token_ids, [params] * len(token_ids))
+    return [lp for lp in result if lp is not None]
+
+
 def _is_plain_greedy(params: SamplingParams) -> bool:
     return params.is_greedy and not params.has_penalties and params.logprobs is None
 

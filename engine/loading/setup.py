@@ -73,8 +73,9 @@ class LoadedModel:
     has_cpu_kernels: bool = False
     kernels: KernelBuild = NOT_BUILT
     # A position's logits have the same bits in any batch and chunk: the C++ kernels with
-    # quantized weights on them, or float32 (docs/architecture.md). Speculative decoding's
-    # promise (the tokens without drafts) needs it.
+    # the quantized weights on them (dense float weights go through oneDNN, whose GEMMs
+    # change with the batch's shape, in float32 too: docs/architecture.md). Speculative
+    # decoding's promise (the tokens without drafts) needs it.
     is_batch_invariant: bool = False
     # Everything that decides the bits of this engine's KV (engine/kv_snapshots.py): a
     # snapshot is used only where every entry is equal.
@@ -161,8 +162,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         vocab_size=int(hf_config.vocab_size),
         has_cpu_kernels=has_cpu_kernels,
         kernels=kernels,
-        is_batch_invariant=has_cpu_kernels
-        and ((weights.is_quantized and not weights.dense_copies) or dtype == torch.float32),
+        is_batch_invariant=has_cpu_kernels and weights.is_quantized and not weights.dense_copies,
         kv_identity=kv_identity(
             config, source, hf_config, max_model_len, weights, spec, has_cpu_kernels
         ),

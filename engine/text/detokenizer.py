@@ -207,7 +207,9 @@ class RequestText:
             self.is_finished = out.finished
             return out
         text, finish_reason, stop_reason = "", out.finish_reason, out.stop_reason
+        offsets: list[int] = []  # where each token's text starts, as one step each emits it
         for token_id in out.token_ids:
+            offsets.append(len(text))
             if finish_reason is not None and self.params.is_stop_token(
                 token_id, self.eos_token_ids
             ):
@@ -217,10 +219,17 @@ class RequestText:
             if delta.stop_string is not None:
                 finish_reason, stop_reason = "stop", delta.stop_string
                 break
+        offsets += [len(text)] * (len(out.token_ids) - len(offsets))
         if finish_reason is not None and not isinstance(stop_reason, str):
             text += self.detokenizer.flush()
         self.is_finished = finish_reason is not None
-        return replace(out, text=text, finish_reason=finish_reason, stop_reason=stop_reason)
+        return replace(
+            out,
+            text=text,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            text_offsets=offsets,
+        )
 
 
 def _context_ids(prompt_token_ids: Sequence[int], skipped_ids: frozenset[int]) -> list[int]:

@@ -162,9 +162,11 @@ async def _stream(job: Job, output: _Output, include_usage: bool) -> AsyncIterat
         text = output.text(index, out.text, is_first)
         prompt = _prompt_of(job, choice) if is_first else None
         samples = out.logprobs or []
-        # This output's tokens start where the text sent so far ends (on the first chunk,
-        # `output.logprobs` shifts them past the echoed prompt).
-        logprobs = output.logprobs(index, samples, prompt, [offsets[index]] * len(samples))
+        # This output's tokens start where the text sent so far ends, each at its own place
+        # in this output's text (on the first chunk, `output.logprobs` shifts them past the
+        # echoed prompt).
+        token_offsets = [offsets[index] + o for o in out.offsets()][: len(samples)]
+        logprobs = output.logprobs(index, samples, prompt, token_offsets)
         offsets[index] += len(text)
         if text or out.finished or logprobs is not None:
             yield chunk(

@@ -107,7 +107,6 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=("zzzz",)),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1),
         SamplingParams(temperature=0.7, seed=3, max_tokens=24, ignore_eos=True),
@@ -119,7 +118,7 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
             grammar=GrammarSpec.json_schema({"type": "string"}),
         ),
     ],
-    ids=["logprobs", "stop", "penalty", "seeded", "opt-out", "grammar"],
+    ids=["stop", "penalty", "seeded", "opt-out", "grammar"],
 )
 def test_requests_that_may_not_take_drafts_get_none(
     tiny_llama_path: Path, params: SamplingParams
@@ -131,6 +130,29 @@ def test_requests_that_may_not_take_drafts_get_none(
     run_staggered(engine, prompts, GREEDY, [0, 0, 0])  # the same prompts do take drafts
     assert engine.scheduler.num_draft_tokens > 0
     assert_all_free(engine)
+
+
+def test_logprobs_with_drafts_are_the_logprobs_without(tiny_llama_path: Path) -> None:
+    """Each kept token's logprobs come from its own position's row: bit for bit those of
+    one step a token, alone and among other requests."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    off = _engine(tiny_llama_path, speculative="off")
+    on = _engine(tiny_llama_path)
+    prompts = _prompts(on.vocab_size)
+
+    def answers(engine: LLMEngine, arrivals: list[int]) -> list[list[tuple[int, Any]]]:
+        """Each request's (token, its logprobs) in order: one logprobs entry per token."""
+        runs = run_staggered(engine, prompts, params, arrivals)
+        return [
+            [(t, lp) for o in r for t, lp in zip(o.token_ids, o.logprobs or [], strict=True)]
+            for r in runs
+        ]
+
+    want = answers(off, [0] * len(prompts))
+    assert answers(on, [0] * len(prompts)) == want
+    assert answers(on, [3, 0, 1, 2, 0, 5, 1]) == want
+    assert on.num_accepted_draft_tokens > 0
+    assert_all_free(on)
 
 
 def test_max_tokens_and_the_context_end_where_they_would_without_drafts(

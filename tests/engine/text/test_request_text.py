@@ -92,3 +92,29 @@ def test_aborts_and_errors_pass_through(
     out = RequestOutput("r-0", "", [], 5, 0, 0, finish, error=None if finish else "boom")
     assert text.process(out) is out
     assert text.is_finished == (finish is not None)
+
+
+@pytest.mark.parametrize("group", [2, 3, 5])
+def test_a_delta_of_several_tokens_offsets_each_where_one_step_each_would(
+    tiny_tokenizer: PreTrainedTokenizerFast, group: int
+) -> None:
+    """Several tokens in one delta (drafts kept, forced tokens, merged steps): the same text,
+    and each token's text offset where one delta a token puts it."""
+    ids = tiny_tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    _, single = _run(tiny_tokenizer, ids, SamplingParams(), "length")
+    want: list[int] = []
+    for out in single:
+        want += [sum(len(o.text) for o in single[: len(want)]) + o for o in out.offsets()]
+    text = RequestText(tiny_tokenizer, tiny_tokenizer.encode(PROMPT), SamplingParams(), set())
+    grouped = []
+    for start in range(0, len(ids), group):
+        chunk = ids[start : start + group]
+        finish = "length" if start + group >= len(ids) else None
+        out = RequestOutput("r-0", "", chunk, 5, start + len(chunk), 0, finish)
+        grouped.append(text.process(out))
+    merged = grouped[0]
+    for out in grouped[1:]:
+        merged = merged.followed_by(out)
+    assert merged.text == "".join(o.text for o in single)
+    assert merged.offsets() == want
+    assert want == sorted(want) and want[0] == 0 and len(set(want)) > 1
