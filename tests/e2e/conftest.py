@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine import LLMEngine, SamplingParams, chat_prompt_ids
+from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids
 from engine.core.outputs import SampleLogprobs
 from engine.loading.source import ModelSource
 from tests.gateway.server_harness import REAL_READY_TIMEOUT, REPO_ROOT, Server, ServerFactory
@@ -45,6 +45,24 @@ class Answer:
 
     token_ids: tuple[int, ...]
     logprobs: tuple[SampleLogprobs, ...]
+
+
+def served_engine(source: ModelSource, **overrides: Any) -> LLMEngine:
+    """An in-process engine on the GGUF itself, as `prefixgate serve` serves the embedded
+    model (its own Q4_1 blocks), with the shipped prefixes and the block accounting checked
+    every step: its converted folder would be served with dense float weights
+    (`--quantization none`), whose oneDNN GEMMs are not batch invariant
+    (docs/architecture.md)."""
+    assert source.gguf_path is not None
+    settings: dict[str, Any] = {
+        "model": str(source.gguf_path),
+        "kv_cache_memory": 256 << 20,
+        "max_model_len": 2048,
+        "prefix_file": str(SHIPPED_PREFIXES),
+        "debug_check_integrity": True,
+    }
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
 
 
 def run_requests(

@@ -13,19 +13,17 @@ to the request's lone answer, greedy and seeded at temperature 0.8 alike.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids, text_prompt_ids
+from engine import LLMEngine, SamplingParams, chat_prompt_ids, text_prompt_ids
 from engine.loading.source import ModelSource
-from tests.e2e.conftest import Answer, registry_chat, run_requests
+from tests.e2e.conftest import Answer, registry_chat, run_requests, served_engine
 from tests.helpers import assert_all_free
 
 pytestmark = pytest.mark.e2e
 
-PREFIXES = Path(__file__).resolve().parents[2] / "prefixes.yaml"
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
 CUSTOMER_MESSAGES = [
@@ -59,25 +57,9 @@ WARMUP_QUESTIONS = [
 ]
 
 
-def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
-    """The GGUF itself, as `prefixgate serve` serves the embedded model (its own Q4_1 blocks):
-    its converted folder would be served with dense float weights (`--quantization none`),
-    whose oneDNN GEMMs are not batch invariant in bf16 (docs/architecture.md)."""
-    assert source.gguf_path is not None
-    settings: dict[str, Any] = {
-        "model": str(source.gguf_path),
-        "kv_cache_memory": 256 << 20,
-        "max_model_len": 2048,
-        "prefix_file": str(PREFIXES),
-        "debug_check_integrity": True,
-    }
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
-
-
 @pytest.fixture(scope="module")
 def served(smollm2_source: ModelSource) -> LLMEngine:
-    return _engine(smollm2_source)
+    return served_engine(smollm2_source)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +91,7 @@ def alone(smollm2_source: ModelSource, prompts: list[list[int]]) -> dict[str, An
     """Each request by itself, greedy ("g<i>") and seeded ("s<i>"), on an engine with the
     registry but no automatic cache (`test_alone_is_alone_without_any_cache` checks that the
     registry changes nothing)."""
-    engine = _engine(smollm2_source, enable_auto_prefix_cache=False)
+    engine = served_engine(smollm2_source, enable_auto_prefix_cache=False)
     answers: dict[str, Answer] = {}
     for i, prompt in enumerate(prompts):
         answers.update(run_requests(engine, [(f"g{i}", prompt, GREEDY, 0)]))
@@ -146,11 +128,11 @@ def test_alone_is_alone_without_any_cache(
     engine that caches nothing, then twice alone on a serving engine (registry and automatic
     cache: the second time from the cache)."""
     cases = (0, 8, 11, 13, 14)
-    uncached = _engine(smollm2_source, prefix_file=None, enable_prefix_cache=False)
+    uncached = served_engine(smollm2_source, prefix_file=None, enable_prefix_cache=False)
     for i in cases:
         _assert_same(run_requests(uncached, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
     assert_all_free(uncached)
-    serving = _engine(smollm2_source)
+    serving = served_engine(smollm2_source)
     for i in cases:
         _assert_same(run_requests(serving, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
         _assert_same(run_requests(serving, [(f"g{i}", prompts[i], GREEDY, 0)]), alone)
@@ -176,7 +158,7 @@ def test_chunked_prefill_at_random_steps(
     alone: dict[str, Answer],
     budget: int,
 ) -> None:
-    engine = _engine(smollm2_source, max_num_batched_tokens=budget)
+    engine = served_engine(smollm2_source, max_num_batched_tokens=budget)
     _assert_same(run_requests(engine, _mix(prompts, random.Random(budget), spread=40)), alone)
 
 
@@ -191,7 +173,7 @@ def test_preempted_and_recomputed(
     block_size = served.pool.block_size
     max_model_len = max(len(p) for p in prompts) + MAX_TOKENS
     room = -(-max_model_len // block_size)  # the least the pool may leave past the pins
-    engine = _engine(
+    engine = served_engine(
         smollm2_source,
         num_kv_blocks=served.pool.num_pinned_blocks + room,
         kv_cache_memory=None,

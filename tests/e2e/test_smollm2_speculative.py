@@ -6,33 +6,22 @@ copies from its prompts and repeats itself; intent answers repeat across request
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.loading.source import ModelSource
-from tests.e2e.conftest import question_prompts, registry_chat, run_requests
+from tests.e2e.conftest import question_prompts, registry_chat, run_requests, served_engine
 from tests.e2e.test_smollm2_invariance import CUSTOMER_MESSAGES, SUPPORT_QUESTIONS
 
 pytestmark = pytest.mark.e2e
 
-PREFIXES = Path(__file__).resolve().parents[2] / "prefixes.yaml"
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 
 def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
-    assert source.gguf_path is not None
-    settings: dict[str, Any] = {
-        "model": str(source.gguf_path),
-        "kv_cache_memory": 256 << 20,
-        "max_model_len": 2048,
-        "prefix_file": str(PREFIXES),
-        "debug_check_integrity": True,
-    }
-    settings.update(overrides)
-    engine = LLMEngine(EngineConfig(**settings))
+    engine = served_engine(source, **overrides)
     # Every draft taken (the step cost model never counts as fitted): the most drafts to
     # verify, and no dependence on this machine's timings
     engine.scheduler.pacing.cost.min_observations = 2**62
