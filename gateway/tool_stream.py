@@ -33,10 +33,12 @@ class ToolCallText:
         self.held = pending if is_call or not pending.strip() else None
         return "" if self.held is not None else pending
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """At the end: the held text that is not calls (to stream last), and the calls."""
+    def finish(self, is_cut: bool = False) -> tuple[str, list[ParsedToolCall]]:
+        """At the end: the held text that is not calls (to stream last), and the calls.
+        `is_cut`: the choice ended at the length limit (a call being written comes back
+        with the arguments written so far: `ToolFormat.parse`)."""
         if self.tool_format is None:
             return "", []
-        content, calls = self.tool_format.parse(self.held or "")
+        content, calls = self.tool_format.parse(self.held or "", is_cut)
         self.held = None
         return content or "", calls

@@ -39,6 +39,8 @@ SYSTEM_TOOLS_PROMPT = (
 class ParsedToolCall:
     name: str
     arguments: str  # JSON text, as the API returns it
+    # False: the length limit cut it, `arguments` holds what was written so far
+    is_complete: bool = True
 
 
 @functools.lru_cache(maxsize=8)
@@ -187,34 +189,53 @@ class ToolFormat:
             start = f"start: TEXT | calls\nTEXT: /[^{self.first_char}](.|\\n)*/\n"
         return GrammarSpec("lark", start + lark)
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(self, text: str, is_cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
         """(the text outside the calls, or None if nothing is left; the calls in order). A
-        block that is not a JSON object with a name stays in the text."""
-        if self.opener:
-            return self._parse_tagged(text)
-        return self._parse_bare(text)
+        block that is not a JSON object with a name stays in the text. `is_cut`: the text
+        ended at the length limit: a call it was writing comes back with its name and the
+        arguments written so far (OpenAI's shape for a call cut by `max_tokens`), and the
+        start of one that had no name yet is dropped: call markup never comes back as text."""
+        calls, kept, rest = self._split(text)
+        # After Hermes' opening tag anything is call markup; a bare object is one only once
+        # it starts as a call does (a JSON answer starts with "{" too)
+        if is_cut and rest is not None and (self.opener or _starts_a_call(rest)):
+            cut = _cut_call(rest, self.arguments_key)
+            return kept.strip() or None, calls + ([cut] if cut is not None else [])
+        if is_cut and self.opener and (calls or text.lstrip().startswith(self.first_char)):
+            kept = _without_partial_tag(kept, self.opener.strip())  # cut inside the tag
+            if calls or not kept.strip():
+                return kept.strip() or None, calls
+        if not calls:
+            return text, []
+        return (kept + (rest or "")).strip() or None, calls
 
-    def _parse_tagged(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """Every opener ... closer block holding a call, wherever it stands in the text."""
+    def _split(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
+        """(the whole calls, the text outside them, what follows the opening of a call that
+        does not end: the call being written, or None)."""
+        if not self.opener:
+            return self._split_bare(text)
         tags = re.escape(self.opener.strip()), re.escape(self.closer.strip())
         pattern = re.compile(tags[0] + r"\s*(\{.*?\})\s*" + tags[1], re.DOTALL)
         calls: list[ParsedToolCall] = []
         kept: list[str] = []
         position = 0
-        for match in pattern.finditer(text):
+        for match in pattern.finditer(text):  # every block holding a call, anywhere
             call = _call_of(match.group(1), self.arguments_key)
             if call is None:
                 continue
             kept.append(text[position : match.start()])
             calls.append(call)
             position = match.end()
-        kept.append(text[position:])
-        content = "".join(kept).strip()
-        return (content or None) if calls else text, calls
+        tail = text[position:]
+        opened = tail.find(self.opener.strip())
+        if opened == -1:
+            return calls, "".join(kept) + tail, None
+        return calls, "".join(kept) + tail[:opened], tail[opened + len(self.opener.strip()) :]
 
-    def _parse_bare(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def _split_bare(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
         """Bare objects from the start of the text, joined by the separator; what follows
-        the last call is text. A text that does not start with a call is all text."""
+        the last call is text, or the call being written when it starts as calls do. A text
+        that does not start with a call is all text."""
         decoder = json.JSONDecoder()
         calls: list[ParsedToolCall] = []
         position = len(text) - len(text.lstrip())
@@ -232,9 +253,10 @@ class ToolFormat:
             if stripped.startswith(self.separator.strip()):
                 stripped = stripped[len(self.separator.strip()) :].lstrip()
             position = len(text) - len(stripped)
-        if not calls:
-            return text, []
-        return (text[position:].strip() or None), calls
+        tail = text[position:]
+        if tail.startswith(self.first_char):
+            return calls, "", tail
+        return calls, tail, None
 
 
 HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments")
@@ -261,6 +283,45 @@ def _call_of(body: str, arguments_key: str) -> ParsedToolCall | None:
     except json.JSONDecodeError:
         return None
     return _call_from(value, arguments_key)
+
+
+_CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)', re.DOTALL)
+_CUT_ARGUMENTS = re.compile(r'\s*,\s*"(\w+)"\s*:\s*(.*)', re.DOTALL)
+
+
+def _without_partial_tag(text: str, tag: str) -> str:
+    """`text` without a start of `tag` it ends with (a tag the length limit cut)."""
+    for length in range(len(tag) - 1, 0, -1):
+        if text.endswith(tag[:length]):
+            return text[:-length]
+    return text
+
+
+def _starts_a_call(body: str) -> bool:
+    """`body` is, or begins, `{"name"`: the start of a call's object."""
+    compact = re.sub(r"\s+", "", body)
+    return compact.startswith('{"name"') or '{"name"'.startswith(compact)
+
+
+def _cut_call(body: str, arguments_key: str) -> ParsedToolCall | None:
+    """The call a text cut at the length limit was writing: its name and the arguments
+    written so far ("" before any; the whole object when only the call's closing was cut),
+    or None when its name was not whole."""
+    named = _CUT_NAME.match(body)
+    if named is None:
+        return None
+    name = json.loads(f'"{named.group(1)}"')
+    keyed = _CUT_ARGUMENTS.match(named.group(2))
+    if keyed is None or keyed.group(1) not in (arguments_key, "arguments"):
+        return ParsedToolCall(name, "", is_complete=False)
+    arguments = keyed.group(2)
+    try:
+        value, _ = json.JSONDecoder().raw_decode(arguments)
+    except json.JSONDecodeError:
+        return ParsedToolCall(name, arguments.rstrip(), is_complete=False)
+    if not isinstance(value, dict):
+        return ParsedToolCall(name, arguments.rstrip(), is_complete=False)
+    return ParsedToolCall(name, json.dumps(value))
 
 
 def _call_from(value: Any, arguments_key: str) -> ParsedToolCall | None:

@@ -134,8 +134,12 @@ async def _complete(
 def _final_choice(
     choice: Choice, tokenizer: object, want_logprobs: bool, tool_format: ToolFormat | None
 ) -> ChatCompletionResponseChoice:
-    content, calls = tool_format.parse(choice.text) if tool_format else (choice.text, [])
     finish_reason = api_finish_reason(choice.finish_reason) or "stop"
+    content, calls = (
+        tool_format.parse(choice.text, finish_reason == "length")
+        if tool_format
+        else (choice.text, [])
+    )
     return ChatCompletionResponseChoice(
         index=choice.index,
         message=ChatMessageOut(
@@ -179,7 +183,9 @@ async def _stream(
             yield delta(index, DeltaMessage(content=text), logprobs=logprobs)
         if out.finished:
             reason = api_finish_reason(out.finish_reason)
-            content, calls = texts[index].finish() if texts is not None else ("", [])
+            content, calls = (
+                texts[index].finish(reason == "length") if texts is not None else ("", [])
+            )
             if content:
                 yield delta(index, DeltaMessage(content=content))
             if calls:

@@ -225,9 +225,9 @@ class ResponseRun:
                 for event in self._text(text, held_logprobs):
                     yield event
                 held_logprobs = []
-        content, calls = calls_or_text.finish()
         choice = self.job.choices[0]
         status: ResponseStatus = "incomplete" if choice.finish_reason == "length" else "completed"
+        content, calls = calls_or_text.finish(status == "incomplete")
         for event in self._text(content, [] if calls else held_logprobs):
             yield event
         if self.message is None and not calls:  # an empty answer is still a message
@@ -243,7 +243,9 @@ class ResponseRun:
             where = {"item_id": item.id, "output_index": index}
             yield "response.output_item.added", {"output_index": index, "item": item}
             yield "response.function_call_arguments.delta", {**where, "delta": call.arguments}
-            item.arguments, item.status = call.arguments, "completed"
+            # a call the length limit cut comes back with what was written, incomplete
+            item.arguments = call.arguments
+            item.status = "completed" if call.is_complete else "incomplete"
             yield (
                 "response.function_call_arguments.done",
                 {

@@ -314,3 +314,41 @@ def test_langchain_bind_tools(real_server: Server, sdk: openai.OpenAI) -> None:
     reply = chat.bind_tools([WEATHER_TOOL], tool_choice="get_weather").invoke("Weather in Rome?")
     [call] = reply.tool_calls  # type: ignore[attr-defined]
     assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_a_call_cut_by_max_tokens_is_a_call_not_markup(
+    sdk: openai.OpenAI, tool_choice: Any
+) -> None:
+    """max_tokens 1 to 40 on the real model: never `<tool_call>` markup in the content; a
+    cut call comes back as a tool call with the arguments written so far."""
+    request: Any = {
+        "model": model_of(sdk),
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "temperature": 0,
+    }
+    whole = sdk.chat.completions.create(**request).choices[0]
+    [call] = whole.message.tool_calls or []
+    arguments = call.function.arguments  # type: ignore[union-attr]
+    completes = None
+    for max_tokens in range(1, 41):
+        choice = sdk.chat.completions.create(**request, max_tokens=max_tokens).choices[0]
+        assert not choice.message.content, (max_tokens, choice.message.content)
+        calls = choice.message.tool_calls or []
+        if choice.finish_reason == "tool_calls":
+            completes = completes or max_tokens
+            assert [c.function.arguments for c in calls] == [arguments]  # type: ignore[union-attr]
+            continue
+        assert choice.finish_reason == "length"
+        for cut in calls:
+            assert cut.function.name == "get_weather"  # type: ignore[union-attr]
+            written = cut.function.arguments.replace(" ", "")  # type: ignore[union-attr]
+            assert arguments.replace(" ", "").startswith(written), (max_tokens, written)
+    assert completes is not None  # the call fits in 40 tokens

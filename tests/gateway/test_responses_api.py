@@ -235,6 +235,41 @@ def test_named_tool_choice_calls_that_tool(client: TestClient) -> None:
     assert call["name"] == "get_weather"
 
 
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_function_call(
+    client: TestClient,
+) -> None:
+    """Cut after the call's name: a function_call item with the arguments written so far,
+    status incomplete (completed once its arguments are whole), and no message holding the
+    call's markup."""
+    body = {
+        **BASE,
+        "input": "Weather in Paris?",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    }
+    whole = _post(client, {**body, "max_output_tokens": 80})
+    [call] = whole["output"]
+    needed = whole["usage"]["output_tokens"]
+    seen_partial = False
+    for max_output_tokens in range(1, needed):
+        response = _post(client, {**body, "max_output_tokens": max_output_tokens})
+        assert response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        for item in response["output"]:
+            if item["type"] == "message":  # before the name: an empty answer, no markup
+                assert [part["text"] for part in item["content"]] in ([], [""]), item
+                continue
+            assert item["type"] == "function_call"
+            written = item["arguments"]
+            assert call["arguments"].replace(" ", "").startswith(written.replace(" ", ""))
+            # whole arguments (only the call's closing was cut) make a completed call
+            is_whole = written.replace(" ", "") == call["arguments"].replace(" ", "")
+            assert item["name"] == "get_weather"
+            assert item["status"] == ("completed" if is_whole else "incomplete")
+            seen_partial = seen_partial or bool(written)
+    assert seen_partial
+
+
 def test_tool_results_render_like_chat_tool_messages(client: TestClient) -> None:
     arguments = json.dumps({"city": "Paris"})
     items = [

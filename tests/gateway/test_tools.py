@@ -195,3 +195,48 @@ def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolForma
     assert held.feed(written[:3]) == "" and held.feed(written[3:]) == ""
     assert held.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
     assert ToolCallText.of(None).feed("{") == "{"
+
+
+def _streamed(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed choice put together: its content, its calls, its finish reason."""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+    message = {"content": content or None, "tool_calls": calls or None}
+    return {"message": message, "finish_reason": deltas[-1]["finish_reason"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_call_cut_by_max_tokens_comes_back_as_a_call_never_as_markup(
+    client: TestClient, tool_choice: Any, stream: bool
+) -> None:
+    """Every max_tokens from 1 to 40, and the call's own length: no call markup in the
+    content; once the call's name is written, the call comes back with the arguments written
+    so far and finish_reason "length", until max_tokens lets it finish."""
+    body = {**TOOL_CHAT, "tool_choice": tool_choice}
+    response = client.post("/v1/chat/completions", json=body).json()
+    [call] = response["choices"][0]["message"]["tool_calls"]
+    needed = response["usage"]["completion_tokens"]  # the whole call's tokens
+    name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+    forms = (json.dumps(arguments), json.dumps(arguments, separators=(",", ":")))
+    finished_at = None
+    for max_tokens in [*range(1, 41), needed]:
+        cut = {**body, "max_tokens": max_tokens}
+        choice = _streamed(client, cut) if stream else _choice(client, cut)
+        assert choice["message"].get("content") is None, (max_tokens, choice)
+        calls = choice["message"].get("tool_calls") or []
+        if choice["finish_reason"] == "tool_calls":
+            finished_at = finished_at or max_tokens
+            assert [c["function"]["name"] for c in calls] == [name]
+            assert json.loads(calls[0]["function"]["arguments"]) == arguments
+            continue
+        assert choice["finish_reason"] == "length", max_tokens
+        if calls:
+            [partial] = calls
+            assert partial["function"]["name"] == name
+            written = partial["function"]["arguments"]
+            assert any(form.startswith(written) for form in forms), (max_tokens, written)
+    assert finished_at == needed  # the smallest max_tokens that completes the call

@@ -215,3 +215,40 @@ def test_tools_for_a_template_that_ignores_the_argument_go_in_the_system_turn(
     assert text.startswith("<|system|>You may call these functions:")
     assert '{"name": "get_weather", "parameters": {}}' in text
     assert text.endswith("<|user|>Weather in Paris?<|end|><|assistant|>")
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
+def test_a_call_cut_at_the_length_limit_keeps_its_name_and_the_arguments_written(
+    tool_format: ToolFormat,
+) -> None:
+    """Every cut of a written call: the markup never comes back as text; once the name is
+    whole the call comes back with the arguments so far (the whole object once it is)."""
+    whole = {"name": "get_weather", tool_format.arguments_key: {"city": "Paris"}}
+    first = {"name": "get_time", tool_format.arguments_key: {}}
+    done = f"{tool_format.opener}{json.dumps(first)}{tool_format.closer}{tool_format.separator}"
+    written = f"{tool_format.opener}{json.dumps(whole)}{tool_format.closer}"
+    name_end = written.index('"get_weather"') + len('"get_weather"')
+    args_start = written.index("{", written.index(tool_format.arguments_key))
+    for cut in range(1, len(written) + 1):
+        text = done + written[:cut]
+        content, calls = tool_format.parse(text, is_cut=True)
+        assert content is None, (cut, content)
+        assert calls[0] == ParsedToolCall("get_time", "{}")
+        if cut < name_end:  # the name not whole yet
+            assert len(calls) == 1, cut
+            continue
+        [_, call] = calls
+        assert call.name == "get_weather"
+        if cut >= args_start + len('{"city": "Paris"}'):
+            assert call.arguments == '{"city": "Paris"}', cut
+        else:
+            assert call.arguments == written[args_start:cut].rstrip(), cut
+    # Not cut: an unfinished call is left as it was written, as before
+    assert tool_format.parse(written[:-3]) == (written[:-3], [])
+
+
+def test_a_json_answer_cut_at_the_length_limit_stays_text() -> None:
+    """Llama 3's bare calls and a JSON answer both start with "{": cut, the answer is text."""
+    answer = '{"city": "Par'
+    assert LLAMA3_JSON.parse(answer, is_cut=True) == (answer, [])
+    assert HERMES.parse("It is sunny in Par", is_cut=True) == ("It is sunny in Par", [])
