@@ -60,22 +60,29 @@ def find_continuation(
     """The longest `n` in [min_n, max_n] whose last `n` tokens of `suffix` occur in `history`
     with at least one token after them; the up to `k` tokens after the most recent such
     occurrence (stopping at a SEPARATOR). `history` may end with `suffix` itself (a request's
-    own tokens): that occurrence has nothing after it, so it is never the match."""
-    for n in range(min(max_n, len(suffix)), min_n - 1, -1):
-        pattern = suffix[len(suffix) - n :]
-        num_starts = len(history) - n  # a start s needs history[s + n] to exist
-        if num_starts <= 0:
-            continue
-        starts = np.flatnonzero(history[:num_starts] == pattern[0])
-        for j in range(1, n):
-            if starts.size == 0:
-                break
-            starts = starts[history[starts + j] == pattern[j]]
-        if starts.size == 0:
-            continue
-        after = history[int(starts[-1]) + n : int(starts[-1]) + n + k]
+    own tokens): that occurrence has nothing after it, so it is never the match.
+
+    One pass over `history` (where the suffix's last token occurs), then each longer `n`
+    filters those places by the token before: every decoding request searches after every
+    step, and a scope's answers hold thousands of tokens."""
+    max_n = min(max_n, len(suffix))
+    if max_n < min_n:
+        return None
+    ends = np.flatnonzero(history[: len(history) - 1] == suffix[-1])  # a token must follow
+    found: list[np.ndarray] = []  # found[n - min_n]: the ends of the n-token matches
+    for n in range(1, max_n + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[history[ends - (n - 1)] == suffix[-n]]
+        if ends.size == 0:
+            break
+        if n >= min_n:
+            found.append(ends)
+    for index in range(len(found) - 1, -1, -1):
+        end = int(found[index][-1])
+        after = history[end + 1 : end + 1 + k]
         stops = np.flatnonzero(after == SEPARATOR)
         continuation = after[: stops[0]] if stops.size else after
         if continuation.size:
-            return Match(n, continuation.tolist())
+            return Match(min_n + index, continuation.tolist())
     return None
