@@ -159,8 +159,13 @@ class LLMEngine:
         """The contract of the longest accepted prefixes-file entry that `token_ids` start
         with, among those `tenant` may see (caching on or off). Thread-safe: reads the
         loader's current index."""
-        best = self.prefixes.spec_index.longest(token_ids, visible=lambda s: s.visible_to(tenant))
+        best = self._registered_entry(token_ids, tenant)
         return best.contract if best is not None else None
+
+    def _registered_entry(self, token_ids: list[int], tenant: str | None) -> PrefixSpec | None:
+        """The longest accepted prefixes-file entry `token_ids` start with, among those
+        `tenant` may see."""
+        return self.prefixes.spec_index.longest(token_ids, visible=lambda s: s.visible_to(tenant))
 
     def _load_prefix_file_at_start(self) -> None:
         """Load, fill and pin every prefix before serving; a bad file fails the start."""
@@ -239,9 +244,7 @@ class LLMEngine:
 
     def _entry_of(self, seq: Sequence) -> str | None:
         """The registry entry `seq`'s prompt extends (its earlier answers are drafts)."""
-        spec = self.prefixes.spec_index.longest(
-            seq.prompt_token_ids, visible=lambda s: s.visible_to(seq.tenant)
-        )
+        spec = self._registered_entry(seq.prompt_token_ids, seq.tenant)
         return spec.name if spec is not None else None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
