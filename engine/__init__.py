@@ -34,10 +34,11 @@ from engine.request_checker import RequestChecker, RequestLimits
 from engine.scheduler.pacing import HistogramCounts
 from engine.speculative.drafter import DraftCounts
 from engine.stats import EngineStats, PrefixInfo
-from engine.text.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
+from engine.text.chat import answer_start_ids, chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.text.tool_format import (
     HERMES,
     LLAMA3_JSON,
+    CallReader,
     ParsedToolCall,
     ToolFormat,
     tool_format_of,
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "AsyncEngine",
     "BlockHash",
+    "CallReader",
     "DraftCounts",
     "EngineConfig",
     "EngineDeadError",
@@ -82,6 +84,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "ToolFormat",
+    "answer_start_ids",
     "chat_prompt_ids",
     "default_cache_dir",
     "extend_block_hashes",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.errors import InvalidRequestError, PromptTooLongError
-from engine.core.sampling_params import GrammarSpec, SamplingParams
+from engine.core.sampling_params import GRAMMAR_PARAM, GrammarSpec, SamplingParams
 from engine.kvcache.block_pool import num_blocks_for
 from engine.request import EngineRequest
 from engine.structured.grammar import CompiledGrammar, GrammarCompiler
@@ -72,7 +72,25 @@ class RequestChecker:
     ) -> EngineRequest:
         check_request(self.limits(), prompt_token_ids, params)
         grammar = self.compile(params.grammar) if params.grammar is not None else None
+        if grammar is not None and params.num_grammar_prompt_tokens:
+            _check_grammar_start(grammar, prompt_token_ids, params.num_grammar_prompt_tokens)
         return EngineRequest(list(prompt_token_ids), params, cache_salt, grammar, tenant)
+
+
+def _check_grammar_start(grammar: CompiledGrammar, prompt_token_ids: list[int], num: int) -> None:
+    """The prompt's last `num` tokens are where the grammar's text starts: it must allow
+    them (the engine's matcher reads them before the first sampled token)."""
+    if num >= len(prompt_token_ids):
+        raise InvalidRequestError(
+            "the grammar's start must leave a prompt before it", param=GRAMMAR_PARAM
+        )
+    try:
+        grammar.new_matcher(prompt_token_ids[-num:])
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"the grammar does not allow the prompt's last {num} tokens: {exc}",
+            param=GRAMMAR_PARAM,
+        ) from exc
 
 
 def check_request(

@@ -10,26 +10,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import ParsedToolCall, ToolFormat
+from engine import CallReader, ParsedToolCall
 
 
 @dataclass(slots=True)
 class ToolCallText:
     held: str | None  # the text held back so far; None: the text streams through
-    tool_format: ToolFormat | None
+    reader: CallReader | None
 
     @classmethod
-    def of(cls, tool_format: ToolFormat | None) -> ToolCallText:
-        """`tool_format`: the format calls come in; None where no tools are in use."""
-        return cls("" if tool_format is not None else None, tool_format)
+    def of(cls, reader: CallReader | None) -> ToolCallText:
+        """`reader`: how calls are read; None where no tools are in use."""
+        return cls("" if reader is not None else None, reader)
 
     def feed(self, text: str) -> str:
         """The part of `text` to stream now ("" while it may still be a call)."""
         if self.held is None:
             return text
         pending = self.held + text
-        assert self.tool_format is not None
-        is_call = pending.lstrip().startswith(self.tool_format.first_char)
+        assert self.reader is not None
+        # after a forced call's opening (in the prompt) every text is a call
+        is_call = bool(self.reader.opening) or pending.lstrip().startswith(
+            self.reader.tool_format.first_char
+        )
         self.held = pending if is_call or not pending.strip() else None
         return "" if self.held is not None else pending
 
@@ -37,8 +40,8 @@ class ToolCallText:
         """At the end: the held text that is not calls (to stream last), and the calls.
         `is_cut`: the choice ended at the length limit (a call being written comes back
         with the arguments written so far: `ToolFormat.parse`)."""
-        if self.tool_format is None:
+        if self.reader is None:
             return "", []
-        content, calls = self.tool_format.parse(self.held or "", is_cut)
+        content, calls = self.reader.parse(self.held or "", is_cut)
         self.held = None
         return content or "", calls

@@ -68,6 +68,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the text must match
+    # The grammar's text starts this many tokens before the prompt's end: text the client's
+    # request fixes in advance (a tool call's opening tag, a named function's name) is put
+    # in the prompt, so it takes no decode step and no share of max_tokens, and the grammar
+    # reads those tokens before the first sampled one
+    num_grammar_prompt_tokens: int = 0
     prompt_logprobs: int | None = None
     speculative: bool = True  # False: this request never takes drafted tokens (opt-out)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
@@ -117,6 +122,12 @@ class SamplingParams:
         )
         _check(
             len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop"
+        )
+        _check(
+            self.num_grammar_prompt_tokens == 0
+            or (self.num_grammar_prompt_tokens > 0 and self.grammar is not None),
+            "num_grammar_prompt_tokens needs a grammar and must be >= 0",
+            GRAMMAR_PARAM,
         )
         _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed must fit in int64", "seed")
         _check(

@@ -72,6 +72,12 @@ def chat_prompt_ids(
     return ids
 
 
+def answer_start_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`text` the answer is known to start with (a forced tool call's opening), to follow a
+    chat prompt: tokenized on its own, as the answer's tokens start after the prompt's."""
+    return _encode(tokenizer, text) if text else []
+
+
 def text_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Tokenize a completions prompt string, with the tokenizer's own special tokens (BOS)."""
     return _as_token_ids(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -148,7 +148,10 @@ class ToolFormat:
         when not `is_required` the model may instead answer in text that does not start as
         a call does, or, given an `answer` JSON schema (the request's response format), in
         JSON of that schema: an agent with tools and a structured final output gets either
-        a call or its output."""
+        a call or its output. A named function's grammar is its `reader`'s opening and its
+        arguments' JSON: the call's closing is the reader's, no decode step."""
+        if only is not None:
+            return self._named_grammar(tools, only)
         schemas, defs = [], {}
         for tool in tools:
             name = tool["function"]["name"]
@@ -166,9 +169,8 @@ class ToolFormat:
                     "additionalProperties": False,
                 }
             )
-        compact = {"x-guidance": {"whitespace_flexible": False}}  # as for response_format
         one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        call_schema = json.dumps({**one_of, **compact, **({"$defs": defs} if defs else {})})
+        call_schema = json.dumps({**one_of, **_COMPACT, **({"$defs": defs} if defs else {})})
         calls = f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
         call = " ".join(
             part
@@ -188,6 +190,36 @@ class ToolFormat:
         else:
             start = f"start: TEXT | calls\nTEXT: /[^{self.first_char}](.|\\n)*/\n"
         return GrammarSpec("lark", start + lark)
+
+    def _named_grammar(self, tools: Sequence[Mapping[str, Any]], only: str) -> GrammarSpec:
+        [parameters] = [
+            tool["function"].get("parameters") or {"type": "object"}
+            for tool in tools
+            if tool["function"]["name"] == only
+        ]
+        arguments = json.dumps({**parameters, **_COMPACT})
+        return GrammarSpec("lark", f"start: {_lark_string(self.opening(only))} %json {arguments}\n")
+
+    def reader(self, only: str | None, is_required: bool) -> CallReader:
+        """How an answer under `grammar(tools, only, is_required, ...)` is read for calls:
+        with `is_required`, the start every answer has (`opening`) is in the prompt, and a
+        named function's call ends where its arguments do (its closing is not generated)."""
+        if not is_required:
+            return CallReader(self)
+        closing = "}" + self.closer if only is not None else ""
+        return CallReader(self, self.opening(only), closing)
+
+    def opening(self, only: str | None) -> str:
+        """What `grammar(..., only, is_required=True)` makes every answer start with: the
+        opening tag and `{"name":"`, and with a named function its name and the arguments
+        key, in the grammar's compact JSON. The gateway puts it in the prompt (as vLLM
+        constrains a named call to its arguments alone): it is no decode step and no share
+        of max_tokens, and the grammar reads it there (`SamplingParams`'
+        `num_grammar_prompt_tokens`)."""
+        start = f'{self.opener}{{"name":"'
+        if only is None:
+            return start
+        return f'{start}{only}","{self.arguments_key}":'
 
     def parse(self, text: str, is_cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
         """(the text outside the calls, or None if nothing is left; the calls in order). A
@@ -259,6 +291,24 @@ class ToolFormat:
         return calls, tail, None
 
 
+@dataclass(frozen=True, slots=True)
+class CallReader:
+    """How one request's output is read for calls (`ToolFormat.reader`): the served model's
+    format; the `opening` its grammar forces, which the prompt holds ("" when the model may
+    answer in text); the `closing` a named call's grammar leaves out. The text read is the
+    opening, the output, and the closing unless the length limit cut the output."""
+
+    tool_format: ToolFormat
+    opening: str = ""
+    closing: str = ""
+
+    def parse(self, output: str, is_cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
+        return self.tool_format.parse(self.text(output, is_cut), is_cut)
+
+    def text(self, output: str, is_cut: bool) -> str:
+        return self.opening + output + ("" if is_cut else self.closing)
+
+
 HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments")
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")
 
@@ -271,6 +321,10 @@ def tool_format_of(chat_template: str | None) -> ToolFormat:
         return HERMES
     is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
     return LLAMA3_JSON if is_llama3 else HERMES
+
+
+# The calls' JSON without optional whitespace, as for response_format
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 def _lark_string(text: str) -> str:

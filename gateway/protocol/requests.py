@@ -23,6 +23,7 @@ from engine import (
     HERMES,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
+    CallReader,
     GrammarSpec,
     PrefixContract,
     SamplingParams,
@@ -448,9 +449,21 @@ class ChatCompletionRequest(GenerationRequest):
             self._tool_format = context["tool_format"]
 
     @property
-    def tool_format(self) -> ToolFormat | None:
-        """The format the output is read for calls in; None where no tools are in use."""
-        return self._tool_format if self.uses_tools else None
+    def call_reader(self) -> CallReader | None:
+        """How the output is read for calls; None where no tools are in use. Its opening,
+        the start the tool grammar forces on every answer, goes in the prompt."""
+        if not self.uses_tools:
+            return None
+        return self._tool_format.reader(self._named_function, self._is_required)
+
+    @property
+    def _named_function(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    @property
+    def _is_required(self) -> bool:
+        return self.tool_choice == "required" or self._named_function is not None
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -552,12 +565,11 @@ class ChatCompletionRequest(GenerationRequest):
         spec = self.response_format.spec() if self.response_format is not None else None
         if not self.uses_tools:
             return [("response_format", spec)] if spec is not None else []
-        choice = self.tool_choice
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        named = self._named_function
         grammar = self._tool_format.grammar(
             self.tool_dicts(),
             named,
-            is_required=choice == "required" or named is not None,
+            is_required=self._is_required,
             # A named function is called once, as OpenAI does.
             parallel=self.parallel_tool_calls is not False and named is None,
             answer=spec,

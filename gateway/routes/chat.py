@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
+    CallReader,
     EngineRequest,
     GrammarSpec,
     InvalidRequestError,
     ParsedToolCall,
-    ToolFormat,
+    answer_start_ids,
     chat_prompt_ids,
 )
 from gateway.admission import Admitted, admit, gateway_of
@@ -68,10 +70,10 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     )
     if body.stream:
         events = _stream(
-            job, gateway.model_name, body.logprobs, body.include_usage, body.tool_format
+            job, gateway.model_name, body.logprobs, body.include_usage, body.call_reader
         )
         return sse_response(events, gateway, admitted.ticket)
-    completion = _complete(job, gateway.model_name, body.logprobs, body.tool_format)
+    completion = _complete(job, gateway.model_name, body.logprobs, body.call_reader)
     return await unless_disconnected(request, completion)
 
 
@@ -83,9 +85,15 @@ def prepare_chat(
     whichever is less: never the whole context by accident, for n choices at once."""
     tools = body.tool_dicts() or None
     prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages(), tools=tools)
+    # A forced call's opening (`ToolFormat.opening`): no decode step, no share of max_tokens
+    reader = body.call_reader
+    opening_ids = answer_start_ids(engine.tokenizer, reader.opening if reader else "")
+    prompt_ids += opening_ids
     room = max(engine.max_model_len - len(prompt_ids), 1)
     contract = engine.prefix_contract(prompt_ids, caller.tenant_name)
     params = body.to_sampling_params(min(default_max_tokens, room), contract)
+    if opening_ids:
+        params = replace(params, num_grammar_prompt_tokens=len(opening_ids))
     try:
         [prepared] = prepare_requests(
             engine, [prompt_ids], lambda _: params, body.engine_fields, caller, body.cache_salt
@@ -117,7 +125,7 @@ def _blame_a_schema(engine: EngineClient, body: ChatCompletionRequest) -> None:
 
 
 async def _complete(
-    job: Job, model: str, want_logprobs: bool, tool_format: ToolFormat | None
+    job: Job, model: str, want_logprobs: bool, calls: CallReader | None
 ) -> JSONResponse:
     tokenizer = job.gateway.tokenizer
     await job.collect()
@@ -125,20 +133,18 @@ async def _complete(
         id=job.request_id,
         created=int(time.time()),
         model=model,
-        choices=[_final_choice(c, tokenizer, want_logprobs, tool_format) for c in job.choices],
+        choices=[_final_choice(c, tokenizer, want_logprobs, calls) for c in job.choices],
         usage=usage_of(job),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
 
 def _final_choice(
-    choice: Choice, tokenizer: object, want_logprobs: bool, tool_format: ToolFormat | None
+    choice: Choice, tokenizer: object, want_logprobs: bool, reader: CallReader | None
 ) -> ChatCompletionResponseChoice:
     finish_reason = api_finish_reason(choice.finish_reason) or "stop"
     content, calls = (
-        tool_format.parse(choice.text, finish_reason == "length")
-        if tool_format
-        else (choice.text, [])
+        reader.parse(choice.text, finish_reason == "length") if reader else (choice.text, [])
     )
     return ChatCompletionResponseChoice(
         index=choice.index,
@@ -161,14 +167,14 @@ async def _stream(
     model: str,
     want_logprobs: bool,
     include_usage: bool,
-    tool_format: ToolFormat | None,
+    reader: CallReader | None,
 ) -> AsyncIterator[str]:
     """Content deltas as they come; with tools, text that turns out to be calls is held
     (gateway/tool_stream.py) and sent as tool-call deltas when its choice ends, each call
     whole."""
     tokenizer = job.engine.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
-    texts = [ToolCallText.of(tool_format) for _ in job.choices] if tool_format else None
+    texts = [ToolCallText.of(reader) for _ in job.choices] if reader else None
 
     def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
         return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])

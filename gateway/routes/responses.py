@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, EngineRequest, InvalidRequestError, ToolFormat
+from engine import CallReader, EngineError, EngineRequest, InvalidRequestError, ToolFormat
 from gateway import errors
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -80,7 +80,7 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         )
         history = list(previous.conversation)
     _check_outputs_answer_calls(body, history)
-    prepared = await gateway.run_blocking(
+    prepared, reader = await gateway.run_blocking(
         _prepare,
         engine,
         body,
@@ -99,8 +99,7 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         body.affinity_key,
         request.state.request_id,
     )
-    tool_format = gateway.tool_format if body.uses_tools else None
-    run = ResponseRun(job, draft, body, history, caller.tenant_name, tool_format)
+    run = ResponseRun(job, draft, body, history, caller.tenant_name, reader)
     if body.stream:
         return TicketedStream(_stream(run, gateway), admitted.ticket)
     return await unless_disconnected(request, _complete(run))
@@ -148,14 +147,15 @@ def _prepare(
     default_max_tokens: int,
     caller: Caller,
     tool_format: ToolFormat,
-) -> EngineRequest:
+) -> tuple[EngineRequest, CallReader | None]:
     """The chat request this response is, prepared as chats are (worker pool), its tools
-    in the served model's `tool_format`; errors name the Responses fields."""
+    in the served model's `tool_format`, and how its output is read for calls; errors name
+    the Responses fields."""
     chat = errors.validate(
         ChatCompletionRequest, body.chat_payload(history), {"tool_format": tool_format}
     )
     try:
-        return prepare_chat(engine, chat, default_max_tokens, caller)
+        return prepare_chat(engine, chat, default_max_tokens, caller), chat.call_reader
     except InvalidRequestError as exc:
         if exc.param is not None:
             param = exc.param.replace(".function.parameters", ".parameters")
@@ -207,7 +207,7 @@ class ResponseRun:
     body: ResponsesRequest
     history: list[dict[str, Any]]
     owner: str | None  # the tenant that may continue or fetch it
-    tool_format: ToolFormat | None  # how calls are read from the output; None: no tools
+    calls: CallReader | None  # how calls are read from the output; None: no tools
     message: OutputMessage | None = None
     text: str = ""
     logprobs: list[OutputLogprob] = field(default_factory=list)
@@ -216,7 +216,7 @@ class ResponseRun:
         response = self.response
         yield "response.created", {"response": response}
         yield "response.in_progress", {"response": response}
-        calls_or_text = ToolCallText.of(self.tool_format)
+        calls_or_text = ToolCallText.of(self.calls)
         held_logprobs: list[OutputLogprob] = []  # of text held back: it may be calls
         async for _, out in self.job.run():
             text = calls_or_text.feed(out.text)

@@ -219,7 +219,7 @@ def test_a_schema_that_cannot_compile_is_a_bad_request(sdk: openai.OpenAI) -> No
 # -- client libraries built on the openai SDK ---------------------------------------------------
 
 
-def _langchain(server: Server, sdk: openai.OpenAI) -> Any:
+def _langchain(server: Server, sdk: openai.OpenAI, **settings: Any) -> Any:
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
@@ -228,6 +228,7 @@ def _langchain(server: Server, sdk: openai.OpenAI) -> Any:
         api_key="unused",  # type: ignore[arg-type]
         temperature=0,
         max_retries=0,
+        **settings,
     )
 
 
@@ -240,6 +241,26 @@ def test_langchain_with_structured_output(real_server: Server, sdk: openai.OpenA
         _intent_messages("I forgot my password and the reset email never came.")
     )
     assert isinstance(intent, Intent)
+
+
+def test_langchain_function_calling_within_a_small_max_tokens(
+    real_server: Server, sdk: openai.OpenAI
+) -> None:
+    """`method="function_calling"` forces a named call. With max_tokens 16 the call's markup
+    (~13 tokens) used to take the budget and LangChain got no call (None); the markup is the
+    prompt's now, and 16 tokens hold the arguments."""
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+
+        model_config = ConfigDict(extra="forbid")
+        city: str = Field(max_length=20)
+
+    chat = _langchain(real_server, sdk, max_tokens=16)
+    weather = chat.with_structured_output(GetWeather, method="function_calling").invoke(
+        "What is the weather in Paris?"
+    )
+    assert isinstance(weather, GetWeather) and weather.city
 
 
 @pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
@@ -325,7 +346,10 @@ def test_a_call_cut_by_max_tokens_is_a_call_not_markup(
     sdk: openai.OpenAI, tool_choice: Any
 ) -> None:
     """max_tokens 1 to 40 on the real model: never `<tool_call>` markup in the content; a
-    cut call comes back as a tool call with the arguments written so far."""
+    cut call comes back as a tool call with the arguments written so far. The call's opening
+    the grammar forces is the prompt's (no step, no share of max_tokens): a named call's
+    tokens are its arguments alone (the smallest max_tokens that completes `{"city":
+    "Paris"}` went from 27 to 5), a `required` one's start at the function's name."""
     request: Any = {
         "model": model_of(sdk),
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
@@ -334,9 +358,17 @@ def test_a_call_cut_by_max_tokens_is_a_call_not_markup(
         "parallel_tool_calls": False,
         "temperature": 0,
     }
-    whole = sdk.chat.completions.create(**request).choices[0]
+    reply = sdk.chat.completions.create(**request, logprobs=True)
+    whole = reply.choices[0]
     [call] = whole.message.tool_calls or []
     arguments = call.function.arguments  # type: ignore[union-attr]
+    assert whole.logprobs is not None and whole.logprobs.content is not None
+    written = "".join(token.token for token in whole.logprobs.content)
+    assert reply.usage is not None and reply.usage.completion_tokens == len(whole.logprobs.content)
+    if tool_choice == "required":
+        assert written.startswith('get_weather","arguments":{')
+    else:
+        assert written == json.dumps(json.loads(arguments), separators=(",", ":"))
     completes = None
     for max_tokens in range(1, 41):
         choice = sdk.chat.completions.create(**request, max_tokens=max_tokens).choices[0]
@@ -351,4 +383,4 @@ def test_a_call_cut_by_max_tokens_is_a_call_not_markup(
             assert cut.function.name == "get_weather"  # type: ignore[union-attr]
             written = cut.function.arguments.replace(" ", "")  # type: ignore[union-attr]
             assert arguments.replace(" ", "").startswith(written), (max_tokens, written)
-    assert completes is not None  # the call fits in 40 tokens
+    assert completes == reply.usage.completion_tokens  # the call fits in 40 tokens

@@ -572,7 +572,7 @@ def test_a_failure_mid_stream_ends_with_response_failed(client: TestClient) -> N
     gateway = client.app.state.gateway  # type: ignore[attr-defined]
     body = ResponsesRequest.model_validate({**BASE, "input": "Hi"})
     job: Any = _FailingJob(gateway)
-    run = route.ResponseRun(job, ResponseObject(model=MODEL), body, [], None, tool_format=None)
+    run = route.ResponseRun(job, ResponseObject(model=MODEL), body, [], None, calls=None)
     events = asyncio.run(_collect(route._stream(run, gateway)))
     types = [event["event"] for event in events]
     assert types[-1] == "response.failed" and "response.output_text.delta" in types

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from engine import HERMES, LLAMA3_JSON, ParsedToolCall, ToolFormat
+from engine import HERMES, LLAMA3_JSON, CallReader, ParsedToolCall, ToolFormat
 from gateway.tool_stream import ToolCallText
 from tests.helpers import tiny_app
 
@@ -185,16 +185,20 @@ def test_llama3_calls_come_back_as_tool_calls(llama3_client: TestClient, stream:
 def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolFormat) -> None:
     """Text streams through unless it starts as the format's calls start (after any
     whitespace); held text is read as calls when the choice ends."""
-    text = ToolCallText.of(tool_format)
+    text = ToolCallText.of(CallReader(tool_format))
     assert text.feed("  ") == ""  # undecided yet
     assert text.feed("It is sunny.") == "  It is sunny."
     assert text.feed(" {") == " {"  # once streaming, the rest streams
     call = {"name": "f", tool_format.arguments_key: {"x": 1}}
     written = f"{tool_format.opener}{json.dumps(call)}{tool_format.closer}"
-    held = ToolCallText.of(tool_format)
+    held = ToolCallText.of(CallReader(tool_format))
     assert held.feed(written[:3]) == "" and held.feed(written[3:]) == ""
     assert held.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
     assert ToolCallText.of(None).feed("{") == "{"
+    # A forced call's opening is in the prompt: the output is the rest, held from the start
+    forced = ToolCallText.of(tool_format.reader("f", is_required=True))
+    assert forced.feed('{"x":') == "" and forced.feed("1}") == ""
+    assert forced.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
 
 
 def _streamed(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:

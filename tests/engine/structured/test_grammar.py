@@ -193,6 +193,50 @@ def test_a_bad_grammar_is_a_typed_error_before_the_engine(
     assert len(raised.value.message) > len(reason)
 
 
+def test_a_grammar_that_starts_in_the_prompt_reads_it_there(engine: LLMEngine) -> None:
+    """The prompt's last tokens are the grammar's start (a forced tool call's opening): the
+    output is the rest of the text, and those tokens are prompt, not output: no step, no
+    share of max_tokens. Greedy, the text is what the grammar gives a request that writes
+    the start itself (the start's tokens here are the grammar's own forced ones)."""
+    grammar = GrammarSpec("lark", 'start: "n=" NUMBER " ok"\nNUMBER: /[0-9]{2}/')
+    whole = _run(engine, {"a": _greedy(grammar)})["a"]
+    whole_text = _text(engine, whole)
+    assert re.fullmatch(r"n=[0-9]{2} ok", whole_text)
+    start = engine.tokenizer("n=", add_special_tokens=False)["input_ids"]
+    ids = engine.tokenizer(PROMPT)["input_ids"] + start
+    params = _greedy(grammar, num_grammar_prompt_tokens=len(start))
+    engine.add_request("b", ids, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert_all_free(engine)
+    assert "n=" + _text(engine, outputs) == whole_text
+    assert outputs[-1].num_prompt_tokens == len(ids)
+    assert outputs[-1].num_completion_tokens == len(tokens_of(whole)) - len(start)
+    assert outputs[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "num", "message"),
+    [
+        ([1, 2, 3], 3, "the grammar's start must leave a prompt before it"),
+        ([1, 2, 3], 1, "the grammar does not allow the prompt's last 1 tokens"),
+    ],
+    ids=["whole_prompt", "refused"],
+)
+def test_a_grammar_start_the_grammar_refuses_is_a_typed_error(
+    engine: LLMEngine, prompt: list[int], num: int, message: str
+) -> None:
+    grammar = GrammarSpec("regex", "zzzz")
+    params = SamplingParams(grammar=grammar, num_grammar_prompt_tokens=num)
+    with pytest.raises(InvalidRequestError) as raised:
+        engine.prepare_request(prompt, params)
+    assert raised.value.param == "grammar"
+    assert raised.value.message.startswith(message)
+    with pytest.raises(InvalidRequestError, match="needs a grammar"):
+        SamplingParams(num_grammar_prompt_tokens=1)
+
+
 def test_each_grammar_is_compiled_once(engine: LLMEngine) -> None:
     spec = GrammarSpec.json_schema(SCHEMA)
     assert engine.grammars.compile(spec) is engine.grammars.compile(GrammarSpec.json_schema(SCHEMA))

@@ -15,6 +15,7 @@ from engine.structured.grammar import GrammarCompiler
 from engine.text.tool_format import (
     HERMES,
     LLAMA3_JSON,
+    CallReader,
     ParsedToolCall,
     ToolFormat,
     template_takes_tools,
@@ -54,14 +55,20 @@ def test_the_grammar_resolves_pydantic_defs(tiny_llama_path: Path) -> None:
     """A tool whose parameters use "$defs" (what pydantic writes for nested models)."""
     engine = tiny_engine(tiny_llama_path, max_model_len=256)
     tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
-    grammar = HERMES.grammar(tools, only="make", is_required=True, parallel=False)
-    prompt = engine.tokenizer("Make one:")["input_ids"]
-    params = SamplingParams(temperature=0, max_tokens=120, grammar=grammar)
-    [output] = engine.generate([prompt], params)
-    text = engine.tokenizer.decode(output, skip_special_tokens=True)
-    content, [call] = HERMES.parse(text)
-    assert content is None and call.name == "make"
-    assert 0 <= json.loads(call.arguments)["pet"]["age"] <= 9
+    for only in ("make", None):
+        grammar = HERMES.grammar(tools, only=only, is_required=True, parallel=False)
+        reader = HERMES.reader(only, is_required=True)
+        opening = engine.tokenizer(reader.opening, add_special_tokens=False)["input_ids"]
+        prompt = engine.tokenizer("Make one:")["input_ids"] + opening
+        params = SamplingParams(
+            temperature=0, max_tokens=120, grammar=grammar, num_grammar_prompt_tokens=len(opening)
+        )
+        [output] = engine.generate([prompt], params)
+        text = engine.tokenizer.decode(output, skip_special_tokens=True)
+        assert not text.startswith("<tool_call>")  # the opening is the prompt's
+        content, [call] = reader.parse(text)
+        assert content is None and call.name == "make"
+        assert 0 <= json.loads(call.arguments)["pet"]["age"] <= 9
 
 
 def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
@@ -160,6 +167,57 @@ def test_the_llama3_grammar_writes_bare_calls(tiny_tokenizer: PreTrainedTokenize
     assert not accepts(auto, f"{call}; {call}")  # one call where not parallel
     assert accepts(auto, "It is sunny.")
     assert not accepts(auto, '{"weather": "sunny"}')  # '{' opens a call
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
+@pytest.mark.parametrize("only", [None, "make"], ids=["required", "named"])
+def test_the_opening_is_what_the_grammar_forces_first(
+    tiny_tokenizer: PreTrainedTokenizerFast, tool_format: ToolFormat, only: str | None
+) -> None:
+    """A forced call's opening, which goes in the prompt, is the grammar's own start: its
+    matcher reads it and then forces or allows nothing else before the free part (the
+    arguments of a named call, the name of a `required` one); one character more is
+    refused where it is not what the grammar writes."""
+    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    tools = [
+        {"type": "function", "function": {"name": "make", "parameters": PERSON}},
+        {"type": "function", "function": {"name": "mend", "parameters": PET}},
+    ]
+    grammar = compiler.compile(tool_format.grammar(tools, only, is_required=True, parallel=True))
+    opening = tool_format.opening(only)
+    ids = tiny_tokenizer(opening, add_special_tokens=False)["input_ids"]
+    matcher = grammar.new_matcher(ids)
+    assert not matcher.is_error()
+    free = '{"pet":{"age":3}}' if only else "make"
+    rest = tiny_tokenizer(free, add_special_tokens=False)["input_ids"]
+    assert matcher.try_consume_tokens(rest) == len(rest)
+    wrong = tiny_tokenizer(opening + " ", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError):
+        grammar.new_matcher(wrong)
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
+def test_a_reader_reads_the_output_after_the_opening(tool_format: ToolFormat) -> None:
+    """The prompt holds a forced call's opening; a named call's output is its arguments
+    (the reader closes the call), a `required` one's the rest of its calls; whole or cut
+    at the length limit."""
+    reader = tool_format.reader("make", is_required=True)
+    assert reader.opening == tool_format.opening("make")
+    assert reader.parse('{"pet":{"age":3}}') == (
+        None,
+        [ParsedToolCall("make", '{"pet": {"age": 3}}')],
+    )
+    assert reader.parse('{"pet":{"a', is_cut=True) == (
+        None,
+        [ParsedToolCall("make", '{"pet":{"a', is_complete=False)],
+    )
+    assert reader.parse("", is_cut=True) == (None, [ParsedToolCall("make", "", False)])
+    any_call = tool_format.reader(None, is_required=True)
+    assert any_call.closing == ""
+    whole = 'make","' + tool_format.arguments_key + '":{"pet":{"age":3}}}' + tool_format.closer
+    assert any_call.parse(whole) == (None, [ParsedToolCall("make", '{"pet": {"age": 3}}')])
+    assert any_call.parse("ma", is_cut=True) == (None, [])  # no whole name: no call yet
+    assert tool_format.reader("make", is_required=False) == CallReader(tool_format)
 
 
 def test_a_template_that_takes_tools_gets_call_arguments_as_objects(
