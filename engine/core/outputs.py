@@ -68,6 +68,20 @@ class RequestOutput:
             text_offsets=[*self.offsets(), *(len(self.text) + o for o in later.offsets())],
         )
 
+    def truncated(self, num_tokens: int) -> RequestOutput:
+        """This delta's first `num_tokens` tokens (and their logprobs), the counts with it:
+        a stop string ended the request there."""
+        dropped = len(self.token_ids) - num_tokens
+        return replace(
+            self,
+            token_ids=self.token_ids[:num_tokens],
+            logprobs=self.logprobs[:num_tokens] if self.logprobs is not None else None,
+            num_completion_tokens=self.num_completion_tokens - dropped,
+            text_offsets=(
+                self.text_offsets[:num_tokens] if self.text_offsets is not None else None
+            ),
+        )
+
     def offsets(self) -> list[int]:
         """`text_offsets`, or (an output without text) every token at the start."""
         if self.text_offsets is not None:

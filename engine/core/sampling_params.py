@@ -151,10 +151,10 @@ class SamplingParams:
     def may_fast_forward(self) -> bool:
         """Whether the tokens a grammar forces may join without a step each and still give
         this request what one step each would: not when it wants each token's logprobs
-        (computed from its own step's logits), stops on strings (a forced run could pass the
-        stop, and the tokens after it would count), or samples with a seed (its generator
-        draws once per sampled token, forced or not)."""
-        return self.logprobs is None and not self.stop and (self.is_greedy or self.seed is None)
+        (computed from its own step's logits) or samples with a seed (its generator draws
+        once per sampled token, forced or not). A forced run that passes a stop string is cut
+        there by the text (`RequestText`)."""
+        return self.logprobs is None and (self.is_greedy or self.seed is None)
 
     @property
     def may_speculate(self) -> bool:
@@ -163,12 +163,11 @@ class SamplingParams:
         is the argmax at its position) or sampled without a seed (a draft is kept with the
         probability the model gives it, so each token is drawn from the distribution one
         step would draw it from; a seeded generator's stream would be drawn differently).
-        Logprobs come from each kept position's own row. Not with penalties (their counts
-        change with every token), stop strings (a kept run could pass the stop, and the
-        tokens after it would count) or a grammar (whose sure tokens join by fast-forward)."""
+        Logprobs come from each kept position's own row; a kept run that passes a stop
+        string is cut there by the text (`RequestText`). Not with penalties (their counts
+        change with every token) or a grammar (whose sure tokens join by fast-forward)."""
         return (
             self.speculative
-            and not self.stop
             and (self.is_greedy or self.seed is None)
             and not self.has_penalties
             and self.grammar is None

@@ -201,7 +201,10 @@ class RequestText:
         up (finish_reason "stop", stop_reason the string); after that, nothing is expected.
 
         An EOS or stop token is never turned into text; a request that ends otherwise (the
-        length, a complete grammar) gets the text held back for stop strings, flushed."""
+        length, a complete grammar) gets the text held back for stop strings, flushed. A
+        delta of several tokens (drafts, forced tokens) ends at the token whose text
+        completes a stop string: the tokens after it are dropped, as one step a token would
+        never have made them."""
         assert not self.is_finished, "an output after the request finished"
         if out.error is not None or out.finish_reason == "abort":
             self.is_finished = out.finished
@@ -218,6 +221,7 @@ class RequestText:
             text += delta.text
             if delta.stop_string is not None:
                 finish_reason, stop_reason = "stop", delta.stop_string
+                out = out.truncated(len(offsets))
                 break
         offsets += [len(text)] * (len(out.token_ids) - len(offsets))
         if finish_reason is not None and not isinstance(stop_reason, str):

@@ -100,6 +100,27 @@ def test_preempted_with_drafts_the_answers_are_the_same(
     assert engine.num_accepted_draft_tokens > 0
 
 
+def test_stop_strings_end_answers_with_drafts_where_they_end_without(
+    smollm2_source: ModelSource, prompts: list[list[int]]
+) -> None:
+    """Stop strings the answers reach (a sentence's end, a line break): asked twice, the
+    second time drafted from the first answers, a kept run may pass a stop in one step; the
+    answer still ends at the token that completes it."""
+    params = SamplingParams(temperature=0, max_tokens=40, stop=(". ", "\n"))
+    off = _engine(smollm2_source, speculative="off", enable_auto_prefix_cache=False)
+    want = [
+        run_requests(off, [(f"o{i}", p, params, 0)])[f"o{i}"].token_ids
+        for i, p in enumerate(prompts)
+    ]
+    assert sum(len(answer) < 40 for answer in want) >= len(prompts) // 2  # stopped early
+    engine = _engine(smollm2_source)
+    for round in ("first", "again"):
+        got = run_requests(engine, [(f"{round}{i}", p, params, 0) for i, p in enumerate(prompts)])
+        assert [got[f"{round}{i}"].token_ids for i in range(len(prompts))] == want, round
+    assert engine.num_accepted_draft_tokens > 0
+    assert_all_free_but_registry(engine)
+
+
 def assert_all_free_but_registry(engine: LLMEngine) -> None:
     engine.check_integrity()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - engine.pool.num_pinned_blocks

@@ -6,6 +6,7 @@ drafts leave nothing behind; requests that may not take drafts get none."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,6 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=("zzzz",)),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1),
         SamplingParams(temperature=0.7, seed=3, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False),
@@ -118,7 +118,7 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
             grammar=GrammarSpec.json_schema({"type": "string"}),
         ),
     ],
-    ids=["stop", "penalty", "seeded", "opt-out", "grammar"],
+    ids=["penalty", "seeded", "opt-out", "grammar"],
 )
 def test_requests_that_may_not_take_drafts_get_none(
     tiny_llama_path: Path, params: SamplingParams
@@ -130,6 +130,58 @@ def test_requests_that_may_not_take_drafts_get_none(
     run_staggered(engine, prompts, GREEDY, [0, 0, 0])  # the same prompts do take drafts
     assert engine.scheduler.num_draft_tokens > 0
     assert_all_free(engine)
+
+
+def test_a_stop_string_inside_a_kept_run_ends_the_answer_where_steps_would(
+    tiny_llama_path: Path,
+) -> None:
+    """Each request asked again, stopping on a piece of its earlier answer's text: drafted
+    from that answer, a kept run carries it past the stop in one step, and the answer still
+    ends at the token that completes the stop, with the tokens, text, logprobs and count
+    one step a token gives."""
+    prompts = _prompts(_engine(tiny_llama_path).vocab_size)
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    engine = _engine(tiny_llama_path)
+    requests = []
+    for i, outputs in enumerate(run_staggered(engine, prompts, free, [0] * len(prompts))):
+        text = "".join(o.text for o in outputs)
+        starts = [sum(len(o.text) for o in outputs[:k]) for k in range(len(outputs))]
+        spans = [a + b for a, o in zip(starts, outputs, strict=True) for b in o.offsets()]
+        assert len(spans) == 24  # where each token's text starts in the answer
+        stop = text[spans[4] : spans[11]]
+        if stop and text.find(stop) == spans[4]:
+            requests.append((f"s{i}", prompts[i], replace(free, stop=(stop,))))
+    assert len(requests) >= 3
+    off = _engine(tiny_llama_path, speculative="off")
+    want = {rid: _outputs(off, [(rid, p, params)])[rid] for rid, p, params in requests}
+    accepted = engine.num_accepted_draft_tokens
+    got = _outputs(engine, requests)
+    for rid, expected in want.items():
+        outputs = got[rid]
+        assert tokens_of(outputs) == tokens_of(expected)
+        assert _logprobs(outputs) == pytest.approx(_logprobs(expected), abs=1e-4)
+        assert "".join(o.text for o in outputs) == "".join(o.text for o in expected)
+        assert outputs[-1].num_completion_tokens == len(tokens_of(expected))
+        assert outputs[-1].stop_reason == expected[-1].stop_reason
+        assert isinstance(expected[-1].stop_reason, str)
+    assert engine.num_accepted_draft_tokens > accepted
+    assert_all_free(engine)
+
+
+def _outputs(
+    engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]
+) -> dict[str, list[Any]]:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list[Any]] = {rid: [] for rid, *_ in requests}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    return outputs
+
+
+def _logprobs(outputs: list[Any]) -> list[float]:
+    return [lp.logprob for o in outputs for lp in o.logprobs or []]
 
 
 def test_logprobs_with_drafts_are_the_logprobs_without(tiny_llama_path: Path) -> None:

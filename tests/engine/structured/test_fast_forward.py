@@ -103,10 +103,9 @@ def test_a_forced_token_is_the_one_the_mask_allows(tiny_llama_path: Path) -> Non
     "overrides",
     [
         {"logprobs": 3},  # each token's logprobs come from its own step
-        {"stop": ["intent", "der"]},  # stop strings inside forced runs (schema, regex)
         {"temperature": 0.8, "seed": 7},  # a seeded generator draws once per token
     ],
-    ids=["logprobs", "stop-string", "seeded"],
+    ids=["logprobs", "seeded"],
 )
 def test_requests_that_need_each_step_take_one_step_each(
     tiny_llama_path: Path, overrides: dict[str, Any]
@@ -115,6 +114,22 @@ def test_requests_that_need_each_step_take_one_step_each(
     off, on = _engine(tiny_llama_path, False), _engine(tiny_llama_path, True)
     assert _run(on, requests) == _run(off, requests)
     assert on.num_forced_tokens == 0
+
+
+def test_a_stop_string_inside_a_forced_run_ends_the_answer_where_steps_would(
+    tiny_llama_path: Path,
+) -> None:
+    """Stop strings that forced runs pass ("intent" inside the schema's `{"intent":"`,
+    "der" inside the regex's "order-"): the answer ends at the token that completes one,
+    with the tokens and counts one step a token gives."""
+    requests = {
+        name: _greedy(grammar, stop=["intent", "der"]) for name, grammar in GRAMMARS.items()
+    }
+    off, on = _engine(tiny_llama_path, False), _engine(tiny_llama_path, True)
+    answers = _run(on, requests)
+    assert answers == _run(off, requests)
+    assert on.num_forced_tokens > 0
+    assert len(answers["schema"][0]) < len(_run(off, {"s": _greedy(GRAMMARS["schema"])})["s"][0])
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8])
