@@ -232,7 +232,7 @@ class LLMEngine:
             matcher=_matcher(request),
         )
         self._requests[request_id] = seq
-        if self.speculative and params.may_speculate and seq.matcher is None:
+        if self.speculative and params.may_speculate:
             self.drafter.start(seq, self._entry_of(seq))
         self.scheduler.add(seq)
         logger.debug(

@@ -164,14 +164,10 @@ class SamplingParams:
         probability the model gives it, so each token is drawn from the distribution one
         step would draw it from; a seeded generator's stream would be drawn differently).
         Logprobs come from each kept position's own row; a kept run that passes a stop
-        string is cut there by the text (`RequestText`). Not with penalties (their counts
-        change with every token) or a grammar (whose sure tokens join by fast-forward)."""
-        return (
-            self.speculative
-            and (self.is_greedy or self.seed is None)
-            and not self.has_penalties
-            and self.grammar is None
-        )
+        string is cut there by the text (`RequestText`); under a grammar, drafts are only
+        tokens it allows and each drafted position's row gets the mask one step would give
+        it. Not with penalties (their counts change with every token)."""
+        return self.speculative and (self.is_greedy or self.seed is None) and not self.has_penalties
 
     @property
     def has_penalties(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from engine.executor.sampler import (
 from engine.kvcache.block_pool import BlockPool
 from engine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
 from engine.structured.grammar import GrammarMasker
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass(slots=True)
@@ -99,7 +103,10 @@ class ModelRunner:
         if not sampling:
             return StepResult([], prefilled)
         seqs = [item.seq for item in sampling]
-        matchers = [seq.matcher for seq in seqs]
+        # per item with a grammar and drafts: its matcher at each drafted position and after
+        # the last draft (`_grammar_chain`); the sampled row is the one after the drafts
+        chains = [_grammar_chain(item) for item in sampling]
+        matchers = [chain[-1] for chain in chains]
         if any(m is not None for m in matchers):
             self._masker(logits.shape[1]).apply(logits, matchers)
         penalized = [seq for seq in seqs if seq.params.has_penalties]
@@ -115,6 +122,10 @@ class ModelRunner:
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
         if draft_logits is not None:
+            rows = [m for item, chain in zip(sampling, chains, strict=True)
+                    for m in chain[: item.num_draft_tokens]]  # fmt: skip
+            if any(m is not None for m in rows):
+                self._masker(draft_logits.shape[1]).apply(draft_logits, rows)
             self._verify(sampling, sampled, draft_logits)
         return StepResult(sampled, prefilled)
 
@@ -389,6 +400,23 @@ def _sample_verify(
     residual = probs[j].clone()
     residual[drafts[j]] = 0.0  # p(d) < 1 here, so something else is left
     return j, int(torch.multinomial(residual, 1))
+
+
+def _grammar_chain(item: ScheduledSequence) -> list[LLMatcher | None]:
+    """The sequence's grammar state before each of its drafts and after the last: its own
+    matcher, then copies advanced one draft at a time (the drafter proposed only drafts the
+    grammar allows). Each drafted position's row is masked as one step a token would mask
+    it. [None] * (k + 1) without a grammar."""
+    seq, k = item.seq, item.num_draft_tokens
+    if seq.matcher is None:
+        return [None] * (k + 1)
+    chain: list[LLMatcher | None] = [seq.matcher]
+    for token_id in seq.draft_token_ids[:k]:
+        advanced = chain[-1].deep_copy()  # type: ignore[union-attr]
+        if not advanced.consume_token(token_id):
+            raise RuntimeError(f"the grammar refused draft token {token_id}")
+        chain.append(advanced)
+    return chain
 
 
 def _verified_rows(computed: list[ScheduledSequence]) -> list[int]:

@@ -9,8 +9,9 @@ tokens accepted and rejected, so a request whose drafts keep failing soon gets n
 that copies runs of text gets long drafts.
 
 Which requests may take drafts is `SamplingParams.may_speculate` (greedy or sampled without a
-seed, nothing that reads every step's own logits or text) and no grammar: their output is the
-same with drafts as without. Greedy, because a draft token is kept only where it equals the
+seed, no penalties): their output is the same with drafts as without. Under a grammar a draft
+holds only tokens it allows, and each drafted position's row is masked as one step would mask
+it (`runner._grammar_chain`). Greedy, because a draft token is kept only where it equals the
 argmax of the logits the model computes at its position, bit for bit what a one-token step
 computes there; sampled, because a draft is kept with the probability the model gives it and a
 rejected one is replaced by a draw from the rest (`ModelRunner._verify`).
@@ -101,7 +102,10 @@ class Drafter:
             earlier = self.answers.find(state.scope, suffix, MIN_NGRAM, MAX_NGRAM, k)
             match = _longer(match, earlier)
         if match is not None:
-            seq.draft_token_ids = match.continuation
+            drafts = match.continuation
+            if seq.matcher is not None:  # only what its grammar allows (the rest never joins)
+                drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+            seq.draft_token_ids = drafts
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """A forward verified `num_drafted` of `seq`'s draft tokens and kept `num_accepted`."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import GrammarSpec, LLMEngine, SamplingParams
 from engine.loading.source import ModelSource
 from tests.e2e.conftest import question_prompts, registry_chat, run_requests, served_engine
 from tests.e2e.test_smollm2_invariance import CUSTOMER_MESSAGES, SUPPORT_QUESTIONS
@@ -117,6 +117,49 @@ def test_stop_strings_end_answers_with_drafts_where_they_end_without(
     for round in ("first", "again"):
         got = run_requests(engine, [(f"{round}{i}", p, params, 0) for i, p in enumerate(prompts)])
         assert [got[f"{round}{i}"].token_ids for i in range(len(prompts))] == want, round
+    assert engine.num_accepted_draft_tokens > 0
+    assert_all_free_but_registry(engine)
+
+
+def test_constrained_answers_with_drafts_are_the_answers_without(
+    smollm2_source: ModelSource, served: LLMEngine
+) -> None:
+    """The intent entry under its own label schema, and support questions under a schema
+    whose strings copy from the policy: asked twice (the second time drafted from the first
+    answers and the prompt, only tokens the grammar allows), the answers are those without
+    drafts, token for token."""
+    [intent] = [s for s in served.prefixes.specs if s.name == "intent-classifier"]
+    assert intent.contract is not None and intent.contract.grammar is not None
+    quote = GrammarSpec.json_schema(
+        {
+            "type": "object",
+            "properties": {"quote": {"type": "string", "maxLength": 160}},
+            "required": ["quote"],
+            "additionalProperties": False,
+        }
+    )
+    requests = [
+        *(
+            (registry_chat(served, "intent-classifier", m), intent.contract.grammar)
+            for m in CUSTOMER_MESSAGES
+        ),
+        *(
+            (registry_chat(served, "support-assistant", f"Quote the policy on this: {q}"), quote)
+            for q in SUPPORT_QUESTIONS
+        ),
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=60, grammar=g) for _, g in requests]
+    off = _engine(smollm2_source, speculative="off", enable_auto_prefix_cache=False)
+    want = [
+        run_requests(off, [(f"o{i}", p, params[i], 0)])[f"o{i}"].token_ids
+        for i, (p, _) in enumerate(requests)
+    ]
+    engine = _engine(smollm2_source)
+    for round in ("first", "again"):
+        got = run_requests(
+            engine, [(f"{round}{i}", p, params[i], 0) for i, (p, _) in enumerate(requests)]
+        )
+        assert [got[f"{round}{i}"].token_ids for i in range(len(requests))] == want, round
     assert engine.num_accepted_draft_tokens > 0
     assert_all_free_but_registry(engine)
 

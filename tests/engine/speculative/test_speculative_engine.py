@@ -15,6 +15,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.core.sampling_params import GrammarSpec
 from engine.core.sequence import Sequence
+from tests.engine.structured import test_fast_forward
 from tests.helpers import assert_all_free, run_staggered, tiny_engine, tokens_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -111,14 +112,8 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1),
         SamplingParams(temperature=0.7, seed=3, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False),
-        SamplingParams(
-            temperature=0,
-            max_tokens=24,
-            ignore_eos=True,
-            grammar=GrammarSpec.json_schema({"type": "string"}),
-        ),
     ],
-    ids=["penalty", "seeded", "opt-out", "grammar"],
+    ids=["penalty", "seeded", "opt-out"],
 )
 def test_requests_that_may_not_take_drafts_get_none(
     tiny_llama_path: Path, params: SamplingParams
@@ -165,6 +160,36 @@ def test_a_stop_string_inside_a_kept_run_ends_the_answer_where_steps_would(
         assert outputs[-1].stop_reason == expected[-1].stop_reason
         assert isinstance(expected[-1].stop_reason, str)
     assert engine.num_accepted_draft_tokens > accepted
+    assert_all_free(engine)
+
+
+def test_constrained_answers_with_drafts_are_the_answers_without(tiny_llama_path: Path) -> None:
+    """Requests under a grammar take only drafts it allows (here from their own earlier
+    answers: each request is asked twice), and each drafted position's row is masked as its
+    own step would mask it: tokens, finish reasons and logprobs are those of the engine
+    without drafts, in both rounds, with drafts kept in the second."""
+    text = {"type": "string", "maxLength": 40}
+    grammars = {
+        **test_fast_forward.GRAMMARS,
+        "free-text": GrammarSpec.json_schema(
+            {"type": "object", "properties": {"a": text, "b": text}, "required": ["a", "b"]}
+        ),
+    }
+    requests = {
+        name: SamplingParams(temperature=0, max_tokens=60, grammar=grammar, logprobs=2)
+        for name, grammar in grammars.items()
+    }
+    want = test_fast_forward._run(_engine(tiny_llama_path, speculative="off"), requests)
+    engine = _engine(tiny_llama_path)
+    for round in ("first", "again"):
+        got = test_fast_forward._run(engine, requests)
+        for name in requests:
+            tokens, finish, logprobs = got[name]
+            assert (tokens, finish) == want[name][:2], (round, name)
+            assert [lp.logprob for lp in logprobs] == pytest.approx(
+                [lp.logprob for lp in want[name][2]], abs=1e-4
+            )
+    assert engine.num_accepted_draft_tokens > 0
     assert_all_free(engine)
 
 
