@@ -3,8 +3,9 @@
 # prefixgate with its registry and with --no-prefix-cache, llama.cpp server with its prompt
 # cache on and off, transformers serve with continuous batching.
 #   tools/compare_servers.sh [OUT_DIR] [MODES]      MODES: "seq c8" (default), "sweep", "decode",
-#                                                  "multiturn", "contract" (intent with the
-#                                                  entry's label schema), "copy", "copy8"
+#                                                  "multiturn", "contract" and "contract8" (intent,
+#                                                  c1 and c8, with the entry's label schema), "copy", "copy8",
+#                                                  "copyjson" (copy, answers as a JSON quote)
 # SYSTEMS picks who runs (default "registry nocache llamacpp llamacpp-nocache transformers");
 # DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
 # suffixes prefixgate's result names (to keep two configurations apart); LLAMA_ISA picks the
@@ -21,6 +22,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}
 MODES=${2:-"seq c8"}
+# copyjson: the copy workload's answers as {"quote": "..."} (a grammar that copies from the prompt)
+QUOTE_FORMAT='{"response_format": {"type": "json_schema", "json_schema": {"name": "quote", "strict": true, "schema": {"type": "object", "properties": {"quote": {"type": "string"}}, "required": ["quote"], "additionalProperties": false}}}}'
+
 DTYPE=${DTYPE:-auto}
 SYSTEMS=${SYSTEMS:-"registry nocache llamacpp llamacpp-nocache transformers"}
 read -r -a EXTRA <<< "${PREFIXGATE_FLAGS:-}"
@@ -54,9 +58,15 @@ bench() {  # label extra-args...   (RATES: the sweep's steps, default SWEEP)
       contract) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 1 \
              --num-requests 20 --warmup 2 --max-duration 600 --extra-body '{"response_format": null}' \
              --out "$OUT/$label-contract.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
+      contract8) $PY tools/bench_serving.py --label "$label" --workload intent --concurrency 8 \
+             --num-requests 32 --warmup 2 --max-duration 600 --extra-body '{"response_format": null}' \
+             --out "$OUT/$label-contract8.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
       copy) $PY tools/bench_serving.py --label "$label" --workload copy --concurrency 1 \
              --num-requests 12 --warmup 2 --max-duration 600 \
              --out "$OUT/$label-copy.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
+      copyjson) $PY tools/bench_serving.py --label "$label" --workload copy --concurrency 1 \
+             --num-requests 12 --warmup 2 --max-duration 600 --extra-body "$QUOTE_FORMAT" \
+             --out "$OUT/$label-copyjson.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
       copy8) $PY tools/bench_serving.py --label "$label" --workload copy --concurrency 8 \
              --num-requests 32 --warmup 2 --max-duration 600 \
              --out "$OUT/$label-copy8.json" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} "$@" ;;
