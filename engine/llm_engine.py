@@ -393,7 +393,7 @@ class LLMEngine:
             self.num_forced_tokens += 1
         if finish_reason is not None:
             return self._finish(seq, appended, finish_reason, stop_reason, logprobs)
-        self.drafter.propose(seq)
+        self.drafter.propose(seq, self.scheduler.draft_bar)
         return self._output(seq, appended, None, None, logprobs)
 
     def _join(

@@ -36,7 +36,7 @@ import torch
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.kvcache.block_pool import num_blocks_for
 from engine.kvcache.manager import BlockCopy, KVCacheManager
-from engine.scheduler.pacing import Pacing, attention_keys
+from engine.scheduler.pacing import Pacing, StepCostModel, attention_keys
 
 
 @dataclass(slots=True)
@@ -129,6 +129,10 @@ class Scheduler:
         # Draft tokens (seq.draft_token_ids) join decodes when the cost model says they pay
         self.speculative = speculative
         self.num_draft_tokens = 0  # scheduled for verification, in total
+        # The acceptance a decode's first draft token needed in the last step with decodes
+        # (`_add_drafts`): the drafter does not search for requests below it. 0.0 until the
+        # step cost model is fitted (every draft is taken then)
+        self.draft_bar = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -248,10 +252,19 @@ class Scheduler:
         enough steps every draft is taken (that is how it learns what rows cost). Drafts use
         only what is left of the token budget and blocks that are free: they never preempt."""
         decodes = [item for item in out.scheduled if item.is_sampling and item.seq.is_decoding]
+        if not decodes:
+            return
+        cost = self.pacing.cost
+        gained = float(len(decodes))
+        spent = cost.seconds(
+            sum(item.num_new_tokens for item in decodes),
+            sum(attention_keys(i.seq.num_computed_tokens, i.num_new_tokens) for i in decodes),
+            len(decodes),
+        )
+        self.draft_bar = _first_draft_bar(cost, decodes, gained, spent)
         items = [item for item in decodes if item.seq.draft_token_ids]
         if not items:
             return
-        cost = self.pacing.cost
         candidates: list[tuple[float, float, int, int]] = []  # (yield, seconds, item, i)
         for index, item in enumerate(items):
             seq, p = item.seq, item.seq.draft_acceptance
@@ -260,12 +273,6 @@ class Scheduler:
                 seconds = cost.marginal(1, position + i, 1) if cost.is_ready else 0.0
                 candidates.append((p**i, max(seconds, 1e-9), index, i))
         candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
-        gained = float(len(decodes))
-        spent = cost.seconds(
-            sum(item.num_new_tokens for item in decodes),
-            sum(attention_keys(i.seq.num_computed_tokens, i.num_new_tokens) for i in decodes),
-            len(decodes),
-        )
         taken = [0] * len(items)
         for expected, seconds, index, i in candidates:
             if step.tokens == 0:
@@ -401,3 +408,17 @@ def _is_decode(seq: Sequence) -> bool:
     """Scheduled first and never cut by pacing: a decode (with any tokens its grammar forced),
     or whatever has a single token left to feed."""
     return seq.num_uncomputed_tokens == 1 or seq.is_decoding
+
+
+def _first_draft_bar(
+    cost: StepCostModel, decodes: list[ScheduledSequence], gained: float, spent: float
+) -> float:
+    """The acceptance below which no first draft token pays beside these decodes: a draft
+    token is taken while its yield per second beats theirs (`_add_drafts`), so the first of
+    a request's drafts needs p * spent > gained * (its row's cost); taken at their mean
+    context. 0.0 before the cost model is fitted (every draft is taken then)."""
+    if not cost.is_ready or spent <= 0.0:
+        return 0.0
+    position = sum(item.seq.num_computed_tokens + item.num_new_tokens for item in decodes)
+    row = cost.marginal(1, position // len(decodes) + 1, 1)
+    return min(1.0, gained * max(row, 0.0) / spent)

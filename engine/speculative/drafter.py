@@ -84,12 +84,14 @@ class Drafter:
         self._live[seq.request_id] = state
         seq.draft_acceptance = state.acceptance
 
-    def propose(self, seq: Sequence) -> None:
+    def propose(self, seq: Sequence, bar: float = 0.0) -> None:
         """Set `seq.draft_token_ids` to what may follow its tokens (none when nothing
-        matches or its length limits leave no room)."""
+        matches or its length limits leave no room). `bar`: the acceptance a first draft
+        token needs to be taken beside the current decodes (`Scheduler.draft_bar`); below
+        it no search is made, as the scheduler would drop what it found (a busy batch)."""
         seq.draft_token_ids = []
         state = self._live.get(seq.request_id)
-        if state is None:
+        if state is None or state.acceptance < bar:
             return
         state.tokens.extend(seq.token_ids[state.tokens.size :])
         k = self._room(seq)

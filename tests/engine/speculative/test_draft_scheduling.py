@@ -3,6 +3,7 @@ second beat the step's own, from the cost model; never past the budget or free b
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.core.sampling_params import SamplingParams
@@ -64,6 +65,27 @@ def test_one_decode_takes_drafts_at_even_odds_many_decodes_only_sure_ones() -> N
         assert _drafts(out) == expected, (num, acceptance)
         assert [item.num_new_tokens for item in out.scheduled] == [1 + d for d in expected]
         assert all(item.is_sampling for item in out.scheduled)
+
+
+def test_the_bar_a_first_draft_must_clear_is_published_for_the_drafter() -> None:
+    """`draft_bar` is the acceptance above which a first draft token is taken beside the
+    step's decodes (what the drafter skips its search below): 1 token / 4 rows for one
+    decode, 16 / 19 for sixteen (the steps above); 0.0 before the model is fitted."""
+    for num, bar in ((1, 0.25), (16, 16 / 19)):
+        sched = _scheduler()
+        _decoding(sched, num, 0.5)
+        assert sched.draft_bar == 0.0
+        _teach(sched, fixed=3e-3, per_token=1e-3)
+        for acceptance in (bar - 0.02, bar + 0.02):
+            for seq in sched.running:
+                seq.draft_token_ids, seq.draft_acceptance = list(DRAFTS), acceptance
+            out = sched.schedule()
+            assert sched.draft_bar == pytest.approx(bar, abs=0.01)
+            assert all(d == (acceptance > bar) for d in _drafts(out)), (num, acceptance)
+            sched.on_step_done(out)
+            for seq in sched.running:
+                seq.token_ids.append(7)
+                seq.num_computed_tokens = len(seq.token_ids) - 1
 
 
 def test_until_the_cost_model_has_seen_steps_every_draft_is_taken() -> None:

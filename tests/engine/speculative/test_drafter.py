@@ -23,6 +23,18 @@ def test_a_run_copied_from_the_prompt_is_drafted() -> None:
     assert seq.draft_token_ids == [3, 4, 5, 6]
 
 
+def test_no_search_below_the_bar_a_busy_step_sets() -> None:
+    """A new request's acceptance is 1/2: a bar above it (many decodes, rows that cost
+    nearly a token) leaves it without drafts; at or under it, the run is drafted."""
+    drafter = Drafter(max_draft_tokens=4, max_model_len=100)
+    seq = _seq("a", [7, 1, 2, 3, 4, 5, 6, 9, 8, 1, 2])
+    drafter.start(seq, None)
+    drafter.propose(seq, bar=0.6)
+    assert seq.draft_token_ids == []
+    drafter.propose(seq, bar=0.5)
+    assert seq.draft_token_ids == [3, 4, 5, 6]
+
+
 def test_drafts_stop_where_max_tokens_or_the_context_ends() -> None:
     prompt = [7, 1, 2, 3, 4, 5, 6, 9, 8, 1, 2]
     for max_tokens, max_model_len, room in ((3, 100, 2), (32, 14, 2), (1, 100, 0)):

@@ -90,7 +90,7 @@ def test_rejected_drafts_leave_no_trace_in_the_cache(
     prompts = _prompts(vocab)
     want = _lone_answers(tiny_llama_path, prompts, GREEDY)
 
-    def wrong(seq: Sequence) -> None:
+    def wrong(seq: Sequence, bar: float = 0.0) -> None:
         seq.draft_token_ids = [(t + 1) % vocab for t in seq.token_ids[-4:]]
 
     monkeypatch.setattr(engine.drafter, "propose", wrong)

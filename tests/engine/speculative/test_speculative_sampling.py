@@ -53,7 +53,7 @@ def test_sampled_tokens_with_drafts_follow_the_distribution_without(
     unseen = next(t for t in range(3, 200) if all(t not in c for c in without))
     on = _engine(tiny_llama_path)
 
-    def propose(seq: Sequence) -> None:
+    def propose(seq: Sequence, bar: float = 0.0) -> None:
         wrong = seq.num_output_tokens % 2 == 0 or seq.request_id.endswith(("1", "3"))
         draft = [unseen, likely[2]] if wrong else [likely[1], likely[2]]
         seq.draft_token_ids = draft[: PARAMS.max_tokens - seq.num_output_tokens - 1]
