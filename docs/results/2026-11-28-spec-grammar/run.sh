@@ -8,6 +8,8 @@ run() { local label=$1 flags=$2 modes=$3
 }
 # contract/: MODES="contract contract8 copy" (OUT=/tmp/spg/res), 05:53-05:55 UTC
 # copyjson/: MODES="copyjson copy" (OUT=/tmp/spg/res2), 05:55-05:58 UTC
+# mixed/: MODES="decode multiturn c8" (OUT=/tmp/spg/res3), 05:59-06:03 UTC, 60cf08b
+# decode/: MODES="decode decode" (OUT=/tmp/spg/res4), 06:05-06:09 UTC, 3e032a2
 MODES="copyjson copy"
 date -u > $OUT/times.txt
 run -on-r1 "" "$MODES"; date -u >> $OUT/times.txt
