@@ -349,7 +349,8 @@ def test_a_call_cut_by_max_tokens_is_a_call_not_markup(
     cut call comes back as a tool call with the arguments written so far. The call's opening
     the grammar forces is the prompt's (no step, no share of max_tokens): a named call's
     tokens are its arguments alone (the smallest max_tokens that completes `{"city":
-    "Paris"}` went from 27 to 5), a `required` one's start at the function's name."""
+    "Paris"}` went from 27 to 5), a `required` one's start at the function's name (27 to
+    18)."""
     request: Any = {
         "model": model_of(sdk),
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
