@@ -75,6 +75,16 @@ def _kept_state_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _kv_snapshots_per_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The same for engines a module's fixtures make (made before any test's own folder is
+    set): one module's engine must not leave its hot set to the next module's (a Responses
+    test found 4 of its first prompt's tokens cached after the tools tests had run)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFIXGATE_KV_SNAPSHOT_DIR", str(tmp_path_factory.mktemp("kv-module")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _kv_snapshots_per_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's engines start with no KV snapshots and leave none to the next test: what an
