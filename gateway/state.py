@@ -52,6 +52,7 @@ class Gateway:
         self.cpu_kernels: str | None = None  # the engine's kernel target, once it started
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self._logprob_texts: asyncio.Future[Any] | None = None  # see _facts_of
+        self._tool_format: ToolFormat | None = None
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
         self.responses: ResponseStore = open_response_store(config)
@@ -172,8 +173,12 @@ class Gateway:
 
     @property
     def tool_format(self) -> ToolFormat:
-        """How the served model writes tool calls, from its chat template."""
-        return tool_format_of(self.tokenizer.chat_template)
+        """How the served model writes tool calls, from its chat template and tokenizer
+        (read once: both are fixed once the engine is ready)."""
+        if self._tool_format is None:
+            tokenizer = self.tokenizer
+            self._tool_format = tool_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())
+        return self._tool_format
 
     @property
     def max_model_len(self) -> int:

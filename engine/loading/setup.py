@@ -99,12 +99,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         logger.info("chat template: none (chat requests get a 400 naming --chat-template)")
     if tokenizer.chat_template:
         takes_tools = template_takes_tools(tokenizer.chat_template)
+        tool_format = tool_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())
         logger.info(
-            "tool calls: %s format (%s)",
-            tool_format_of(tokenizer.chat_template).name,
+            "tool calls: %s format (%s%s)",
+            tool_format.name,
             "the template renders the tools"
             if takes_tools
             else "tools described in the system turn",
+            "; tags as tokens: " + " ".join(sorted(tool_format.token_tags))
+            if tool_format.token_tags
+            else "",
         )
     max_model_len = _max_model_len(hf_config, config.max_model_len, source.path)
     spec = _kv_spec(config, on_meta(hf_config, 1, config.torch_dtype))

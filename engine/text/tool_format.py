@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2
@@ -131,6 +131,11 @@ class ToolFormat:
     closer: str
     separator: str
     arguments_key: str
+    # The tags (the opener's and closer's text, stripped) that are one added token of the
+    # served tokenizer (Qwen's `<tool_call>`): the grammar names that token, as the model
+    # writes it and as the tokenizer encodes the opening put in the prompt; written as a
+    # string, the grammar would make it spell the tag out and refuse the token
+    token_tags: frozenset[str] = frozenset()
 
     @property
     def first_char(self) -> str:
@@ -171,13 +176,13 @@ class ToolFormat:
             )
         one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         call_schema = json.dumps({**one_of, **_COMPACT, **({"$defs": defs} if defs else {})})
-        calls = f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
+        calls = f"call ({self._lark(self.separator)} call)*" if parallel else "call"
         call = " ".join(
             part
             for part in (
-                _lark_string(self.opener),
+                self._lark(self.opener),
                 f"%json {call_schema}",
-                _lark_string(self.closer),
+                self._lark(self.closer),
             )
             if part
         )
@@ -198,7 +203,18 @@ class ToolFormat:
             if tool["function"]["name"] == only
         ]
         arguments = json.dumps({**parameters, **_COMPACT})
-        return GrammarSpec("lark", f"start: {_lark_string(self.opening(only))} %json {arguments}\n")
+        return GrammarSpec("lark", f"start: {self._lark(self.opening(only))} %json {arguments}\n")
+
+    def _lark(self, text: str) -> str:
+        """`text` as a Lark sequence: strings, and each token tag as its token."""
+        parts = [text]
+        for tag in self.token_tags:
+            parts = [piece for part in parts for piece in _split_keeping(part, tag)]
+        return " ".join(
+            f"<{part[1:-1]}>" if part in self.token_tags else json.dumps(part)
+            for part in parts
+            if part
+        )
 
     def reader(self, only: str | None, is_required: bool) -> CallReader:
         """How an answer under `grammar(tools, only, is_required, ...)` is read for calls:
@@ -313,22 +329,28 @@ HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments")
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")
 
 
-def tool_format_of(chat_template: str | None) -> ToolFormat:
+def tool_format_of(chat_template: str | None, added_tokens: Collection[str] = ()) -> ToolFormat:
     """The format the model's template teaches: Llama 3.x's templates ask for bare objects
     with "parameters" and return results in an `ipython` turn; every other template (and
-    our own system prompt, for templates that take no tools) speaks Hermes."""
+    our own system prompt, for templates that take no tools) speaks Hermes. `added_tokens`:
+    the tokenizer's added tokens, which tags are (`ToolFormat.token_tags`)."""
     if not template_takes_tools(chat_template) or chat_template is None:
-        return HERMES
-    is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
-    return LLAMA3_JSON if is_llama3 else HERMES
+        chosen = HERMES
+    else:
+        is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
+        chosen = LLAMA3_JSON if is_llama3 else HERMES
+    tags = {chosen.opener.strip(), chosen.closer.strip()} & set(added_tokens)
+    return replace(chosen, token_tags=frozenset(tags)) if tags else chosen
+
+
+def _split_keeping(text: str, tag: str) -> list[str]:
+    """`text` split around each `tag`, the tags kept as pieces of their own."""
+    pieces = text.split(tag)
+    return [x for i, piece in enumerate(pieces) for x in ((tag, piece) if i else (piece,))]
 
 
 # The calls' JSON without optional whitespace, as for response_format
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text) if text else ""
 
 
 def _call_of(body: str, arguments_key: str) -> ParsedToolCall | None:

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
-from engine import GrammarSpec, SamplingParams, chat_prompt_ids
+from engine import GrammarSpec, SamplingParams, answer_start_ids, chat_prompt_ids
 from engine.structured.grammar import GrammarCompiler
 from engine.text.tool_format import (
     HERMES,
@@ -21,6 +22,7 @@ from engine.text.tool_format import (
     template_takes_tools,
     tool_format_of,
 )
+from tests.conftest import _train_tokenizer
 from tests.helpers import tiny_engine
 
 PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 9}}}
@@ -100,6 +102,7 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
 
 
 TEMPLATES = Path(__file__).parent / "templates"
+QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 
 
 @pytest.mark.parametrize(
@@ -194,6 +197,39 @@ def test_the_opening_is_what_the_grammar_forces_first(
     wrong = tiny_tokenizer(opening + " ", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError):
         grammar.new_matcher(wrong)
+
+
+@pytest.mark.parametrize("only", [None, "make"], ids=["required", "named"])
+def test_tags_that_are_one_token_are_that_token_in_the_grammar(only: str | None) -> None:
+    """Qwen's tokenizers hold `<tool_call>` and `</tool_call>` as added tokens: the prompt's
+    opening encodes the tag as that token, and the model writes it so. The grammar names the
+    token (a string tag would make the model spell it out, and refuse the opening)."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tag, special=False, normalized=False)
+            for tag in ("<tool_call>", "</tool_call>")
+        ]
+    )
+    tag_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    tool_format = tool_format_of(QWEN3, tokenizer.get_added_vocab())
+    assert tool_format.token_tags == {"<tool_call>", "</tool_call>"}
+    assert tool_format_of(QWEN3) == HERMES and HERMES.token_tags == frozenset()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({0}))
+    tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
+    opening = answer_start_ids(tokenizer, tool_format.opening(only))
+    assert opening[0] == tag_id
+    grammar = tool_format.grammar(tools, only, is_required=True, parallel=False)
+    matcher = compiler.compile(grammar).new_matcher(opening)
+    assert matcher.compute_ff_tokens()  # the rest of the name, or the arguments' start
+    with pytest.raises(ValueError):  # the tag as a string refuses the token
+        compiler.compile(HERMES.grammar(tools, only, True, False)).new_matcher(opening)
+    auto = compiler.compile(tool_format.grammar(tools, None, is_required=False, parallel=True))
+    written = tokenizer('<tool_call>\n{"name":"make","arguments":{"pet":{"age":3}}}\n</tool_call>',
+                        add_special_tokens=False)["input_ids"]  # fmt: skip
+    assert written[0] == tag_id and auto.new_matcher(written).is_accepting()
 
 
 @pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
