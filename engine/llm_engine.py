@@ -229,7 +229,7 @@ class LLMEngine:
             generator=generator,
             cache_salt=request.cache_salt,
             tenant=request.tenant,
-            matcher=_matcher(request),
+            matcher=request.grammar.new_matcher() if request.grammar is not None else None,
         )
         self._requests[request_id] = seq
         if self.speculative and params.may_speculate:
@@ -556,15 +556,6 @@ class LLMEngine:
             self.num_forced_tokens,
             self.drafter.counts(),
         )
-
-
-def _matcher(request: EngineRequest) -> LLMatcher | None:
-    """The request's grammar, having read the start of its text the prompt holds (checked
-    when the request was prepared)."""
-    if request.grammar is None:
-        return None
-    num = request.params.num_grammar_prompt_tokens
-    return request.grammar.new_matcher(request.prompt_token_ids[-num:] if num else ())
 
 
 def _advance(matcher: LLMatcher, token_id: int) -> bool:

@@ -73,19 +73,19 @@ class RequestChecker:
         check_request(self.limits(), prompt_token_ids, params)
         grammar = self.compile(params.grammar) if params.grammar is not None else None
         if grammar is not None and params.num_grammar_prompt_tokens:
-            _check_grammar_start(grammar, prompt_token_ids, params.num_grammar_prompt_tokens)
+            grammar = _started(grammar, prompt_token_ids, params.num_grammar_prompt_tokens)
         return EngineRequest(list(prompt_token_ids), params, cache_salt, grammar, tenant)
 
 
-def _check_grammar_start(grammar: CompiledGrammar, prompt_token_ids: list[int], num: int) -> None:
+def _started(grammar: CompiledGrammar, prompt_token_ids: list[int], num: int) -> CompiledGrammar:
     """The prompt's last `num` tokens are where the grammar's text starts: it must allow
-    them (the engine's matcher reads them before the first sampled token)."""
+    them, and every sequence of the request starts from the grammar having read them."""
     if num >= len(prompt_token_ids):
         raise InvalidRequestError(
             "the grammar's start must leave a prompt before it", param=GRAMMAR_PARAM
         )
     try:
-        grammar.new_matcher(prompt_token_ids[-num:])
+        return grammar.started(prompt_token_ids[-num:])
     except ValueError as exc:
         raise InvalidRequestError(
             f"the grammar does not allow the prompt's last {num} tokens: {exc}",

@@ -109,8 +109,8 @@ class EngineConfig:
         "entry), verified in one forward; auto: where the compute path is batch invariant (the "
         "C++ CPU kernels on quantized weights), a draft joins a step when this machine's "
         "step cost model expects it to pay; off: never. The same tokens as without, greedy, "
-        "or the same distribution, sampled (requests with penalties, stop strings, a grammar "
-        "or a seed take no drafts)",
+        "or the same distribution, sampled (requests with penalties or a seed take no "
+        "drafts)",
         choices=SPECULATIVE_CHOICES,
     )
     num_speculative_tokens: int = option(

@@ -103,12 +103,15 @@ class ModelRunner:
         if not sampling:
             return StepResult([], prefilled)
         seqs = [item.seq for item in sampling]
-        # per item with a grammar and drafts: its matcher at each drafted position and after
-        # the last draft (`_grammar_chain`); the sampled row is the one after the drafts
-        chains = [_grammar_chain(item) for item in sampling]
-        matchers = [chain[-1] for chain in chains]
-        if any(m is not None for m in matchers):
-            self._masker(logits.shape[1]).apply(logits, matchers)
+        # with a grammar: each item's matcher at each drafted position and after the last
+        # draft (`_grammar_chain`), whose mask the sampled row gets
+        chains = (
+            [_grammar_chain(item) for item in sampling]
+            if any(seq.matcher is not None for seq in seqs)
+            else None
+        )
+        if chains is not None:
+            self._masker(logits.shape[1]).apply(logits, [chain[-1] for chain in chains])
         penalized = [seq for seq in seqs if seq.params.has_penalties]
         counts = (
             self.penalty_counts.counts(penalized, logits.shape[1], logits.device)
@@ -122,9 +125,9 @@ class ModelRunner:
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs, strict=True)
         ]
         if draft_logits is not None:
-            rows = [m for item, chain in zip(sampling, chains, strict=True)
-                    for m in chain[: item.num_draft_tokens]]  # fmt: skip
-            if any(m is not None for m in rows):
+            if chains is not None:
+                rows = [m for item, chain in zip(sampling, chains, strict=True)
+                        for m in chain[: item.num_draft_tokens]]  # fmt: skip
                 self._masker(draft_logits.shape[1]).apply(draft_logits, rows)
             self._verify(sampling, sampled, draft_logits)
         return StepResult(sampled, prefilled)

@@ -84,14 +84,17 @@ class CompiledGrammar:
         self.spec = spec
         self._template = matcher
 
-    def new_matcher(self, after: Sequence[int] = ()) -> llguidance.LLMatcher:
-        """A matcher for one sequence, having read `after` (the grammar's start, where the
-        prompt holds it: `SamplingParams.num_grammar_prompt_tokens`); ValueError if the
-        grammar does not allow those tokens."""
-        matcher = self._template.deep_copy()
-        if after and not matcher.consume_tokens(list(after)):
+    def new_matcher(self) -> llguidance.LLMatcher:
+        return self._template.deep_copy()
+
+    def started(self, tokens: Sequence[int]) -> CompiledGrammar:
+        """This grammar having read `tokens` (its start, where the prompt holds it:
+        `SamplingParams.num_grammar_prompt_tokens`), read once for every sequence of the
+        request; ValueError if the grammar does not allow them."""
+        matcher = self.new_matcher()
+        if not matcher.consume_tokens(list(tokens)):
             raise ValueError(matcher.get_error() or "the grammar does not start with them")
-        return matcher
+        return CompiledGrammar(self.spec, matcher)
 
 
 class GrammarCompiler:

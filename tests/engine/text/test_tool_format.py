@@ -189,14 +189,14 @@ def test_the_opening_is_what_the_grammar_forces_first(
     grammar = compiler.compile(tool_format.grammar(tools, only, is_required=True, parallel=True))
     opening = tool_format.opening(only)
     ids = tiny_tokenizer(opening, add_special_tokens=False)["input_ids"]
-    matcher = grammar.new_matcher(ids)
+    matcher = grammar.started(ids).new_matcher()
     assert not matcher.is_error()
     free = '{"pet":{"age":3}}' if only else "make"
     rest = tiny_tokenizer(free, add_special_tokens=False)["input_ids"]
     assert matcher.try_consume_tokens(rest) == len(rest)
     wrong = tiny_tokenizer(opening + " ", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError):
-        grammar.new_matcher(wrong)
+        grammar.started(wrong)
 
 
 @pytest.mark.parametrize("only", [None, "make"], ids=["required", "named"])
@@ -222,14 +222,14 @@ def test_tags_that_are_one_token_are_that_token_in_the_grammar(only: str | None)
     opening = answer_start_ids(tokenizer, tool_format.opening(only))
     assert opening[0] == tag_id
     grammar = tool_format.grammar(tools, only, is_required=True, parallel=False)
-    matcher = compiler.compile(grammar).new_matcher(opening)
+    matcher = compiler.compile(grammar).started(opening).new_matcher()
     assert matcher.compute_ff_tokens()  # the rest of the name, or the arguments' start
     with pytest.raises(ValueError):  # the tag as a string refuses the token
-        compiler.compile(HERMES.grammar(tools, only, True, False)).new_matcher(opening)
+        compiler.compile(HERMES.grammar(tools, only, True, False)).started(opening)
     auto = compiler.compile(tool_format.grammar(tools, None, is_required=False, parallel=True))
     written = tokenizer('<tool_call>\n{"name":"make","arguments":{"pet":{"age":3}}}\n</tool_call>',
                         add_special_tokens=False)["input_ids"]  # fmt: skip
-    assert written[0] == tag_id and auto.new_matcher(written).is_accepting()
+    assert written[0] == tag_id and auto.started(written).new_matcher().is_accepting()
 
 
 @pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
