@@ -1,129 +1,145 @@
-"""The model's config and tokenizer class, resolved once by transformers' Auto classes, then
-from our cache.
+"""The model's config and tokenizer, resolved once by transformers' Auto classes, then read
+from our cache without transformers.
 
-Why: transformers' per-family config modules import most of transformers on the way (the
-Llama one reaches `torch.distributed.tensor` through its hub-kernels integration): 2.4-2.7 s
-of every start and every replica replacement on a 2-vCPU machine, for a few dozen numbers.
-The first read goes through `AutoConfig` (its defaults, rope-parameter standardisation and
-derived fields such as Gemma 3's `layer_types`), and the result, every field filled in, is
-stored as JSON keyed by the config file's bytes and transformers' version. Every read, the
-first included, then returns the config rebuilt from that JSON on transformers' base class,
-with the family's `model_type` and `attribute_map` (GPT-2's `n_embd` is its `hidden_size`):
-the engine sees the same object whether or not the cache was warm, so the KV identity and
-the model built from it cannot differ between a first start and the next.
+Why: importing transformers costs 0.6-1.0 s of every start and every replica replacement on
+a 2-vCPU machine, and its per-family config modules import most of the rest of it (the
+Llama one reaches `torch.distributed.tensor` through its hub-kernels integration), for a few
+dozen numbers and a Rust tokenizer.
 
-`AutoTokenizer` resolves the tokenizer's class through the same config module, so the class
-it picks is remembered too (keyed by the config and tokenizer_config files and the version)
-and later loads call that class's own `from_pretrained`, as `AutoTokenizer` does once it
-knows the class.
+- The config: the first read goes through `AutoConfig` (its defaults, RoPE-parameter
+  standardisation and derived fields such as Gemma 3's `layer_types`), and the result, every
+  field filled in, is stored as JSON keyed by the config file's bytes and transformers'
+  version. Every read, the first included, returns a `ModelConfig` of that JSON
+  (engine/core/model_config.py): the engine sees the same object whether or not the cache
+  was warm, so the KV identity and the model built from it cannot differ between a first
+  start and the next.
+- The tokenizer: the first load goes through `AutoTokenizer`, and what it built (its Rust
+  tokenizer, post-processor and all, its special tokens and chat template) is stored as a
+  folder keyed by the model's tokenizer files and transformers' version; every load returns
+  the engine's `Tokenizer` (engine/text/tokenizer.py) read from that folder.
 
-A missing, unreadable or foreign cache entry is a fresh read through the Auto class; a cache
+transformers' version is read from its installed metadata, which does not import it. A
+missing, unreadable or foreign cache entry is a fresh read through the Auto class; a cache
 folder that cannot be written is a warning, never a failed start.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
+import importlib.metadata
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import ModelLoadError
+from engine.core.model_config import ModelConfig
+from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # of the stored entry: a change here makes every old entry a miss
+FORMAT = 2  # of the stored entries: a change here makes every old entry a miss
+# The files a tokenizer is built from (transformers reads no others for one).
+TOKENIZER_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
-def cached_hf_config(path: Path, cache_dir: Path) -> PretrainedConfig:
+def cached_hf_config(path: Path, cache_dir: Path) -> ModelConfig:
     """`path/config.json` as the engine uses it (see the module's docstring)."""
-    import transformers
-
     config_path = path / "config.json"
     try:
         raw = config_path.read_bytes()
     except OSError as exc:
         raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
-    key = hashlib.sha256(raw + f"|{transformers.__version__}|{FORMAT}".encode()).hexdigest()
+    key = hashlib.sha256(raw + f"|{transformers_version()}|{FORMAT}".encode()).hexdigest()
     entry_path = cache_dir / "configs" / f"{key[:32]}.json"
     entry = _read_entry(entry_path, key)
     if entry is None:
         entry = _fresh_entry(path, config_path, key)
         _write_entry(entry_path, entry)
-    config = rebuild(entry)
-    config._name_or_path = str(path)  # as from_pretrained sets it (an entry serves any copy)
-    return config
+    return rebuild(entry, path)
 
 
-def cached_tokenizer(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
-    """`AutoTokenizer.from_pretrained(path)`, without its config-module imports once the class
-    it resolves to is known."""
-    import transformers
-
-    digest = hashlib.sha256(f"{transformers.__version__}|{FORMAT}".encode())
-    for name in ("config.json", "tokenizer_config.json"):
+def cached_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
+    """The tokenizer `AutoTokenizer.from_pretrained(path)` builds, as the engine's
+    `Tokenizer`; transformers is imported only when the cache has no entry for it."""
+    digest = hashlib.sha256(f"{transformers_version()}|{FORMAT}".encode())
+    for name in TOKENIZER_FILES:
         try:
-            digest.update(name.encode() + (path / name).read_bytes())
+            digest.update(name.encode() + b"|" + (path / name).read_bytes())
         except OSError:
             digest.update(name.encode() + b"|absent")
-    key = digest.hexdigest()
-    entry_path = cache_dir / "tokenizers" / f"{key[:32]}.json"
-    entry = _read_entry(entry_path, key)
-    if entry is not None:
+    entry = cache_dir / "tokenizers" / digest.hexdigest()[:32]
+    if entry.is_dir():
         try:
-            tokenizer_class = getattr(importlib.import_module(entry["module"]), entry["name"])
-        except (ImportError, AttributeError, KeyError, TypeError) as exc:
-            logger.warning(
-                "tokenizer class in %s not importable (%s): resolving it afresh", entry_path, exc
-            )
-        else:
-            return _tokenizer(tokenizer_class, path)
+            return Tokenizer.load(entry)
+        except Exception as exc:
+            logger.warning("cache entry %s unreadable (%s): resolving it afresh", entry, exc)
+    tokenizer = Tokenizer.from_transformers(_auto_tokenizer(path))
+    _write_tokenizer(entry, tokenizer)
+    return tokenizer
+
+
+def _auto_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = _tokenizer(AutoTokenizer, path)
-    resolved = type(tokenizer)
-    _write_entry(
-        entry_path, {"key": key, "module": resolved.__module__, "name": resolved.__qualname__}
-    )
-    return tokenizer
-
-
-def _tokenizer(loader: Any, path: Path) -> PreTrainedTokenizerBase:
     try:
-        tokenizer: PreTrainedTokenizerBase = loader.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
-    return tokenizer
 
 
-def rebuild(entry: dict[str, Any]) -> PretrainedConfig:
-    """A stored entry as a config object: the base class under the family's name."""
-    from transformers import PretrainedConfig
+def _write_tokenizer(entry: Path, tokenizer: Tokenizer) -> None:
+    """Written to a temporary folder and renamed: a reader sees a whole entry or none."""
+    temporary = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".entry-"))
+        tokenizer.save(temporary)
+        if entry.exists():  # an unreadable one: replaced
+            shutil.rmtree(entry)
+        os.replace(temporary, entry)
+    except OSError as exc:
+        logger.warning("cannot write the cache entry %s: %s", entry, exc)
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
 
-    family: type[PretrainedConfig] = type(
-        entry["class_name"],
-        (PretrainedConfig,),
-        {"model_type": entry["model_type"], "attribute_map": dict(entry["attribute_map"])},
+
+def transformers_version() -> str:
+    """The installed transformers' version, without importing it."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def rebuild(entry: dict[str, Any], path: Path) -> ModelConfig:
+    """A stored entry as the engine's config object for the model at `path`."""
+    fields = dict(entry["config"])
+    return ModelConfig(
+        entry["class_name"], entry["model_type"], fields, entry["attribute_map"], str(path)
     )
-    data = dict(entry["config"])
-    config: PretrainedConfig = family.from_dict(data)
-    present = config.to_dict()
-    for key, value in data.items():  # what the base class takes as a keyword and drops
-        if key not in present:  # (`use_cache`): kept, so the dict matches transformers' own
-            setattr(config, key, value)
-    return config
 
 
 def entry_of(config: PretrainedConfig, key: str) -> dict[str, Any]:
     """What is stored of a config transformers built: every field, and the class facts the
-    base class does not carry."""
+    fields do not carry."""
     return {
         "key": key,
         "class_name": type(config).__name__,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from engine.loading.build import (
     pack_model,
     restore_quantized_model,
 )
+from engine.loading.config_cache import transformers_version
 from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
 from engine.loading.source import (
     ModelSource,
@@ -187,8 +189,6 @@ def kv_identity(
     quantized cache knows them: hashing a 1 GB file at every start would cost seconds. The
     config (RoPE base and scaling, norms' eps), transformers (scaled RoPE's tables) and the
     context length (LongRoPE picks its factors by it) decide the rotation of every K."""
-    import transformers
-
     files = weight_files(source.path) + ([source.gguf_path] if source.gguf_path else [])
     digest = hashlib.sha256()
     for file in files:
@@ -209,7 +209,7 @@ def kv_identity(
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": transformers_version(),
         "threads": str(torch.get_num_threads()),
         "code": _numeric_code_digest(),
     }
@@ -393,8 +393,12 @@ def _eos_token_ids(hf_config: Any, tokenizer: Any, path: Path) -> frozenset[int]
 
 
 def _generation_eos(path: Path) -> Any:
-    from transformers import GenerationConfig
-
-    if not (path / "generation_config.json").exists():
+    """`generation_config.json`'s `eos_token_id` (an id or a list), read as transformers'
+    `GenerationConfig` reads it."""
+    try:
+        data = json.loads((path / "generation_config.json").read_text())
+    except FileNotFoundError:
         return None
-    return GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path / 'generation_config.json'}: {exc}") from exc
+    return data.get("eos_token_id") if isinstance(data, dict) else None

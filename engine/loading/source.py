@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
+from engine.core.model_config import ModelConfig
 from engine.executor.models import SUPPORTED_MODEL_TYPES
 from engine.executor.quantization import BITS, FILE_BLOCKS, WeightFormat
 from engine.loading import safetensors_io
@@ -49,6 +50,7 @@ from engine.loading.gguf import (
     complete_rope,
     gguf_table,
 )
+from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -109,7 +111,7 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelSourc
     raise ModelLoadError(f"model path {path} does not exist")
 
 
-def load_hf_config(path: Path, cache_dir: Path | None = None) -> PretrainedConfig:
+def load_hf_config(path: Path, cache_dir: Path | None = None) -> ModelConfig:
     """Load `path/config.json`, refusing architectures the engine has no model for; through
     transformers' class once, then from the cache (engine/loading/config_cache.py)."""
     config_path = path / "config.json"
@@ -117,8 +119,8 @@ def load_hf_config(path: Path, cache_dir: Path | None = None) -> PretrainedConfi
     return cached_hf_config(path, cache_dir if cache_dir is not None else default_cache_dir())
 
 
-def load_tokenizer(path: Path, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer `AutoTokenizer` gives, its class remembered (config_cache.py)."""
+def load_tokenizer(path: Path, cache_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer `AutoTokenizer` builds, as the engine's own (config_cache.py)."""
     return cached_tokenizer(path, cache_dir if cache_dir is not None else default_cache_dir())
 
 

@@ -36,12 +36,10 @@ from engine.registry.render import render_entry
 from engine.registry.spec import PrefixSpec, RegistryFileError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from engine.text.tokenizer import Tokenizer
 
 
-def load_prefix_file(
-    path: Path, tokenizer: PreTrainedTokenizerBase, max_model_len: int
-) -> list[PrefixSpec]:
+def load_prefix_file(path: Path, tokenizer: Tokenizer, max_model_len: int) -> list[PrefixSpec]:
     """Read, validate and render the prefixes file at `path`; see `parse_prefix_text`."""
     return parse_prefix_bytes(read_prefix_file(path), path, tokenizer, max_model_len)
 
@@ -55,7 +53,7 @@ def read_prefix_file(path: Path) -> bytes:
 
 
 def parse_prefix_bytes(
-    content: bytes, path: Path, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+    content: bytes, path: Path, tokenizer: Tokenizer, max_model_len: int
 ) -> list[PrefixSpec]:
     """`parse_prefix_text` over the file's raw bytes, which must be UTF-8."""
     try:
@@ -66,7 +64,7 @@ def parse_prefix_bytes(
 
 
 def parse_prefix_text(
-    text: str, path: Path, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+    text: str, path: Path, tokenizer: Tokenizer, max_model_len: int
 ) -> list[PrefixSpec]:
     """Validate a whole prefixes file given as a string and render every entry to token ids.
 

@@ -12,7 +12,7 @@ from engine.registry.spec import Messages, PrefixSpec
 from engine.text.chat import chat_prompt_ids, text_prompt_ids
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from engine.text.tokenizer import Tokenizer
 
 # User turns rendered after a chat prefix to find the ids it shares with real conversations.
 # They differ in their first character and token, so nothing of a probe survives the
@@ -29,7 +29,7 @@ _UNSTABLE_TEMPLATE = (
 )
 
 
-def render_chat_prefix(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
+def render_chat_prefix(tokenizer: Tokenizer, messages: Messages) -> list[int]:
     """The ids that `messages` followed by any user turn all start with, and (unless they
     are system messages only) `messages` rendered alone too.
 
@@ -54,7 +54,7 @@ def render_chat_prefix(tokenizer: PreTrainedTokenizerBase, messages: Messages) -
     return _common_prefix(renderings)
 
 
-def render_text_prefix(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def render_text_prefix(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids that `text` alone and `text` followed by typical continuations all start with,
     so a completion whose prompt extends the text still matches at the token level."""
     renderings = [text_prompt_ids(tokenizer, text)]
@@ -72,7 +72,7 @@ def _common_prefix(sequences: Sequence[Sequence[int]]) -> list[int]:
 
 
 def render_entry(
-    entry: Entry, tokenizer: PreTrainedTokenizerBase, max_model_len: int, problems: list[str]
+    entry: Entry, tokenizer: Tokenizer, max_model_len: int, problems: list[str]
 ) -> PrefixSpec | None:
     where = field_at(f"entry '{entry.name}'", "messages" if entry.kind == "chat" else "text")
     try:
@@ -105,7 +105,7 @@ def render_entry(
     return None
 
 
-def _entry_ids(entry: Entry, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def _entry_ids(entry: Entry, tokenizer: Tokenizer) -> list[int]:
     if entry.kind == "chat":
         return render_chat_prefix(tokenizer, entry.messages)
     return render_text_prefix(tokenizer, entry.text)

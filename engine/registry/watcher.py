@@ -19,7 +19,7 @@ from engine.registry.spec import PrefixSpec, RegistryFileError
 from engine.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from engine.text.tokenizer import Tokenizer
 
 
 class PrefixFileWatcher:
@@ -28,7 +28,7 @@ class PrefixFileWatcher:
     def __init__(
         self,
         path: Path | None,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         max_model_len: int,
         grammars: GrammarCompiler,
     ) -> None:

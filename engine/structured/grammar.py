@@ -29,7 +29,8 @@ from engine.core.sampling_params import GRAMMAR_PARAM, GrammarSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
-    from transformers import PreTrainedTokenizerBase
+
+    from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class GrammarCompiler:
     thread only copies compiled matchers. llguidance drops the GIL while it compiles."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: frozenset[int]
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]
     ) -> None:
         self.tokenizer = _llguidance_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
@@ -130,7 +131,7 @@ class GrammarCompiler:
 
 
 def _llguidance_tokenizer(
-    tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: frozenset[int]
+    tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]
 ) -> llguidance.LLTokenizer:
     """llguidance's view of a fast tokenizer, from its serialized Rust tokenizer, as
     `llguidance.hf.from_tokenizer` makes it; but that copies the tokenizer first (0.18 s for

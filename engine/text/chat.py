@@ -30,11 +30,11 @@ from engine.text.tool_format import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from engine.text.tokenizer import Tokenizer
 
 
 def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -72,15 +72,15 @@ def chat_prompt_ids(
     return ids
 
 
-def answer_start_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def answer_start_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """`text` the answer is known to start with (a forced tool call's opening), to follow a
     chat prompt: tokenized on its own, as the answer's tokens start after the prompt's."""
     return _encode(tokenizer, text) if text else []
 
 
-def text_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def text_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Tokenize a completions prompt string, with the tokenizer's own special tokens (BOS)."""
-    return _as_token_ids(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return tokenizer.encode(text, add_special_tokens=True)
 
 
 # Fill-in-the-middle tokens, as the StarCoder and Qwen-Coder families spell them.
@@ -90,9 +90,7 @@ FIM_TOKENS = (
 )
 
 
-def fim_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, prefix: str | list[int], suffix: str
-) -> list[int]:
+def fim_prompt_ids(tokenizer: Tokenizer, prefix: str | list[int], suffix: str) -> list[int]:
     """`<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>`: the model writes the middle.
     Raises InvalidRequestError (param "suffix") for a model without these tokens."""
     vocab = tokenizer.get_vocab()
@@ -110,7 +108,7 @@ def fim_prompt_ids(
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -136,16 +134,15 @@ def _render(
     return text
 
 
-def _encode(
-    tokenizer: PreTrainedTokenizerBase, text: str, split_special_tokens: bool = False
-) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str, split_special_tokens: bool = False) -> list[int]:
     # add_special_tokens=False: the template writes BOS itself when the model wants one
     # (what apply_chat_template(tokenize=True) does too).
-    encoded = tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)
-    return _as_token_ids(encoded["input_ids"])
+    return tokenizer.encode(
+        text, add_special_tokens=False, split_special_tokens=split_special_tokens
+    )
 
 
-def _special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:
+def _special_token_pattern(tokenizer: Tokenizer) -> re.Pattern[str] | None:
     """The texts the tokenizer turns into special ids, longest first (one alternation)."""
     texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     texts.discard("")
@@ -159,7 +156,7 @@ def _contents(messages: list[dict[str, Any]]) -> Iterator[str]:
 
 
 def _split_content_specials(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     pattern: re.Pattern[str],
@@ -214,9 +211,3 @@ def _merge_text(segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
         elif segment:
             merged.append((segment, is_special))
     return merged
-
-
-def _as_token_ids(ids: object) -> list[int]:
-    # One prompt in, so transformers returns a flat list of ints (its return types are unions).
-    assert isinstance(ids, list) and all(isinstance(token_id, int) for token_id in ids), ids
-    return [int(token_id) for token_id in ids]

@@ -30,7 +30,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from engine.text.tokenizer import Tokenizer
 
 # Prompt tokens decoded as context before the first generated token (vLLM uses 5 too).
 _NUM_PROMPT_CONTEXT_TOKENS = 5
@@ -64,7 +64,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
@@ -184,7 +184,7 @@ class RequestText:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         eos_token_ids: Collection[int],

@@ -95,17 +95,7 @@ def registry_chat(engine: LLMEngine, name: str, question: str) -> list[int]:
 
 def question_prompts(tokenizer: Any) -> list[list[int]]:
     """Each of QUESTIONS as one user turn, rendered with the generation prompt."""
-    return [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
-        for q in QUESTIONS
-    ]
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids
 from engine.loading.source import ModelSource
 from tests.e2e.conftest import question_prompts
 from tests.helpers import assert_all_free, run_staggered, tokens_of
@@ -102,11 +102,8 @@ def test_capital_of_france(engine: LLMEngine, prompts: list[list[int]]) -> None:
 
 def test_streamed_text_is_whole_utf8_and_equals_decode(engine: LLMEngine) -> None:
     """Japanese output: most characters span several byte-level tokens."""
-    prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Translate 'thank you' into Japanese."}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
+    prompt = chat_prompt_ids(
+        engine.tokenizer, [{"role": "user", "content": "Translate 'thank you' into Japanese."}]
     )
     [outputs] = run_staggered(
         engine, [list(prompt)], SamplingParams(temperature=0, max_tokens=40), [0]

@@ -233,7 +233,7 @@ def test_duplicates_in_one_step_report_no_cached_tokens(
     """Two identical prompts in one step are prefilled once, but the second must not learn
     that: its cached_tokens are what it would get alone (0 here, no registry)."""
     engine = _engine(tiny_llama_path)
-    prompt = tiny_tokenizer(PROMPTS[3])["input_ids"]
+    prompt = tiny_tokenizer.encode(PROMPTS[3])
     request = engine.prepare_request(prompt, SamplingParams(temperature=0, max_tokens=2))
     start = engine.runner.num_forward_tokens
     cached = _run_together(engine, {"a": request, "b": request})
@@ -246,7 +246,7 @@ def test_duplicates_with_different_cache_salts_are_not_shared(
     tiny_llama_path: Path, tiny_tokenizer: Any
 ) -> None:
     engine = _engine(tiny_llama_path)
-    prompt = tiny_tokenizer(PROMPTS[3])["input_ids"]
+    prompt = tiny_tokenizer.encode(PROMPTS[3])
     params = SamplingParams(temperature=0, max_tokens=1)
     start = engine.runner.num_forward_tokens
     _run_together(

@@ -37,7 +37,7 @@ def _run(engine: Any, ids: list[int], params: SamplingParams) -> Any:
 @pytest.mark.parametrize("budget", [64, 7])  # the whole prompt in one chunk, or in many
 def test_prompt_logprobs_equal_transformers(tiny_llama_path: Path, budget: int) -> None:
     engine = tiny_engine(tiny_llama_path, max_num_batched_tokens=budget)
-    ids = engine.tokenizer(PROMPT)["input_ids"]
+    ids = engine.tokenizer.encode(PROMPT)
     outputs = _run(engine, ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
     scored = outputs[0].prompt_logprobs
     assert [o.prompt_logprobs is None for o in outputs] == [False] + [True] * (len(outputs) - 1)
@@ -52,7 +52,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama_path: Path, budget: int) 
 
 def test_max_tokens_0_scores_without_generating(tiny_llama_path: Path) -> None:
     engine = tiny_engine(tiny_llama_path)
-    ids = engine.tokenizer(PROMPT)["input_ids"]
+    ids = engine.tokenizer.encode(PROMPT)
     [output] = _run(engine, ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert (output.token_ids, output.text, output.finish_reason) == ([], "", "length")
     assert output.num_completion_tokens == 0
@@ -70,7 +70,7 @@ def test_a_scored_prompt_shares_no_registry_prefix(tiny_llama_path: Path, tmp_pa
     prefix_file = tmp_path / "prefixes.yaml"
     prefix_file.write_text('version: 1\nprefixes:\n  - name: n\n    text: "Numbers like 0 1 2"\n')
     engine = tiny_engine(tiny_llama_path, prefix_file=str(prefix_file))
-    ids = engine.tokenizer(PROMPT)["input_ids"]
+    ids = engine.tokenizer.encode(PROMPT)
     plain = _run(engine, ids, SamplingParams(max_tokens=1))
     scored = _run(engine, ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
     assert plain[0].num_cached_tokens > 0
@@ -80,7 +80,7 @@ def test_a_scored_prompt_shares_no_registry_prefix(tiny_llama_path: Path, tmp_pa
 
 def test_preemption_does_not_score_a_token_twice(tiny_llama_path: Path) -> None:
     engine = tiny_engine(tiny_llama_path, num_kv_blocks=24, max_model_len=96)
-    ids = engine.tokenizer(PROMPT)["input_ids"]
+    ids = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=0)
     for i in range(3):
         engine.add_request(str(i), ids, params)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.core.model_config import ModelConfig
 from engine.executor.attention import ForwardBatch, store_kv
 
 
@@ -193,16 +194,18 @@ def _inv_freq(hf_config: Any, layer_type: str, max_positions: int) -> tuple[torc
     already cached. Here, as in llama.cpp, the served context decides once: the long factors
     where `max_positions` exceeds the pretraining length, else the short ones, for every
     position, so a position's rotation never depends on anything else."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(hf_config, "rope_parameters", None) or {}
     if layer_type:
         params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         kwargs: dict[str, Any] = {"layer_type": layer_type} if layer_type else {}
         if rope_type == "longrope":
             kwargs["seq_len"] = max_positions
+        if isinstance(hf_config, ModelConfig):  # its initialisers need their own config class
+            hf_config = hf_config.as_transformers()
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         return inv_freq.float(), float(scaling)
     base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))

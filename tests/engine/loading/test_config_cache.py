@@ -1,10 +1,11 @@
-"""The config cache: transformers' class once, then our JSON, and the engine's model the same
-either way for every family it serves."""
+"""The config cache: transformers' classes once, then our own files, and the engine's model
+and tokenizer the same either way for every family it serves."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,11 +106,13 @@ def test_the_cached_config_builds_the_same_model_as_transformers_own(
     again = cached_hf_config(folder, cache)  # from the JSON
     assert first.to_dict() == again.to_dict()
     assert again.model_type == model_type
-    assert type(again).__name__ == type(original).__name__
+    assert again.class_name == type(original).__name__
     for key in original.to_dict():
         if key == "dtype":  # a torch dtype on one side, its name on the other
             continue
-        assert getattr(again, key) == getattr(original, key), key
+        # As JSON holds them: id2label's int keys are strings, tuples lists.
+        expected = json.loads(json.dumps(getattr(original, key)))
+        assert getattr(again, key) == expected, key
     for alias in original.attribute_map:  # GPT-2's n_embd as hidden_size, and the like
         assert getattr(again, alias) == getattr(original, alias), alias
     assert sliding_layers(again) == sliding_layers(original)
@@ -181,65 +184,124 @@ MESSAGES = [
 ]
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TEXTS = (
+    "Hello world",
+    " leading space",
+    MESSAGES[1]["content"],
+    "a .b ?c don 't ",
+    "日本語 🚀",
+    "",
+)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_gpt2_path", "smollm2_source"])
-def test_the_remembered_tokenizer_class_tokenizes_as_auto_tokenizer_does(
+def test_the_cached_tokenizer_works_as_auto_tokenizers_own(
     tmp_path: Path, request: pytest.FixtureRequest, fixture: str
 ) -> None:
     value = request.getfixturevalue(fixture)
     folder = value if isinstance(value, Path) else value.path
     reference = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     cache = tmp_path / "cache"
-    first = cached_tokenizer(folder, cache)  # through AutoTokenizer, its class stored
-    again = cached_tokenizer(folder, cache)  # the stored class's own from_pretrained
-    [entry] = (cache / "tokenizers").glob("*.json")
-    assert json.loads(entry.read_text())["name"] == type(reference).__qualname__
+    first = cached_tokenizer(folder, cache)  # through AutoTokenizer, stored
+    again = cached_tokenizer(folder, cache)  # read back, without transformers
+    assert len(list((cache / "tokenizers").iterdir())) == 1
     for tokenizer in (first, again):
-        assert type(tokenizer) is type(reference)
         assert tokenizer.get_vocab() == reference.get_vocab()
+        assert tokenizer.get_added_vocab() == reference.get_added_vocab()
+        assert len(tokenizer) == len(reference)
         assert tokenizer.chat_template == reference.chat_template
-        assert tokenizer.all_special_tokens == reference.all_special_tokens
-        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        assert tokenizer.all_special_ids == reference.all_special_ids
+        assert tokenizer.special_tokens_map == reference.special_tokens_map
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (
             reference.bos_token_id,
             reference.eos_token_id,
-            reference.pad_token_id,
         )
-        assert tokenizer.model_max_length == reference.model_max_length
-        for text in ("Hello world", " leading space", MESSAGES[1]["content"], ""):
-            assert tokenizer(text)["input_ids"] == reference(text)["input_ids"], text
+        ids = list(range(min(len(reference), 400)))
+        assert tokenizer.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+        for text in TEXTS:
+            for add, split in ((True, False), (False, False), (False, True)):
+                expected = reference(text, add_special_tokens=add, split_special_tokens=split)
+                assert (
+                    tokenizer.encode(text, add_special_tokens=add, split_special_tokens=split)
+                    == expected["input_ids"]
+                ), (text, add, split)
+            encoded = reference(text)["input_ids"]
+            for skip in (False, True):
+                assert tokenizer.decode(encoded, skip_special_tokens=skip) == reference.decode(
+                    encoded, skip_special_tokens=skip
+                ), (text, skip)
         if reference.chat_template:
-            assert tokenizer.apply_chat_template(MESSAGES) == reference.apply_chat_template(
-                MESSAGES
-            )
+            for tools in (None, TOOLS):
+                for add_generation_prompt in (False, True):
+                    assert tokenizer.apply_chat_template(
+                        MESSAGES, tools=tools, add_generation_prompt=add_generation_prompt
+                    ) == reference.apply_chat_template(
+                        MESSAGES,
+                        tools=tools,
+                        add_generation_prompt=add_generation_prompt,
+                        tokenize=False,
+                    )
 
 
-def test_a_warm_tokenizer_cache_skips_the_family_module(
+def test_a_warm_cache_loads_config_and_tokenizer_without_transformers(
     tmp_path: Path, tiny_llama_path: Path
 ) -> None:
     cache = tmp_path / "cache"
+    cached_hf_config(tiny_llama_path, cache)
     cached_tokenizer(tiny_llama_path, cache)
     probe = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from engine.loading.config_cache import cached_tokenizer\n"
-        f"tokenizer = cached_tokenizer(Path({str(tiny_llama_path)!r}), Path({str(cache)!r}))\n"
-        "print(len(tokenizer) > 0,\n"
-        "      'transformers.models.llama.configuration_llama' in sys.modules)\n"
+        "from engine.loading.config_cache import cached_hf_config, cached_tokenizer\n"
+        f"folder, cache = Path({str(tiny_llama_path)!r}), Path({str(cache)!r})\n"
+        "config = cached_hf_config(folder, cache)\n"
+        "tokenizer = cached_tokenizer(folder, cache)\n"
+        "print(config.hidden_size, len(tokenizer.encode('hello world')) > 0,\n"
+        "      'transformers' in sys.modules)\n"
     )
-    assert _in_a_fresh_process(probe) == ["True", "False"]
+    assert _in_a_fresh_process(probe) == ["64", "True", "False"]
 
 
-def test_a_tokenizer_class_that_no_longer_imports_is_resolved_afresh(
-    tmp_path: Path, tiny_llama_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("damage", ["tokenizer.json", "tokenizer_facts.json"])
+def test_a_damaged_tokenizer_entry_is_built_afresh_with_a_warning(
+    tmp_path: Path, tiny_llama_path: Path, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
     cache = tmp_path / "cache"
     reference = cached_tokenizer(tiny_llama_path, cache)
-    [entry] = (cache / "tokenizers").glob("*.json")
-    entry.write_text(json.dumps({**json.loads(entry.read_text()), "name": "GoneTokenizer"}))
+    [entry] = (cache / "tokenizers").iterdir()
+    (entry / damage).write_text('{"truncated": ')
     with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
         tokenizer = cached_tokenizer(tiny_llama_path, cache)
-    assert "not importable" in caplog.text
-    assert type(tokenizer) is type(reference)
-    assert json.loads(entry.read_text())["name"] == type(reference).__qualname__  # rewritten
+    assert f"cache entry {entry} unreadable" in caplog.text
+    assert tokenizer.get_vocab() == reference.get_vocab()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
+        cached_tokenizer(tiny_llama_path, cache)  # rewritten whole: read without a warning
+    assert caplog.text == ""
+
+
+def test_a_changed_tokenizer_file_is_a_new_entry(tmp_path: Path, tiny_llama_path: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_path, folder)
+    cache = tmp_path / "cache"
+    assert cached_tokenizer(folder, cache).chat_template
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": "{{ 1 }}"})
+    )
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    assert cached_tokenizer(folder, cache).chat_template == "{{ 1 }}"
+    assert len(list((cache / "tokenizers").iterdir())) == 2
 
 
 def test_a_copy_of_the_model_elsewhere_shares_the_entry_and_keeps_its_own_path(

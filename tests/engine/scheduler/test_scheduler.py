@@ -157,9 +157,7 @@ def test_no_sequence_is_preempted_again_before_it_catches_up(tiny_llama_path: Pa
 
     engine.scheduler._preempt = recording  # type: ignore[method-assign]
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    engine.generate(
-        [engine.tokenizer(f"prompt {i} says hi")["input_ids"] for i in range(6)], params
-    )
+    engine.generate([engine.tokenizer.encode(f"prompt {i} says hi") for i in range(6)], params)
     assert engine.scheduler.num_preemptions > 0
     for events in history.values():
         for (_, held_before), (computed, _) in itertools.pairwise(events):

@@ -42,7 +42,7 @@ def _run(
     engine: LLMEngine, requests: dict[str, SamplingParams], prompt: str = PROMPT
 ) -> dict[str, tuple[list[int], str | None, list[Any]]]:
     """Each request's tokens, finish reason and logprobs, all in one batch."""
-    ids = engine.tokenizer(prompt)["input_ids"]
+    ids = engine.tokenizer.encode(prompt)
     for request_id, params in requests.items():
         engine.add_request(request_id, ids, params)
     answers: dict[str, tuple[list[int], str | None, list[Any]]] = {
@@ -147,7 +147,7 @@ def test_prompt_logprobs_come_with_a_first_output_that_holds_forced_tokens(
     tiny_llama_path: Path,
 ) -> None:
     engine = _engine(tiny_llama_path, True)
-    ids = engine.tokenizer(PROMPT)["input_ids"]
+    ids = engine.tokenizer.encode(PROMPT)
     engine.add_request("r", ids, _greedy(GRAMMARS["schema"], prompt_logprobs=2))
     first = next(out for out in engine.step() if out.request_id == "r")
     assert len(first.token_ids) > 1  # `{"` sampled, `intent":"` forced after it

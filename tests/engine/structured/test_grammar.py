@@ -40,7 +40,7 @@ def engine(tiny_llama_path: Path) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, requests: dict[str, SamplingParams], prompt: str = PROMPT) -> Any:
-    ids = engine.tokenizer(prompt)["input_ids"]
+    ids = engine.tokenizer.encode(prompt)
     for request_id, params in requests.items():
         engine.add_request(request_id, ids, params)
     outputs: dict[str, list[Any]] = {request_id: [] for request_id in requests}
@@ -141,8 +141,8 @@ def test_logprobs_see_the_masked_distribution(engine: LLMEngine) -> None:
     outputs = _run(engine, {"a": params})["a"]
     first = outputs[0].logprobs[0]
     allowed = {
-        engine.tokenizer("alpha", add_special_tokens=False)["input_ids"][0],
-        engine.tokenizer("beta", add_special_tokens=False)["input_ids"][0],
+        engine.tokenizer.encode("alpha", add_special_tokens=False)[0],
+        engine.tokenizer.encode("beta", add_special_tokens=False)[0],
     }
     # Only tokens the grammar allows have finite logprobs, and they carry all the mass.
     finite = {t.token_id: t.logprob for t in first.top if t.logprob > -math.inf}
@@ -157,7 +157,8 @@ def _prefixes_of(engine: LLMEngine, choices: list[str]) -> set[int]:
         i
         for token, i in vocab.items()
         for c in choices
-        if (text := engine.tokenizer.convert_tokens_to_string([token])) and c.startswith(text)
+        if (text := engine.tokenizer.backend_tokenizer.decoder.decode([token]))
+        and c.startswith(text)
     }
 
 
@@ -202,8 +203,8 @@ def test_a_grammar_that_starts_in_the_prompt_reads_it_there(engine: LLMEngine) -
     whole = _run(engine, {"a": _greedy(grammar)})["a"]
     whole_text = _text(engine, whole)
     assert re.fullmatch(r"n=[0-9]{2} ok", whole_text)
-    start = engine.tokenizer("n=", add_special_tokens=False)["input_ids"]
-    ids = engine.tokenizer(PROMPT)["input_ids"] + start
+    start = engine.tokenizer.encode("n=", add_special_tokens=False)
+    ids = engine.tokenizer.encode(PROMPT) + start
     params = _greedy(grammar, num_grammar_prompt_tokens=len(start))
     engine.add_request("b", ids, params)
     outputs = []
@@ -262,7 +263,7 @@ def test_parallel_and_serial_masks_agree(engine: LLMEngine) -> None:
     compiled = engine.grammars.compile(GrammarSpec.json_schema(SCHEMA))
     matchers = [compiled.new_matcher(), None, compiled.new_matcher()]
     assert matchers[2] is not None and matchers[2].consume_tokens(
-        engine.tokenizer('{"intent":"re', add_special_tokens=False)["input_ids"]
+        engine.tokenizer.encode('{"intent":"re', add_special_tokens=False)
     )
     logits = torch.randn(3, engine.vocab_size + 7)  # an LM head padded past the vocabulary
     results = []

@@ -60,8 +60,8 @@ def test_the_grammar_resolves_pydantic_defs(tiny_llama_path: Path) -> None:
     for only in ("make", None):
         grammar = HERMES.grammar(tools, only=only, is_required=True, parallel=False)
         reader = HERMES.reader(only, is_required=True)
-        opening = engine.tokenizer(reader.opening, add_special_tokens=False)["input_ids"]
-        prompt = engine.tokenizer("Make one:")["input_ids"] + opening
+        opening = engine.tokenizer.encode(reader.opening, add_special_tokens=False)
+        prompt = engine.tokenizer.encode("Make one:") + opening
         params = SamplingParams(
             temperature=0, max_tokens=120, grammar=grammar, num_grammar_prompt_tokens=len(opening)
         )
@@ -88,7 +88,7 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
 
     def accepts(text: str) -> bool:
         matcher = grammar.new_matcher()
-        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
         return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
 
     assert accepts('{"ok": true}')
@@ -97,7 +97,7 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
     assert not accepts('{"ok": "yes"}')
     free = compiler.compile(HERMES.grammar(tools, only=None, is_required=False, parallel=False))
     matcher = free.new_matcher()
-    ids = tiny_tokenizer("Sure, here it is.", add_special_tokens=False)["input_ids"]
+    ids = tiny_tokenizer.encode("Sure, here it is.", add_special_tokens=False)
     assert matcher.try_consume_tokens(ids) == len(ids)
 
 
@@ -157,7 +157,7 @@ def test_the_llama3_grammar_writes_bare_calls(tiny_tokenizer: PreTrainedTokenize
 
     def accepts(grammar: GrammarSpec, text: str) -> bool:
         matcher = compiler.compile(grammar).new_matcher()
-        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
         return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
 
     required = LLAMA3_JSON.grammar(tools, only=None, is_required=True, parallel=True)
@@ -188,13 +188,13 @@ def test_the_opening_is_what_the_grammar_forces_first(
     ]
     grammar = compiler.compile(tool_format.grammar(tools, only, is_required=True, parallel=True))
     opening = tool_format.opening(only)
-    ids = tiny_tokenizer(opening, add_special_tokens=False)["input_ids"]
+    ids = tiny_tokenizer.encode(opening, add_special_tokens=False)
     matcher = grammar.started(ids).new_matcher()
     assert not matcher.is_error()
     free = '{"pet":{"age":3}}' if only else "make"
-    rest = tiny_tokenizer(free, add_special_tokens=False)["input_ids"]
+    rest = tiny_tokenizer.encode(free, add_special_tokens=False)
     assert matcher.try_consume_tokens(rest) == len(rest)
-    wrong = tiny_tokenizer(opening + " ", add_special_tokens=False)["input_ids"]
+    wrong = tiny_tokenizer.encode(opening + " ", add_special_tokens=False)
     with pytest.raises(ValueError):
         grammar.started(wrong)
 
@@ -227,8 +227,8 @@ def test_tags_that_are_one_token_are_that_token_in_the_grammar(only: str | None)
     with pytest.raises(ValueError):  # the tag as a string refuses the token
         compiler.compile(HERMES.grammar(tools, only, True, False)).started(opening)
     auto = compiler.compile(tool_format.grammar(tools, None, is_required=False, parallel=True))
-    written = tokenizer('<tool_call>\n{"name":"make","arguments":{"pet":{"age":3}}}\n</tool_call>',
-                        add_special_tokens=False)["input_ids"]  # fmt: skip
+    call = '<tool_call>\n{"name":"make","arguments":{"pet":{"age":3}}}\n</tool_call>'
+    written = tokenizer.encode(call, add_special_tokens=False)
     assert written[0] == tag_id and auto.started(written).new_matcher().is_accepting()
 
 
