@@ -149,7 +149,14 @@ def serve_on_ray(config: GatewayConfig) -> int:
         if not started.is_set():  # leave serve.run; the finally below shuts down
             raise KeyboardInterrupt
 
-    ray.init(address=config.ray_address, include_dashboard=False)
+    starts_ray = config.ray_address in (None, "local")
+    ray.init(
+        address=config.ray_address or "local",
+        include_dashboard=False,
+        # A cluster we start keeps a spare worker process started, so the replacement of a
+        # replica that died starts on it instead of waiting for a new one (~1.5 s here).
+        _system_config={"enable_worker_prestart": True} if starts_ray else None,
+    )
     # After ray.init, whose own SIGTERM handler (a log line, then abort) would run instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
