@@ -55,14 +55,15 @@ DEFAULT_OUT = Path.home() / ".cache" / "prefixgate-bench"
 
 def hf_folder(out: Path) -> Path:
     """The random model as a Hugging Face folder (bfloat16 safetensors, ~2.5 GB)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.loading.source import load_tokenizer, resolve_model
+    from engine.loading.source import resolve_model
 
     folder = out / "llama-3.2-1b-shape-random"
     if (folder / "model.safetensors").is_file():
         return folder
-    tokenizer = load_tokenizer(resolve_model(None).path)  # SmolLM2's
+    # SmolLM2's, as transformers' own object: it is saved with the model for the converter
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path, local_files_only=True)
     config = LlamaConfig(
         **LLAMA_32_1B,
         bos_token_id=tokenizer.bos_token_id,
