@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Between two tries of `open`, while no replica answers (they may take minutes to load).
 _OPEN_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0)
+# How often the ingress polls while a replica is missing (see `ReplicaSet._poll_loop`).
+DEGRADED_POLL_INTERVAL = 0.1
 
 
 def replica_fault(exc: BaseException) -> str | None:
@@ -329,10 +331,16 @@ class ReplicaSet:
         task.add_done_callback(self._tasks.discard)
 
     async def _poll_loop(self) -> None:
-        """One poll at a time: every `poll_interval`, or sooner when `_poll_soon` asks."""
+        """One poll at a time: every `poll_interval`, or sooner when `_poll_soon` asks, and
+        every `DEGRADED_POLL_INTERVAL` while fewer replicas report than should: requests go
+        to the replicas the last poll heard from, so a replacement takes requests from the
+        first poll after it is up (half a second later, at the usual interval)."""
         while True:
+            interval = self.poll_interval
+            if len(self._reports) < self.num_replicas:
+                interval = min(interval, DEGRADED_POLL_INTERVAL)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_requested.wait(), self.poll_interval)
+                await asyncio.wait_for(self._poll_requested.wait(), interval)
             self._poll_requested.clear()
             try:
                 await self._poll()

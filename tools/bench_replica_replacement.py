@@ -13,7 +13,9 @@ from the snapshot its predecessor wrote instead of prefilling. Polled every `--p
 - `process`: a new `ServeReplica:prefixgate:engine` process exists;
 - `listed`: the ingress lists two replicas with one registry digest again, one of them new;
 - `served`: a one-token chat completion ran on the new replica (two are sent at a time, so
-  the least-loaded choice reaches it; the replica's own lookup count says where they ran).
+  the least-loaded choice reaches it; the replica's own lookup count says where they ran):
+  the moment those requests were answered, once the ingress's next report of the count shows
+  they ran there (the report comes up to a poll interval later).
 
 `served` is the issue's "routed to again". The new replica's own log lines (model load,
 kernels, registry restore) are kept in the report, which is written to `--out` with the git
@@ -139,6 +141,16 @@ class Cluster:
             time.sleep(0.2)
         raise SystemExit(f"no two healthy replicas with one registry within {timeout:.0f} s")
 
+    def lookups_seen(self, name: str, timeout: float) -> bool:
+        """Whether replica `name` reports lookups within the ingress's next polls."""
+        deadline = time.monotonic() + min(timeout, 3.0)
+        while time.monotonic() < deadline:
+            cards = [r for r in self.listing().get("replicas") or [] if r["name"] == name]
+            if cards and (cards[0].get("lookups") or 0) > 0:
+                return True
+            time.sleep(0.05)
+        return False
+
     def one_token(self) -> bool:
         if not self.model:
             self.model = self.client.get("/v1/models").json()["data"][0]["id"]
@@ -180,9 +192,11 @@ def replace_once(cluster: Cluster, args: argparse.Namespace, log: Path) -> Repla
                 kill.new_replica = new[0]["name"]
                 mark("listed")
                 list(pool.map(lambda _: cluster.one_token(), range(2)))
-                [card] = [r for r in cluster.listing()["replicas"] if r["name"] == new[0]["name"]]
-                if (card.get("lookups") or 0) > 0:
-                    mark("served")
+                answered = round(time.monotonic() - started, 3)
+                if cluster.lookups_seen(new[0]["name"], args.timeout):
+                    # The new replica's count moved: these requests ran there. They ended at
+                    # `answered`; the ingress reports counts only at its next poll.
+                    kill.seconds.setdefault("served", answered)
                     continue
             time.sleep(args.poll)
     for name in MILESTONES:

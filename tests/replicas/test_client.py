@@ -229,6 +229,28 @@ def test_a_silent_replica_is_listed_and_the_others_still_count(facts: ModelFacts
         replicas.shutdown()
 
 
+@pytest.mark.parametrize(("reporting", "expected_polls"), [(["a"], range(2, 8)), (["a", "b"], [0])])
+def test_a_missing_replica_is_looked_for_every_tenth_of_a_second(
+    facts: ModelFacts, reporting: list[str], expected_polls: range | list[int]
+) -> None:
+    """Requests go to the replicas the last poll heard from: while one of two is missing,
+    its replacement is looked for every 0.1 s, not every `poll_interval` (30 s here)."""
+    handle = FakeHandle(facts, [report(name) for name in reporting])
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+
+    async def open_and_wait() -> None:
+        await replicas.open()  # its own poll, then the loop's
+        await asyncio.sleep(0.55)
+
+    try:
+        asyncio.run(open_and_wait())
+        # ~5 polls in 0.55 s while one is missing (2 at least on a busy machine), none more
+        # than open's own while both report
+        assert len(handle.known_digests) - 1 in expected_polls
+    finally:
+        replicas.shutdown()
+
+
 def test_entries_are_sent_once_and_taken_from_most_replicas(facts: ModelFacts) -> None:
     other = replace(SPEC, name="other", token_ids=(1, 2, 3, 4, 5))
     handle = FakeHandle(facts, [report("a", specs=(other,)), report("b"), report("c")])
