@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.executor.models import MODEL_CLASSES, SUPPORTED_MODEL_TYPES
 from engine.executor.models.layers import sliding_layers
 from engine.loading.config_cache import cached_hf_config, cached_tokenizer
+from tests.engine.text.test_chat_template import TOOLS
 
 SMALL = {
     "vocab_size": 128,
@@ -184,16 +185,6 @@ MESSAGES = [
 ]
 
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 TEXTS = (
     "Hello world",
     " leading space",
