@@ -149,9 +149,11 @@ def serve_on_ray(config: GatewayConfig) -> int:
         if not started.is_set():  # leave serve.run; the finally below shuts down
             raise KeyboardInterrupt
 
-    starts_ray = config.ray_address in (None, "local")
+    # Ray's own RAY_ADDRESS (set for `ray job submit` entrypoints) names a cluster to join.
+    address = config.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    starts_ray = address == "local"
     ray.init(
-        address=config.ray_address or "local",
+        address=address,
         include_dashboard=False,
         # A cluster we start keeps a spare worker process started, so the replacement of a
         # replica that died starts on it instead of waiting for a new one (~1.5 s here).

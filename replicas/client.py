@@ -60,8 +60,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Between two tries of `open`, while no replica answers (they may take minutes to load).
 _OPEN_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0)
-# How often the ingress polls while a replica is missing (see `ReplicaSet._poll_loop`).
+# How often the ingress polls while a replica is missing, for how long at most (one that
+# cannot be placed or keeps failing to load is then looked for at the usual interval); see
+# `ReplicaSet._poll_loop`.
 DEGRADED_POLL_INTERVAL = 0.1
+DEGRADED_POLL_WINDOW = 60.0
 
 
 def replica_fault(exc: BaseException) -> str | None:
@@ -332,13 +335,19 @@ class ReplicaSet:
 
     async def _poll_loop(self) -> None:
         """One poll at a time: every `poll_interval`, or sooner when `_poll_soon` asks, and
-        every `DEGRADED_POLL_INTERVAL` while fewer replicas report than should: requests go
-        to the replicas the last poll heard from, so a replacement takes requests from the
-        first poll after it is up (half a second later, at the usual interval)."""
+        every `DEGRADED_POLL_INTERVAL` for up to `DEGRADED_POLL_WINDOW` seconds after fewer
+        replicas report than should: requests go to the replicas the last poll heard from,
+        so a replacement takes requests from the first poll after it is up (up to half a
+        second later, at the usual interval)."""
+        missing_since: float | None = None
         while True:
             interval = self.poll_interval
-            if len(self._reports) < self.num_replicas:
-                interval = min(interval, DEGRADED_POLL_INTERVAL)
+            if len(self._reports) >= self.num_replicas:
+                missing_since = None
+            else:
+                missing_since = missing_since or time.monotonic()
+                if time.monotonic() - missing_since < DEGRADED_POLL_WINDOW:
+                    interval = min(interval, DEGRADED_POLL_INTERVAL)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poll_requested.wait(), interval)
             self._poll_requested.clear()

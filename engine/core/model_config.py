@@ -40,7 +40,9 @@ class ModelConfig:
         aliases = self.__dict__.get("attribute_map", {})
         if name in aliases:
             return getattr(self, aliases[name])
-        raise AttributeError(f"{self._class_name} has no field {name!r}")
+        # `.get`: copy and pickle look names up before __dict__ is filled
+        class_name = self.__dict__.get("_class_name", "ModelConfig")
+        raise AttributeError(f"{class_name} has no field {name!r}")
 
     @property
     def class_name(self) -> str:

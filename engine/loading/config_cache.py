@@ -57,6 +57,10 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    "vocab.txt",
+    "spiece.model",
+    "tekken.json",
+    "tiktoken.model",
 )
 
 
@@ -79,14 +83,16 @@ def cached_hf_config(path: Path, cache_dir: Path) -> ModelConfig:
 def cached_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
     """The tokenizer `AutoTokenizer.from_pretrained(path)` builds, as the engine's
     `Tokenizer`; transformers is imported only when the cache has no entry for it."""
-    digest = hashlib.sha256(f"{transformers_version()}|{FORMAT}".encode())
-    for name in TOKENIZER_FILES:
-        digest.update(name.encode() + b"|" + _file_digest(path / name))
+    versions = f"{transformers_version()}|{_version('tokenizers')}|{FORMAT}"
+    digest = hashlib.sha256(versions.encode())
+    extra_templates = sorted((path / "additional_chat_templates").glob("*.jinja"))
+    for file in [path / name for name in TOKENIZER_FILES] + extra_templates:
+        digest.update(str(file.relative_to(path)).encode() + b"|" + _file_digest(file))
     entry = cache_dir / "tokenizers" / digest.hexdigest()[:32]
     if entry.is_dir():
         try:
             return Tokenizer.load(entry)
-        except Exception as exc:
+        except Exception as exc:  # the Rust tokenizer raises bare Exceptions
             logger.warning("cache entry %s unreadable (%s): resolving it afresh", entry, exc)
     tokenizer = Tokenizer.from_transformers(_auto_tokenizer(path))
     _write_tokenizer(entry, tokenizer)
@@ -118,7 +124,9 @@ def _auto_tokenizer(path: Path) -> Any:
 
 
 def _write_tokenizer(entry: Path, tokenizer: Tokenizer) -> None:
-    """Written to a temporary folder and renamed: a reader sees a whole entry or none."""
+    """Written to a temporary folder and renamed: a reader sees a whole entry or none. A
+    failed write (a full disk: the Rust tokenizer's save raises a bare Exception) is a
+    warning; the start goes on with the tokenizer in memory."""
     temporary = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -127,16 +135,22 @@ def _write_tokenizer(entry: Path, tokenizer: Tokenizer) -> None:
         if entry.exists():  # an unreadable one: replaced
             shutil.rmtree(entry)
         os.replace(temporary, entry)
-    except OSError as exc:
+        temporary = None
+    except Exception as exc:  # see the docstring
         logger.warning("cannot write the cache entry %s: %s", entry, exc)
+    finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
 
 
 def transformers_version() -> str:
     """The installed transformers' version, without importing it."""
+    return _version("transformers")
+
+
+def _version(package: str) -> str:
     try:
-        return importlib.metadata.version("transformers")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "absent"
 

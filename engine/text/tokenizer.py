@@ -66,6 +66,7 @@ class TokenizerFacts:
     clean_up_tokenization_spaces: bool
     eos_token_id: int | None = None
     bos_token_id: int | None = None
+    split_special_tokens: bool = False  # the default of `encode` (tokenizer_config.json's)
 
 
 class Tokenizer:
@@ -110,6 +111,7 @@ class Tokenizer:
             clean_up_tokenization_spaces=clean_up,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,
+            split_special_tokens=bool(getattr(tokenizer, "split_special_tokens", False)),
         )
         return cls(RustTokenizer.from_str(backend.to_str()), facts)
 
@@ -166,10 +168,13 @@ class Tokenizer:
         return {token.content: token_id for token_id, token in sorted(decoder.items())}
 
     def encode(
-        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool | None = None
     ) -> list[int]:
         """Token ids of `text`. `add_special_tokens`: what the tokenizer's post-processor adds
-        (a BOS, for some). `split_special_tokens`: special-token text is plain text."""
+        (a BOS, for some). `split_special_tokens`: special-token text is plain text (None:
+        the tokenizer's own default, as transformers has it)."""
+        if split_special_tokens is None:
+            split_special_tokens = self.facts.split_special_tokens
         backend = self._splitting_backend() if split_special_tokens else self._backend
         # encode_batch, as transformers calls it: unlike `encode`, it lets go of the GIL, so a
         # 2 MB prompt tokenized in a worker thread does not stall the event loop.

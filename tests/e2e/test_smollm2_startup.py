@@ -29,6 +29,7 @@ def test_a_warm_start_builds_the_engine_without_transformers(
         "                                 kv_cache_memory=256 << 20, max_model_len=2048))\n"
         "print(len(engine.registry.prefixes), engine.checker.grammars.vocab_size,\n"
         "      sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+        "engine.close()\n"  # its snapshot writer's thread, joined before exit
     )
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False

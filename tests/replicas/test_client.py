@@ -17,6 +17,7 @@ from engine import PrefixContract, PrefixSpec, PromptTooLongError, SamplingParam
 from engine.core.errors import EngineDeadError, EngineUnavailableError
 from engine.registry.registry import registry_digest
 from engine.request_checker import RequestLimits
+from replicas import client
 from replicas.client import ReplicaSet, replica_fault
 from replicas.replica import ModelFacts, ReplicaReport
 from tests.replicas.test_stats import stats
@@ -247,6 +248,25 @@ def test_a_missing_replica_is_looked_for_every_tenth_of_a_second(
         # ~5 polls in 0.55 s while one is missing (2 at least on a busy machine), none more
         # than open's own while both report
         assert len(handle.known_digests) - 1 in expected_polls
+    finally:
+        replicas.shutdown()
+
+
+def test_a_replica_missing_for_good_is_looked_for_at_the_usual_interval_again(
+    facts: ModelFacts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast polls last `DEGRADED_POLL_WINDOW` (0.2 s here), then `poll_interval` again."""
+    monkeypatch.setattr(client, "DEGRADED_POLL_WINDOW", 0.2)
+    handle = FakeHandle(facts, [report("a")])
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+
+    async def open_and_wait() -> None:
+        await replicas.open()
+        await asyncio.sleep(1.0)
+
+    try:
+        asyncio.run(open_and_wait())
+        assert len(handle.known_digests) - 1 in range(1, 4)  # ~2 in the window, none after
     finally:
         replicas.shutdown()
 

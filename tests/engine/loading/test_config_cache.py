@@ -3,8 +3,10 @@ and tokenizer the same either way for every family it serves."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import pickle
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.executor.models import MODEL_CLASSES, SUPPORTED_MODEL_TYPES
 from engine.executor.models.layers import sliding_layers
 from engine.loading.config_cache import cached_hf_config, cached_tokenizer
+from engine.text.tokenizer import Tokenizer
 from tests.engine.text.test_chat_template import TOOLS
 
 SMALL = {
@@ -286,13 +289,54 @@ def test_a_changed_tokenizer_file_is_a_new_entry(tmp_path: Path, tiny_llama_path
     shutil.copytree(tiny_llama_path, folder)
     cache = tmp_path / "cache"
     assert cached_tokenizer(folder, cache).chat_template
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({**config, "chat_template": "{{ 1 }}"})
-    )
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (folder / "chat_template.jinja").write_text("{{ 1 }}")
     assert cached_tokenizer(folder, cache).chat_template == "{{ 1 }}"
-    assert len(list((cache / "tokenizers").iterdir())) == 2
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["split_special_tokens"] = True
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    text = "a <|im_end|> b"
+    reference = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert reference(text)["input_ids"] != reference(text, split_special_tokens=False)["input_ids"]
+    assert cached_tokenizer(folder, cache).encode(text) == reference(text)["input_ids"]
+    assert len(list((cache / "tokenizers").iterdir())) == 3
+
+
+def test_a_tokenizer_entry_that_cannot_be_written_is_a_warning(
+    tmp_path: Path,
+    tiny_llama_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Rust tokenizer's save raises a bare Exception (a full disk: os error 28)."""
+
+    def full_disk(self: Tokenizer, folder: Path) -> None:
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(Tokenizer, "save", full_disk)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="engine.loading.config_cache"):
+        tokenizer = cached_tokenizer(tiny_llama_path, cache)
+    assert "cannot write the cache entry" in caplog.text and "os error 28" in caplog.text
+    assert tokenizer.encode("hello") and list((cache / "tokenizers").iterdir()) == []
+
+
+def test_config_and_tokenizer_survive_copy_and_pickle(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    """Ray pickles the tokenizer to the ingress; transformers' configs could be copied."""
+    cache = tmp_path / "cache"
+    config = cached_hf_config(tiny_llama_path, cache)
+    for copied in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):
+        assert copied.to_dict() == config.to_dict() and copied.hidden_size == 64
+    tokenizer = cached_tokenizer(tiny_llama_path, cache)
+    tokenizer.chat_template = "{{ messages[0]['content'] }}"
+    copied_tokenizer = pickle.loads(pickle.dumps(tokenizer))
+    text = "a <|im_end|> b"
+    for split in (False, True):
+        assert copied_tokenizer.encode(text, split_special_tokens=split) == tokenizer.encode(
+            text, split_special_tokens=split
+        )
+    assert copied_tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
 
 
 def test_a_copy_of_the_model_elsewhere_shares_the_entry_and_keeps_its_own_path(
