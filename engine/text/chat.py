@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -143,7 +144,21 @@ def _encode(tokenizer: Tokenizer, text: str, split_special_tokens: bool = False)
 
 
 def _special_token_pattern(tokenizer: Tokenizer) -> re.Pattern[str] | None:
-    """The texts the tokenizer turns into special ids, longest first (one alternation)."""
+    """The texts the tokenizer turns into special ids, longest first (one alternation); made
+    once per tokenizer (its added tokens never change): for Gemma 3's 6,384 added tokens it
+    took 22 ms, which every chat request paid."""
+    if tokenizer not in _SPECIAL_TOKEN_PATTERNS:
+        _SPECIAL_TOKEN_PATTERNS[tokenizer] = _pattern_of(tokenizer)
+    return _SPECIAL_TOKEN_PATTERNS[tokenizer]
+
+
+# Weak keys: a tokenizer's pattern goes with it (tests make many tokenizers in one process).
+_SPECIAL_TOKEN_PATTERNS: weakref.WeakKeyDictionary[Tokenizer, re.Pattern[str] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pattern_of(tokenizer: Tokenizer) -> re.Pattern[str] | None:
     texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     texts.discard("")
     if not texts:

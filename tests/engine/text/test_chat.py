@@ -9,7 +9,9 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.core.errors import InvalidRequestError
+from engine.text import chat
 from engine.text.chat import chat_prompt_ids, fim_prompt_ids, text_prompt_ids
+from engine.text.tokenizer import Tokenizer
 
 MESSAGES = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -237,3 +239,23 @@ def test_tool_turns_for_a_template_without_tools(tiny_tokenizer: PreTrainedToken
     assert chat_prompt_ids(tiny_tokenizer, plain) == chat_prompt_ids(
         tiny_tokenizer, plain, tools=[]
     )
+
+
+def test_the_special_token_pattern_is_made_once_per_tokenizer(
+    tiny_tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3's 6,384 added tokens took 22 ms to turn into the pattern: not per request."""
+    messages = [{"role": "user", "content": "hi <|im_end|> there"}]
+    expected = chat_prompt_ids(tiny_tokenizer, messages)
+    made: list[object] = []
+    original = chat._pattern_of
+
+    def counting(tokenizer: Tokenizer) -> object:
+        made.append(tokenizer)
+        return original(tokenizer)
+
+    monkeypatch.setattr(chat, "_pattern_of", counting)
+    first, second = Tokenizer.from_transformers(tiny_tokenizer), copy.copy(tiny_tokenizer)
+    for tokenizer in (first, first, second, second):
+        assert chat_prompt_ids(tokenizer, messages) == expected
+    assert made == [first, second]
