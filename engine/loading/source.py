@@ -50,7 +50,7 @@ from engine.loading.gguf import (
     complete_rope,
     gguf_table,
 )
-from engine.text.chat_template import pick_template
+from engine.text.chat_template import default_template
 from engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -462,6 +462,6 @@ def _check_saved_tokenizer(
     tokenizer: PreTrainedTokenizerBase, out_dir: Path, gguf_path: Path
 ) -> None:
     saved = load_tokenizer(out_dir)
-    template = pick_template(tokenizer.chat_template, has_tools=False)  # as ours holds it
+    template = default_template(tokenizer.chat_template)  # as ours holds it
     if saved.chat_template != template or len(saved) != len(tokenizer):
         raise ModelLoadError(f"the tokenizer of {gguf_path} did not survive conversion")

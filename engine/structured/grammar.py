@@ -12,7 +12,6 @@ Unconstrained rows pay nothing.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import threading
@@ -133,16 +132,10 @@ class GrammarCompiler:
 def _llguidance_tokenizer(
     tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]
 ) -> llguidance.LLTokenizer:
-    """llguidance's view of a fast tokenizer, from its serialized Rust tokenizer, as
-    `llguidance.hf.from_tokenizer` makes it; but that copies the tokenizer first (0.18 s for
-    SmolLM2's) to switch off padding and truncation, which ours only rarely have."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError("structured outputs need a fast (Rust) tokenizer")
-    if backend.padding is not None or backend.truncation is not None:
-        backend = copy.copy(backend)
-        backend.no_padding()
-        backend.no_truncation()
+    """llguidance's view of the tokenizer, from its serialized Rust tokenizer, as
+    `llguidance.hf.from_tokenizer` makes it; that one copies the tokenizer first (0.18 s for
+    SmolLM2's) to switch off padding and truncation, which our Tokenizer never has."""
+    backend = tokenizer.backend_tokenizer
     return llguidance.LLTokenizer(
         backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
     )

@@ -55,14 +55,12 @@ def render_chat_template(
     )
 
 
-def pick_template(chat_template: str | dict[str, str] | None, has_tools: bool) -> str | None:
-    """The one template to render: a tokenizer may hold named templates (`default`,
-    `tool_use`), of which a request with tools takes `tool_use`."""
-    if not isinstance(chat_template, dict):
-        return chat_template
-    if has_tools and "tool_use" in chat_template:
-        return chat_template["tool_use"]
-    return chat_template.get("default")
+def default_template(chat_template: str | dict[str, str] | None) -> str | None:
+    """The one template served: a tokenizer may hold named templates (a few older models:
+    `default` and `tool_use`), of which the default."""
+    if isinstance(chat_template, dict):
+        return chat_template.get("default")
+    return chat_template
 
 
 @functools.lru_cache(maxsize=16)

@@ -32,7 +32,7 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
-from engine.text.chat_template import pick_template, render_chat_template
+from engine.text.chat_template import default_template, render_chat_template
 
 BACKEND_FILE = "tokenizer.json"
 FACTS_FILE = "tokenizer_facts.json"
@@ -107,7 +107,7 @@ class Tokenizer:
             special_tokens={k: str(v) for k, v in tokenizer.special_tokens_map.items()},
             all_special_ids=tuple(int(i) for i in tokenizer.all_special_ids if i is not None),
             # Named templates (a few older models hold `default` and `tool_use`): the default.
-            chat_template=pick_template(tokenizer.chat_template, has_tools=False),
+            chat_template=default_template(tokenizer.chat_template),
             clean_up_tokenization_spaces=clean_up,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,

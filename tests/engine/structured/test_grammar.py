@@ -283,18 +283,22 @@ def test_parallel_and_serial_masks_agree(engine: LLMEngine) -> None:
 
 def test_llguidance_sees_the_tokenizer_as_its_own_wrapper_does(tiny_llama_path: Path) -> None:
     """Our view of the tokenizer skips `llguidance.hf.from_tokenizer`'s copy; it must be the
-    same view (every token's bytes, the same tokenization), also for a tokenizer with padding
-    and truncation on, which is left as it was."""
+    same view (every token's bytes, the same tokenization), also from a transformers
+    tokenizer with padding and truncation on (ours drops both; theirs is left as it was)."""
     import llguidance.hf
     from transformers import AutoTokenizer
 
     from engine.structured.grammar import _llguidance_tokenizer
+    from engine.text.tokenizer import Tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
     tokenizer.backend_tokenizer.enable_padding(length=64)
     tokenizer.backend_tokenizer.enable_truncation(32)
     vocab = len(tokenizer)
-    ours = _llguidance_tokenizer(tokenizer, vocab, frozenset({2, 3}))
+    engine_tokenizer = Tokenizer.from_transformers(tokenizer)
+    assert engine_tokenizer.backend_tokenizer.padding is None
+    assert engine_tokenizer.backend_tokenizer.truncation is None
+    ours = _llguidance_tokenizer(engine_tokenizer, vocab, frozenset({2, 3}))
     theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[2, 3])
     assert tokenizer.backend_tokenizer.padding is not None  # the caller's tokenizer unchanged
     assert tokenizer.backend_tokenizer.truncation is not None
