@@ -36,6 +36,7 @@ from gateway.config import GatewayConfig
 from replicas.client import ReplicaSet
 from replicas.replica import EngineReplica
 from replicas.router import PreferredReplicaRouter
+from replicas.spare_worker import ACTOR_RUNTIME_ENV, PRELOAD_MODULES, keep_spare_workers
 
 logger = logging.getLogger(__name__)
 APP_NAME = "prefixgate"
@@ -48,7 +49,7 @@ INGRESS_MAX_ONGOING_REQUESTS = 100_000
 
 @serve.deployment(
     name="ingress",
-    ray_actor_options={"num_cpus": 0},
+    ray_actor_options={"num_cpus": 0, "runtime_env": ACTOR_RUNTIME_ENV},
     max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
 )
 @serve.ingress()
@@ -90,10 +91,12 @@ def build_app(config: GatewayConfig) -> Application:
         num_replicas=config.replicas,
         # Serve's own queue bound: the engine queues past its batch, the gateway 429s first.
         max_ongoing_requests=config.max_waiting + config.engine.max_num_seqs,
-        health_check_period_s=2.0,
+        # Serve finds a dead replica at its next health check: 0.5 s keeps that part of a
+        # replacement short (the check itself only reads a flag).
+        health_check_period_s=0.5,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=config.shutdown_grace,
-        ray_actor_options={"num_cpus": config.replica_cpus},
+        ray_actor_options={"num_cpus": config.replica_cpus, "runtime_env": ACTOR_RUNTIME_ENV},
         # The ingress polls every replica twice a second: an access log line per poll is noise.
         logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
@@ -135,6 +138,15 @@ def config_from_serve_args(args: dict[str, Any]) -> GatewayConfig:
     return gateway_config_from_args(namespace)
 
 
+# A cluster we start imports replicas.preload into every worker process it starts, before the
+# worker takes an actor; ours then import the package (see replicas/spare_worker.py, which
+# keeps one such worker spare).
+OWN_CLUSTER: dict[str, Any] = {
+    "enable_worker_prestart": True,
+    "preload_python_modules": PRELOAD_MODULES,
+}
+
+
 def serve_on_ray(config: GatewayConfig) -> int:
     """Start (or join, with `ray_address`) Ray, run the application with Serve's HTTP proxy
     on `host:port`, and keep it up until SIGTERM or SIGINT; then shut Serve down. A signal
@@ -155,13 +167,13 @@ def serve_on_ray(config: GatewayConfig) -> int:
     ray.init(
         address=address,
         include_dashboard=False,
-        # A cluster we start keeps a spare worker process started, so the replacement of a
-        # replica that died starts on it instead of waiting for a new one (~1.5 s here).
-        _system_config={"enable_worker_prestart": True} if starts_ray else None,
+        _system_config=OWN_CLUSTER if starts_ray else None,
     )
     # After ray.init, whose own SIGTERM handler (a log line, then abort) would run instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    if starts_ray:  # a cluster we join keeps its workers as its operator chose
+        keep_spare_workers(stop)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         logger.info(

@@ -22,6 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from replicas.preload import PRELOAD_ENV_VAR
 from tests.gateway.server_harness import (
     HTTP_TIMEOUT,
     Reference,
@@ -109,6 +110,21 @@ def _by_replica(server: Server, name: str) -> dict[str, float]:
         for s in family.samples
         if s.name == name
     }
+
+
+def _spare_workers(proc: Path = Path("/proc")) -> list[int]:
+    """Idle Ray workers started with our actors' runtime env (replicas/spare_worker.py)."""
+    pids = []
+    for entry in proc.iterdir():
+        try:
+            idle = entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(
+                b"ray::IDLE"
+            )
+            if idle and f"{PRELOAD_ENV_VAR}=1".encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
 
 
 def _wait_healthy_pair(server: Server, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
@@ -276,6 +292,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
 ) -> None:
     _wait_healthy_pair(cluster)
     [victim, survivor] = replica_pids()
+    # The server keeps a worker process started, with the package imported, for a replacement.
+    spares = wait_until(lambda: _spare_workers() or None, READY_TIMEOUT, "a spare worker")
     params: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_tokens": 440}
     # One token a step: the streams must still be running when the replica dies. With drafts
     # (each story drafts from the others' answers) a fast machine finished the victim's
@@ -334,6 +352,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
     # 200 "ok" again with two replicas holding the same registry.
     listing = _wait_healthy_pair(cluster)
     assert survivor in replica_pids() and victim not in replica_pids()
+    [replacement] = set(replica_pids()) - {survivor}
+    assert replacement in spares, "the replacement started a new worker, not the spare"
     assert all(r["prefixes"] == 1 for r in listing["replicas"])
     completion = sdk.chat.completions.create(
         messages=MESSAGES, extra_body=IGNORE_EOS, **{**params, "max_tokens": 4}
