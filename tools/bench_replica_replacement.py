@@ -7,7 +7,8 @@ milestones of its replacement, each in seconds from the kill.
 
 One `prefixgate serve --replicas 2 --ray-address local` on 127.0.0.1 (stopped by PID) with the
 shipped prefixes and the default snapshot folder, so a replacement restores the registry's KV
-from the snapshot its predecessor wrote instead of prefilling. Polled every `--poll` seconds:
+from the snapshot its predecessor wrote instead of prefilling. Each kill comes `--settle`
+seconds after the pair is whole again (default 0: back to back). Polled every `--poll` seconds:
 
 - `degraded`: /health says "degraded" (Serve saw the replica gone);
 - `process`: a new `ServeReplica:prefixgate:engine` process exists;
@@ -167,6 +168,8 @@ class Cluster:
 def replace_once(cluster: Cluster, args: argparse.Namespace, log: Path) -> Replacement:
     """Kill one replica of a healthy pair; watch its replacement until it has served."""
     before = cluster.wait_pair(args.timeout)
+    time.sleep(args.settle)
+    before = cluster.wait_pair(args.timeout)
     names = {r["name"] for r in before["replicas"]}
     pids = replica_pids()
     kill = Replacement(victim=pids[0])
@@ -231,6 +234,13 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=3, help="replicas killed, one after another")
     parser.add_argument("--port", type=int, default=8097)
     parser.add_argument("--poll", type=float, default=0.05, help="seconds between looks")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds a whole pair runs before the next kill (0: kills back to back, as a "
+        "burst of failures; the server's spare worker needs a few seconds to be ready again)",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a kill may take")
     parser.add_argument("--server-flags", default="", help="more `prefixgate serve` flags")
     parser.add_argument("--out", type=Path, required=True)
