@@ -125,8 +125,9 @@ def pack_weight(
     columns with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The
     scales stay float32 where d or m is (a K-quant's exact products), else float16. `scale`
     [N, K / 32, 2] gives each group a d per 16-column half (Q6_K's sub-blocks), then the
-    kernel's halves. Where every m is 0 (and d is one per group), the scales are d alone,
-    unless `with_min` says (True: a min row whatever its values; False: m must be 0)."""
+    kernel's halves; `low` [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).
+    Where every m is 0 (and d is one per group), the scales are d alone, unless `with_min`
+    says (True: a min row whatever its values; False: m must be 0)."""
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
@@ -142,7 +143,9 @@ def pack_weight(
     else:
         packed = steps.to(torch.int8).view(torch.uint8)
     wide = torch.float32 in (scale.dtype, low.dtype)
-    if scale.dim() == 3:
+    if low.dim() == 3:  # an m per half too (Q2_K's sub-blocks): two d, then two m
+        parts = [scale[..., 0], scale[..., 1], low[..., 0], low[..., 1]]
+    elif scale.dim() == 3:
         parts = [scale[..., 0], scale[..., 1], low]
     else:  # no min row where every m is 0: the kernel then skips the min term (same bits)
         if with_min is None:
@@ -327,13 +330,18 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
         packed = weight.codes.view(torch.int8).view(tiles, groups, 8, TILE_ROWS, 4)
         codes = packed[tile, :, :, row].reshape(len(rows), groups, GROUP_SIZE).float()
     scales = weight.scales[tile, :, :, row].float()  # [n, parts, G]
-    if scales.shape[1] == 3:  # a d per 16-column half, then m
-        d = scales[:, :2].transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)
-    else:
-        d = scales[:, 0, :, None]
+
+    def per_half(pair: torch.Tensor) -> torch.Tensor:  # [n, 2, G] -> [n, G, 32]
+        return pair.transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)
+
+    # a d per 16-column half where there are 3 or 4 rows, then m (one, or one per half)
+    d = per_half(scales[:, :2]) if scales.shape[1] >= 3 else scales[:, 0, :, None]
     # d alone: m is -0.0, the symmetric GGML types' (engine.loading.gguf._block_codes), which
     # adds nothing, as GGML's code * d adds nothing
-    m = scales[:, -1, :, None] if scales.shape[1] > 1 else torch.full_like(d, -0.0)
+    if scales.shape[1] == 4:
+        m = per_half(scales[:, 2:])
+    else:
+        m = scales[:, -1, :, None] if scales.shape[1] > 1 else torch.full_like(d, -0.0)
     return codes.mul_(d).add_(m).flatten(1)
 
 

@@ -2,15 +2,14 @@
 
 Why not through transformers: its GGUF loader dequantizes the whole model to float32 at once
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
-the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K blocks
-are exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py:
-4-bit codes for the Q4 types, 8-bit lanes for Q3_K, Q5, Q6 and Q8; float32 d and m for the
-K-quants' products, two d per group for Q3_K's and Q6_K's 16-weight sub-blocks), so they are
-unpacked into codes, d and m with no float round trip (`group_codes`), each linear at its own
-type's width, a file mixing types per tensor included; every other type (F32, F16, BF16,
-Q2_K, IQ...) is
-dequantized by the `gguf` package (`dequantize`) and, for a quantized linear, re-quantized
-with a warning.
+the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K
+blocks are exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py:
+4-bit codes for the Q4 types and Q2_K, 5-bit for Q5, 8-bit lanes for Q3_K, Q6 and Q8; float32
+d and m for the K-quants' products, two d per group for Q2_K's, Q3_K's and Q6_K's 16-weight
+sub-blocks, two m for Q2_K's), so they are unpacked into codes, d and m with no float round
+trip (`group_codes`), each linear at its own type's width, a file mixing types per tensor
+included; every other type (F32, F16, BF16, IQ...) is dequantized by the `gguf` package
+(`dequantize`) and, for a quantized linear, re-quantized with a warning.
 
 Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
 rotary embeddings in llama's layout; `HF_LAYOUT_ARCHS` lists the architectures whose rows are
@@ -99,9 +98,10 @@ ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 class GroupCodes:
     """A weight as group-32 codes, w = codes * d + m: codes [N, K / 32, 32] (uint8 0..15 for
     4 bits, 0..31 for 5, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants
-    and where float16 cannot hold m exactly); d [N, K / 32,
-    2] where each 16-column half of a group has its own (Q6_K). Unpacked, so rows concatenate
-    (q/k/v fused into one linear) before `pack_weight` lays them out for the kernel."""
+    and where float16 cannot hold m exactly); d [N, K / 32, 2] where each 16-column half of a
+    group has its own (Q3_K, Q6_K), and m [N, K / 32, 2] too where each half has its own
+    min (Q2_K). Unpacked, so rows concatenate (q/k/v fused into one linear) before
+    `pack_weight` lays them out for the kernel."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -128,15 +128,17 @@ class GroupCodes:
         # float16 widens exactly; a float32 m (Q4_0's or Q5_0's beyond float16) stays one
         wide = any(torch.float32 in (p.d.dtype, p.m.dtype) for p in parts)
         scale = torch.float32 if wide else torch.float16
-        halves = any(p.d.dim() == 3 for p in parts)  # one d for both halves is two equal ones
-        d = [
-            p.d[..., None].expand(*p.d.shape, 2) if halves and p.d.dim() == 2 else p.d
-            for p in parts
-        ]
+        # one d (or m) for both halves is two equal ones; an m per half needs a d per half
+        half_mins = any(p.m.dim() == 3 for p in parts)
+        halves = half_mins or any(p.d.dim() == 3 for p in parts)
+
+        def per_half(x: torch.Tensor, wanted: bool) -> torch.Tensor:
+            return x[..., None].expand(*x.shape, 2) if wanted and x.dim() == 2 else x
+
         return GroupCodes(
             torch.cat([p.codes for p in parts]),
-            torch.cat([x.to(scale) for x in d]),
-            torch.cat([p.m.to(scale) for p in parts]),
+            torch.cat([per_half(p.d, halves).to(scale) for p in parts]),
+            torch.cat([per_half(p.m, half_mins).to(scale) for p in parts]),
             bits,
         )
 
@@ -148,10 +150,11 @@ class GroupCodes:
         out = torch.empty(rows, groups * GROUP_SIZE, dtype=dtype)
         for start in range(0, rows, QUANTIZE_ROWS):
             end = start + QUANTIZE_ROWS
-            d = self.d[start:end].float()
+            d, m = self.d[start:end].float(), self.m[start:end].float()
             d = d.repeat_interleave(GROUP_SIZE // 2, -1) if d.dim() == 3 else d[..., None]
+            m = m.repeat_interleave(GROUP_SIZE // 2, -1) if m.dim() == 3 else m[..., None]
             w = self.codes[start:end].float().mul_(d)
-            out[start:end] = w.add_(self.m[start:end].float()[..., None]).flatten(1)
+            out[start:end] = w.add_(m).flatten(1)
         return out
 
 
@@ -484,6 +487,24 @@ def _q3_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return codes.reshape(*lead, 8, 32), halves, torch.full((*lead, 8), -0.0)
 
 
+def _q2_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., 8, 32], d and m [..., 8, 2] of Q2_K super-blocks [..., 84]: 16 bytes of
+    4-bit sub-scales (low nibble) and sub-mins (high), 64 of 2-bit codes, d f16, dmin f16.
+    Sixteen sub-blocks of 16 weights: group j's halves are sub-blocks 2j and 2j + 1, each with
+    its own d = d * sc and m = -(dmin * min) (float32, exact), codes 0..3 (group j: bits
+    2 (j % 4) of the 32 bytes at 32 (j // 4)), so codes * d + m is GGML's
+    `d * sc * q - dmin * min` bit for bit."""
+    lead = blocks.shape[:-1]
+    sub, qs = blocks[..., 0:16], blocks[..., 16:80]
+    d = blocks[..., 80:82].contiguous().view(torch.float16)[..., 0].float()
+    dmin = blocks[..., 82:84].contiguous().view(torch.float16)[..., 0].float()
+    pair_shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    codes = (qs.reshape(*lead, 2, 1, 32) >> pair_shift) & 0x03  # [..., 2, 4, 32]
+    halves = (d[..., None] * (sub & 0x0F).float()).reshape(*lead, 8, 2)
+    mins = (-(dmin[..., None] * (sub >> 4).float())).reshape(*lead, 8, 2)
+    return codes.reshape(*lead, 8, 32), halves, mins
+
+
 Decoder = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -498,8 +519,8 @@ class BlockType:
 
 
 # K-quant groups' d and m are float32 products (super-block d times a 6-bit sub-scale), exact
-# there and not in float16; Q3_K's and Q6_K's 16-weight sub-blocks are the two halves of a
-# group (Q2_K's too, but each with its own m as well, which the kernel's groups do not have).
+# there and not in float16; Q2_K's, Q3_K's and Q6_K's 16-weight sub-blocks are the two halves
+# of a group (Q2_K's each with its own m as well: the kernel's "half mins" layout).
 EXACT_BLOCKS = {
     "Q4_0": BlockType(4, 18, 32, _block_codes),
     "Q4_1": BlockType(4, 20, 32, _block_codes),
@@ -510,14 +531,14 @@ EXACT_BLOCKS = {
     "Q5_K": BlockType(5, 176, 256, _super_block_codes),
     "Q6_K": BlockType(8, 210, 256, _q6_k_codes),
     "Q3_K": BlockType(8, 110, 256, _q3_k_codes),
+    "Q2_K": BlockType(4, 84, 256, _q2_k_codes),
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
 # `EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
-# a warning at load (Q2_K, whose 16-weight sub-blocks each have their own min; IQ types are
-# codebooks).
+# a warning at load (IQ types are codebooks).
 GGML_BITS = {
     **{kind: block.bits for kind, block in EXACT_BLOCKS.items()},
-    **dict.fromkeys(("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
+    **dict.fromkeys(("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
     **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
     **dict.fromkeys(("Q8_1", "Q8_K"), 8),
 }
@@ -533,7 +554,7 @@ def block_group_codes(kind: str, raw: torch.Tensor, rows: int, cols: int) -> Gro
     return GroupCodes(
         codes.reshape(rows, groups, GROUP_SIZE),
         d.reshape(rows, groups, -1).squeeze(-1),  # [rows, groups, 2] for a d per half
-        m.reshape(rows, groups),
+        m.reshape(rows, groups, -1).squeeze(-1),  # [rows, groups, 2] for an m per half
         block.bits,
     )
 

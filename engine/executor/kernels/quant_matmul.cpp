@@ -28,6 +28,9 @@
 //            [N / 8, 3, K / 32, 8] ("halves"): a d for columns 0-15 of each group, one for
 //            16-31, then m: Q6_K's 16-weight sub-blocks, two per group, each with its own d
 //            (the integer sum then taken per half, each half scaled alone).
+//            [N / 8, 4, K / 32, 8] ("half mins"): a d per half, then an m per half: Q2_K's
+//            sub-blocks, each with its own min (the min term then taken per half too, from
+//            the activations' sum over that half).
 //   A tile is a sequential stream, and a group's 8 row results come out in one vector: one
 //   conversion and one scale multiply serve 8 rows.
 //
@@ -114,7 +117,7 @@ struct QuantizedActivations {
   std::vector<float> sum;     // [M, G]: scale * sum(codes)
   std::vector<int32_t> code_sum;  // [M, G]: sum(codes), for 8-bit weights taken unsigned
   std::vector<int32_t> half_code_sum;  // [M, G] or empty: the sum of codes 0-15 (halves, VNNI)
-
+  std::vector<float> half_sum;  // [M, G, 2] or empty: scale * sum(codes 0-15), of 16-31
 };
 
 // Rows from `first_row` of quantized activations: where their codes and per-group numbers
@@ -125,6 +128,7 @@ struct ActivationRows {
   const float* sum;
   const int32_t* code_sum;
   const int32_t* half_code_sum;
+  const float* half_sum;
 
   ActivationRows(const QuantizedActivations& act, int64_t first_row, int64_t k) {
     const int64_t at = first_row * (k / kGroup);
@@ -133,6 +137,13 @@ struct ActivationRows {
     sum = act.sum.data() + at;
     code_sum = act.code_sum.data() + at;
     half_code_sum = act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + at;
+    half_sum = act.half_sum.empty() ? nullptr : act.half_sum.data() + 2 * at;
+  }
+
+  // Entry i's scale times its codes' sum over `part` of its group: 0 all, 1 codes 0-15, 2
+  // 16-31 (those two only where the weights have an m per half).
+  float summed(int64_t i, int part) const {
+    return part == 0 ? sum[i] : half_sum[2 * i + part - 1];
   }
 
   // Entry i's activation codes summed over `part` of its group: 0 all, 1 codes 0-15, 2 16-31.
@@ -147,7 +158,7 @@ struct ActivationRows {
 // linear at prefill sizes.
 template <typename T>
 inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum,
-                           int32_t* code_sum, int32_t* half_code_sum) {
+                           int32_t* code_sum, int32_t* half_code_sum, float* half_sum) {
   using prefixgate::f8;
   using prefixgate::i8;
   typedef int8_t c8 __attribute__((vector_size(8)));
@@ -181,23 +192,31 @@ inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum
     half += first_half[lane];
   }
   if (half_code_sum != nullptr) *half_code_sum = half;
+  if (half_sum != nullptr) {
+    half_sum[0] = a * static_cast<float>(half);
+    half_sum[1] = a * static_cast<float>(total - half);
+  }
   *scale = a;
   *sum = a * static_cast<float>(total);
   *code_sum = total;
 }
 
-// `half_sums`: also each group's first half's code sum (weights with a d per half, under VNNI).
+// `half_code_sums`: also each group's first half's code sum (weights with a d per half, under
+// VNNI); `half_sums`: each half's scaled sum (weights with an m per half).
 template <typename T>
-QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k, bool half_sums) {
+QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k,
+                                          bool half_code_sums, bool half_sums) {
   const int64_t groups = k / kGroup;
   QuantizedActivations out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
                            std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups),
-                           std::vector<int32_t>(half_sums ? rows * groups : 0)};
+                           std::vector<int32_t>(half_code_sums ? rows * groups : 0),
+                           std::vector<float>(half_sums ? 2 * rows * groups : 0)};
   // In parallel: a 1000-token prefill quantizes ~10^8 activations over a forward.
   at::parallel_for(0, rows * groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)  // rows are contiguous: group i of the flat [M * G]
       quantize_group(x + i * kGroup, out.codes.data() + i * kGroup, &out.scale[i], &out.sum[i],
-                     &out.code_sum[i], half_sums ? &out.half_code_sum[i] : nullptr);
+                     &out.code_sum[i], half_code_sums ? &out.half_code_sum[i] : nullptr,
+                     half_sums ? &out.half_sum[2 * i] : nullptr);
   });
   return out;
 }
@@ -261,32 +280,35 @@ inline float add_group(float acc, int32_t sum, float d, float a, float m, float 
 // A group in a register block: its integer sums, then their scaling (the d, then the min
 // term), whole, or half by half with HALVES (steps 0-3 are columns 0-15, each half its own
 // d; `scale_sums(d_row, part, with_min)`, part 0 all codes, 1 codes 0-15, 2 codes 16-31).
+// MINS: 0 no min term, 1 one m a group (after the last part), 2 an m per half (after each).
 // The same order in every block and every width.
-template <bool HALVES, bool MIN, typename Clear, typename Accumulate, typename Scale>
+template <bool HALVES, int MINS, typename Clear, typename Accumulate, typename Scale>
 __attribute__((always_inline)) inline void one_group(const Clear& clear,
                                                      const Accumulate& accumulate,
                                                      const Scale& scale_sums) {
+  static_assert(MINS < 2 || HALVES, "an m per half needs the halves");
   clear();
   if constexpr (!HALVES) {
     accumulate(0, kSteps / 2);
-    scale_sums(0, 0, MIN);
+    scale_sums(0, 0, MINS > 0);
   } else {
     accumulate(0, kSteps / 4);
-    scale_sums(0, 1, false);
+    scale_sums(0, 1, MINS == 2);
     clear();
     accumulate(kSteps / 4, kSteps / 2);
-    scale_sums(1, 2, MIN);
+    scale_sums(1, 2, MINS > 0);
   }
 }
 
 // MB activation rows from `first_row` times the T tiles of `span`; writes
 // out[mb * n + 8 * t + r], rounded once to T (the activations' dtype).
-template <int BITS, int MB, int T, bool HALVES, bool MIN, typename OUT>
+template <int BITS, int MB, int T, bool HALVES, int MINS, typename OUT>
 void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
                int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
-  constexpr int64_t m_row = HALVES ? 2 : 1;  // which of a tile's scale rows holds m
+  // Which of a tile's scale rows holds the m of `part` (MINS 2: rows 2 and 3, one a half).
+  const auto m_row = [](int part) { return MINS == 2 ? 1 + part : HALVES ? 2 : 1; };
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;  // 5 bits: 5th bits
 #if PREFIXGATE_QMM_AVX2
@@ -403,7 +425,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         const int64_t tile_scales = t * span.scale_stride;
         const __m256 d = load_scales(span, tile_scales + (d_row * groups + g) * kTile);
         [[maybe_unused]] __m256 m;
-        if (with_min) m = load_scales(span, tile_scales + (m_row * groups + g) * kTile);
+        if (with_min) m = load_scales(span, tile_scales + (m_row(part) * groups + g) * kTile);
         for (int mb = 0; mb < MB; ++mb) {
           __m256i total = sums[0][mb][t];
           for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
@@ -415,12 +437,13 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(rows.scale[mb * groups + g]));
           acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
           if (with_min)
-            acc[mb][t] =
-                _mm256_fmadd_ps(m, _mm256_set1_ps(rows.sum[mb * groups + g]), acc[mb][t]);
+            acc[mb][t] = _mm256_fmadd_ps(
+                m, _mm256_set1_ps(rows.summed(mb * groups + g, MINS == 2 ? part : 0)),
+                acc[mb][t]);
         }
       }
     };
-    one_group<HALVES, MIN>(clear, accumulate, scale_sums);
+    one_group<HALVES, MINS>(clear, accumulate, scale_sums);
   }
   for (int mb = 0; mb < MB; ++mb) {
     for (int t = 0; t < T; ++t) {
@@ -455,15 +478,22 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
             }
           }
           const float ga = rows.scale[mb * groups + g];
-          const float m =
-              MIN ? scale_at(span, tile_scales + (m_row * groups + g) * kTile + r) : 0.f;
+          const auto m = [&](int part) {
+            return scale_at(span, tile_scales + (m_row(part) * groups + g) * kTile + r);
+          };
           const float d = scale_at(span, tile_scales + g * kTile + r);
+          const int64_t i = mb * groups + g;
           if constexpr (!HALVES) {  // without a min row m = 0: its fma adds nothing
-            total[r] = add_group(total[r], sums[0] + sums[1], d, ga, m, rows.sum[mb * groups + g]);
+            total[r] =
+                add_group(total[r], sums[0] + sums[1], d, ga, MINS ? m(0) : 0.f, rows.sum[i]);
+          } else if constexpr (MINS == 2) {
+            const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
+            total[r] = add_group(total[r], sums[0], d, ga, m(1), rows.summed(i, 1));
+            total[r] = add_group(total[r], sums[1], d_high, ga, m(2), rows.summed(i, 2));
           } else {
             const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
             total[r] = std::fma(static_cast<float>(sums[0]), d * ga, total[r]);
-            total[r] = add_group(total[r], sums[1], d_high, ga, m, rows.sum[mb * groups + g]);
+            total[r] = add_group(total[r], sums[1], d_high, ga, MINS ? m(2) : 0.f, rows.sum[i]);
           }
         }
       }
@@ -511,12 +541,12 @@ inline __m512i pair_step_codes(__m512i packed, [[maybe_unused]] __m512i fifths, 
 
 // MB activation rows from `first_row` times the two tiles of `span`; writes
 // out[mb * n + lane], lanes 0-15.
-template <int BITS, int MB, bool HALVES, bool MIN, typename OUT>
+template <int BITS, int MB, bool HALVES, int MINS, typename OUT>
 void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
               int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
-  constexpr int64_t m_row = HALVES ? 2 : 1;
+  const auto m_row = [](int part) { return MINS == 2 ? 1 + part : HALVES ? 2 : 1; };
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
   // A multiply-add waits several cycles on the one before it into the same register: at
@@ -566,7 +596,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
                                 bool with_min) __attribute__((always_inline)) {
       const __m512 d = pair_scales(span, (d_row * groups + g) * kTile);
       [[maybe_unused]] __m512 m;
-      if (with_min) m = pair_scales(span, (m_row * groups + g) * kTile);
+      if (with_min) m = pair_scales(span, (m_row(part) * groups + g) * kTile);
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
@@ -577,10 +607,11 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[mb * groups + g]));
         acc[mb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[mb]);
         if (with_min)
-          acc[mb] = _mm512_fmadd_ps(m, _mm512_set1_ps(rows.sum[mb * groups + g]), acc[mb]);
+          acc[mb] = _mm512_fmadd_ps(
+              m, _mm512_set1_ps(rows.summed(mb * groups + g, MINS == 2 ? part : 0)), acc[mb]);
       }
     };
-    one_group<HALVES, MIN>(clear, accumulate, scale_sums);
+    one_group<HALVES, MINS>(clear, accumulate, scale_sums);
   }
   for (int mb = 0; mb < MB; ++mb) {
     prefixgate::f8 low, high;
@@ -594,16 +625,16 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
 
 // Rows [begin, end) times the T tiles of `span`: blocks of kRowBlock rows, then the rest in
 // one smaller block.
-template <int BITS, int T, bool HALVES, bool MIN, typename OUT>
+template <int BITS, int T, bool HALVES, int MINS, typename OUT>
 void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t begin,
               int64_t end, int64_t k, OUT* out, int64_t n) {
 #if PREFIXGATE_QMM_WIDE
   if constexpr (T == 2) {  // a pair of tiles: 512-bit lanes, the same bits
     int64_t row = begin;
     for (; row + kWideRows <= end; row += kWideRows)
-      pair_dot<BITS, kWideRows, HALVES, MIN>(span, act, row, k, out + row * n, n);
+      pair_dot<BITS, kWideRows, HALVES, MINS>(span, act, row, k, out + row * n, n);
     const auto rest = [&](auto rows) {
-      pair_dot<BITS, decltype(rows)::value, HALVES, MIN>(span, act, row, k, out + row * n, n);
+      pair_dot<BITS, decltype(rows)::value, HALVES, MINS>(span, act, row, k, out + row * n, n);
     };
     prefixgate::with_count<kWideRows>(end - row, rest);
     return;
@@ -612,9 +643,9 @@ void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t beg
   constexpr int MB = kRowBlock<BITS>;
   int64_t i = begin;
   for (; i + MB <= end; i += MB)
-    block_dot<BITS, MB, T, HALVES, MIN>(span, act, i, k, out + i * n, n);
+    block_dot<BITS, MB, T, HALVES, MINS>(span, act, i, k, out + i * n, n);
   const auto rest = [&](auto rows) {
-    block_dot<BITS, decltype(rows)::value, T, HALVES, MIN>(span, act, i, k, out + i * n, n);
+    block_dot<BITS, decltype(rows)::value, T, HALVES, MINS>(span, act, i, k, out + i * n, n);
   };
   prefixgate::with_count<MB>(end - i, rest);
 }
@@ -661,12 +692,11 @@ struct PairWeights {
   std::vector<float> scales;  // [G, parts, 16]
 };
 
-template <int BITS, bool HALVES, bool MIN>
+template <int BITS, bool HALVES, int MINS>
 void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
-  constexpr int64_t m_row = HALVES ? 2 : 1;
-  constexpr int kParts = (HALVES ? 2 : 1) + (MIN ? 1 : 0);
+  constexpr int kParts = (HALVES ? 2 : 1) + MINS;  // the scale rows, in their order
   pair.steps.resize(groups * kSteps * 64);
   pair.scales.resize(groups * kParts * 16);
   for (int64_t g = 0; g < groups; ++g) {
@@ -685,19 +715,20 @@ void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
     }
     float* scales = pair.scales.data() + g * kParts * 16;
     for (int part = 0; part < kParts; ++part) {
-      const int64_t row = part == kParts - 1 && MIN ? m_row : part;
       for (int t = 0; t < 2; ++t)
         _mm256_storeu_ps(scales + part * 16 + t * 8,
-                         load_scales(span, t * span.scale_stride + (row * groups + g) * kTile));
+                         load_scales(span, t * span.scale_stride + (part * groups + g) * kTile));
     }
   }
 }
 
 // A sums tile of a group's part added into `acc` (16 activation rows x 16 weight rows, in
 // memory; `first`: it holds nothing yet, the zeros block_dot starts from): block_dot's
-// scale_sums, sixteen lanes at a time.
+// scale_sums, sixteen lanes at a time. Row i's activation scale is da[i * groups + g], its
+// scaled code sum for the min term sa[i * sa_stride].
 inline void amx_epilogue(const int32_t* sums, const float* d, const float* m, const float* da,
-                         const float* sa, int64_t groups, int64_t g, bool first, float* acc) {
+                         const float* sa, int64_t sa_stride, int64_t groups, int64_t g,
+                         bool first, float* acc) {
   const __m512 dv = _mm512_loadu_ps(d);
   const __m512 mv = m != nullptr ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
   for (int i = 0; i < kAmxRows; ++i) {
@@ -705,7 +736,7 @@ inline void amx_epilogue(const int32_t* sums, const float* d, const float* m, co
     const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(da[i * groups + g]));
     const __m512 before = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 16 * i);
     __m512 lanes = _mm512_fmadd_ps(total, scale, before);
-    if (m != nullptr) lanes = _mm512_fmadd_ps(mv, _mm512_set1_ps(sa[i * groups + g]), lanes);
+    if (m != nullptr) lanes = _mm512_fmadd_ps(mv, _mm512_set1_ps(sa[i * sa_stride]), lanes);
     _mm512_store_ps(acc + 16 * i, lanes);
   }
 }
@@ -713,11 +744,11 @@ inline void amx_epilogue(const int32_t* sums, const float* d, const float* m, co
 // RB blocks of 16 activation rows from `row` times PB pairs of tiles (1 or 2 each), every
 // group; writes out[(row + i) * n + 16 * pb + lane]. The tile configuration is loaded.
 // Tile numbers are literals (GCC's tile intrinsics paste them into their assembly).
-template <int RB, int PB, bool HALVES, bool MIN, typename OUT>
+template <int RB, int PB, bool HALVES, int MINS, typename OUT>
 void amx_block(const PairWeights* pairs, const QuantizedActivations& act, int64_t row, int64_t k,
                OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
-  constexpr int kParts = (HALVES ? 2 : 1) + (MIN ? 1 : 0);
+  constexpr int kParts = (HALVES ? 2 : 1) + MINS;
   constexpr int kPartCols = HALVES ? 16 : 32;
   alignas(64) int32_t sums[4][kAmxRows * 16];
   alignas(64) float acc[RB][PB][kAmxRows * 16];
@@ -749,15 +780,19 @@ void amx_block(const PairWeights* pairs, const QuantizedActivations& act, int64_
       if constexpr (PB == 2) _tile_stored(1, sums[1], 64);
       if constexpr (RB == 2) _tile_stored(2, sums[2], 64);
       if constexpr (RB == 2 && PB == 2) _tile_stored(3, sums[3], 64);
-      // d of this part, and m after the last part
-      const bool with_min = MIN && part == (HALVES ? 1 : 0);
+      // d of this part, and m after the last part (MINS 2: after each, its own)
+      const bool with_min = MINS == 2 || (MINS == 1 && part == (HALVES ? 1 : 0));
+      const int m_part = MINS == 2 ? 2 + part : kParts - 1;
       for (int rb = 0; rb < RB; ++rb) {
-        const float* da = act.scale.data() + (row + rb * kAmxRows) * groups;
-        const float* sa = act.sum.data() + (row + rb * kAmxRows) * groups;
+        const int64_t first_row = row + rb * kAmxRows;
+        const float* da = act.scale.data() + first_row * groups;
+        const float* sa = MINS == 2 ? act.half_sum.data() + 2 * (first_row * groups + g) + part
+                                    : act.sum.data() + first_row * groups + g;
+        const int64_t sa_stride = MINS == 2 ? 2 * groups : groups;
         for (int pb = 0; pb < PB; ++pb) {
           const float* scales = pairs[pb].scales.data() + g * kParts * 16;
           amx_epilogue(sums[2 * rb + pb], scales + part * 16,
-                       with_min ? scales + (kParts - 1) * 16 : nullptr, da, sa, groups, g,
+                       with_min ? scales + m_part * 16 : nullptr, da, sa, sa_stride, groups, g,
                        g == 0 && part == 0, acc[rb][pb]);
         }
       }
@@ -779,7 +814,7 @@ void amx_block(const PairWeights* pairs, const QuantizedActivations& act, int64_
 
 // Rows [first, last) (a multiple of 16) times the pairs of tiles of units [begin, end) that
 // are whole pairs: two pairs and two row blocks at a time, what is left one by one.
-template <int BITS, bool HALVES, bool MIN, typename OUT>
+template <int BITS, bool HALVES, int MINS, typename OUT>
 void amx_rows(const TileSpan& base, int64_t tiles, int64_t begin, int64_t end,
               const QuantizedActivations& act, int64_t first, int64_t last, int64_t k, OUT* out,
               int64_t n) {
@@ -789,19 +824,19 @@ void amx_rows(const TileSpan& base, int64_t tiles, int64_t begin, int64_t end,
     const int64_t t = u * kTileBlock;
     if (t + kTileBlock > tiles) break;  // the odd last tile: block_dot's
     const bool two = u + 1 < end && t + 2 * kTileBlock <= tiles;
-    prepare_pair<BITS, HALVES, MIN>(base.at(t), groups, pairs[0]);
-    if (two) prepare_pair<BITS, HALVES, MIN>(base.at(t + kTileBlock), groups, pairs[1]);
+    prepare_pair<BITS, HALVES, MINS>(base.at(t), groups, pairs[0]);
+    if (two) prepare_pair<BITS, HALVES, MINS>(base.at(t + kTileBlock), groups, pairs[1]);
     OUT* block_out = out + t * kTile;
     for (int64_t row = first; row < last;) {
       const bool tall = row + 2 * kAmxRows <= last;
       if (tall && two) {
-        amx_block<2, 2, HALVES, MIN>(pairs, act, row, k, block_out, n);
+        amx_block<2, 2, HALVES, MINS>(pairs, act, row, k, block_out, n);
       } else if (tall) {
-        amx_block<2, 1, HALVES, MIN>(pairs, act, row, k, block_out, n);
+        amx_block<2, 1, HALVES, MINS>(pairs, act, row, k, block_out, n);
       } else if (two) {
-        amx_block<1, 2, HALVES, MIN>(pairs, act, row, k, block_out, n);
+        amx_block<1, 2, HALVES, MINS>(pairs, act, row, k, block_out, n);
       } else {
-        amx_block<1, 1, HALVES, MIN>(pairs, act, row, k, block_out, n);
+        amx_block<1, 1, HALVES, MINS>(pairs, act, row, k, block_out, n);
       }
       row += tall ? 2 * kAmxRows : kAmxRows;
     }
@@ -834,14 +869,14 @@ std::string quant_matmul_path() {
 #endif
 }
 
-template <int BITS, bool HALVES, bool MIN, typename OUT>
+template <int BITS, bool HALVES, int MINS, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
                        OUT* out) {
   const int64_t scale_bytes = wide_scales ? 4 : 2;
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
-  const int64_t tile_scales = ((HALVES ? 2 : 1) + (MIN ? 1 : 0)) * groups * kTile;
+  const int64_t tile_scales = ((HALVES ? 2 : 1) + MINS) * groups * kTile;
   const int64_t tiles = n / kTile;
   const int64_t chunk = std::max<int64_t>(kRowBlock<BITS>, kChunkBytes / k / kRowBlock<BITS> *
                                                                kRowBlock<BITS>);
@@ -856,7 +891,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
       const AmxConfig config(HALVES ? kGroup / 2 : kGroup);
       _tile_loadconfig(&config);
       for (int64_t first = 0; first < tile_rows; first += kAmxChunkRows)
-        amx_rows<BITS, HALVES, MIN>(base, tiles, begin, end, act, first,
+        amx_rows<BITS, HALVES, MINS>(base, tiles, begin, end, act, first,
                                     std::min(tile_rows, first + kAmxChunkRows), k, out, n);
       _tile_release();
     }
@@ -874,10 +909,10 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         const TileSpan span = base.at(t);
         OUT* block_out = out + t * kTile;
         if (t + kTileBlock <= tiles) {
-          rows_dot<BITS, kTileBlock, HALVES, MIN>(span, act, std::max(first, tile_rows), last,
+          rows_dot<BITS, kTileBlock, HALVES, MINS>(span, act, std::max(first, tile_rows), last,
                                                    k, block_out, n);
         } else {
-          rows_dot<BITS, 1, HALVES, MIN>(span, act, first, last, k, block_out, n);
+          rows_dot<BITS, 1, HALVES, MINS>(span, act, first, last, k, block_out, n);
         }
       }
     }
@@ -899,13 +934,13 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({n / kTile, groups, kTile * bits * 4}),
               "quant_matmul: codes must be a contiguous uint8 [N / 8, K / 32, 8 * bits * 4]");
-  // scale rows: 1 d alone (m = 0), 2 d and m, 3 a d per half and m
+  // scale rows: 1 d alone (m = 0), 2 d and m, 3 a d per half and m, 4 a d and an m per half
   const int64_t parts = scales.dim() == 4 ? scales.size(1) : 0;
-  const bool halves = parts == 3, with_min = parts != 1;
+  const bool halves = parts >= 3, with_min = parts != 1, half_mins = parts == 4;
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  scales.is_contiguous() && parts >= 1 && parts <= 3 &&
+                  scales.is_contiguous() && parts >= 1 && parts <= 4 &&
                   scales.sizes() == at::IntArrayRef({n / kTile, parts, groups, kTile}),
-              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 1, 2 or 3, "
+              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 1 to 4, "
               "K / 32, 8]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
@@ -915,18 +950,19 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const QuantizedActivations act =
-        quantize_activations(x.data_ptr<T>(), rows, k, halves && bits == 8 && kVnniBuild);
+        quantize_activations(x.data_ptr<T>(), rows, k, halves && bits == 8 && kVnniBuild,
+                             half_mins);
     const auto impl = [&](auto bits_tag) {
       constexpr int kBits = decltype(bits_tag)::value;
       T* y = out.data_ptr<T>();
-      if (halves) {
-        quant_matmul_impl<kBits, true, true>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+      if (half_mins) {
+        quant_matmul_impl<kBits, true, 2>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+      } else if (halves) {
+        quant_matmul_impl<kBits, true, 1>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
       } else if (with_min) {
-        quant_matmul_impl<kBits, false, true>(act, code_ptr, scale_ptr, wide_scales, rows, n, k,
-                                              y);
+        quant_matmul_impl<kBits, false, 1>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
       } else {
-        quant_matmul_impl<kBits, false, false>(act, code_ptr, scale_ptr, wide_scales, rows, n, k,
-                                               y);
+        quant_matmul_impl<kBits, false, 0>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
       }
     };
     if (bits == 4) {

@@ -165,6 +165,47 @@ def test_a_d_per_half_group_scales_each_half_alone(
     assert torch.equal(alone, got[17:18])
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_m_per_half_group_takes_each_half_s_min_term_alone(
+    kernels: None, bits: int, dtype: torch.dtype
+) -> None:
+    """Q2_K's 16-weight sub-blocks, each with its own d and its own min: each half's min term
+    taken with that half's activation sum, against the scheme written out in torch; every
+    row count's rows give the bits they get alone."""
+    x, _, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 128 + 64, 23, seed=bits + 60)
+    halves, mins = _half_scales(d, m, seed=bits)
+    weight = pack_weight(codes, halves, mins, bits)
+    assert weight.scales.shape == (5, 4, 14, 8) and weight.scales.dtype == torch.float32
+    x = x.to(dtype)
+    got = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    q, a = _int8_activations(x)
+    q_halves = q.double().unflatten(-1, (2, 16))  # [M, G, 2, 16]
+    dots = torch.einsum("nghj,mghj->mngh", codes.double().unflatten(-1, (2, 16)), q_halves)
+    want = (dots * halves.double()[None] * a.double()[:, None, :, None]).sum((-1, -2))
+    half_sums = a.double()[..., None] * q_halves.sum(-1)  # [M, G, 2]
+    want += (mins.double()[None] * half_sums[:, None]).sum((-1, -2))
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
+    for rows in (1, 2, 5, 7, 23):
+        part = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
+        assert torch.equal(part, got[:rows]), rows
+    alone = torch.ops.prefixgate.quant_matmul(x[17:18], weight.codes, weight.scales, bits)
+    assert torch.equal(alone, got[17:18])
+    rows_wanted = torch.tensor([0, 9, 39, 17])
+    dequantized = codes.float() * halves.repeat_interleave(16, -1) + mins.repeat_interleave(16, -1)
+    assert torch.equal(dequantize_rows(weight, rows_wanted), dequantized[rows_wanted].flatten(1))
+
+
+def _half_scales(d: torch.Tensor, m: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 d and m per 16-column half of each group (Q2_K's sub-blocks: the super-block's
+    d and min times each sub-block's 4-bit scale and min), from a problem's d and m."""
+    gen = torch.Generator().manual_seed(seed)
+    sub_scales = torch.randint(0, 16, (*d.shape, 2), generator=gen).float()
+    sub_mins = torch.randint(0, 16, (*d.shape, 2), generator=gen).float()
+    return d.float()[..., None] * sub_scales, -(m.float().abs()[..., None] * sub_mins)
+
+
 def _integer_problem(
     bits: int, n: int, k: int, rows: int, seed: int
 ) -> tuple[torch.Tensor, QuantizedWeight, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -209,10 +250,18 @@ PINNED_DIGESTS = {
     ("groups", 5, torch.bfloat16): "652305a08da03ac0",
     ("halves", 5, torch.float32): "dde5017f02d2fe7b",
     ("halves", 5, torch.bfloat16): "9261e6858b6e56e5",
+    # a d and an m per half (Q2_K's sub-blocks), pinned from the portable build when they came;
+    # the AVX2, AVX-512 (VNNI) and AMX builds gave the same.
+    ("half-mins", 4, torch.float32): "fe1a01745a683265",
+    ("half-mins", 4, torch.bfloat16): "caf15bb8e7014f94",
+    ("half-mins", 5, torch.float32): "078500db05eb195f",
+    ("half-mins", 5, torch.bfloat16): "d8f3a84fe044ebbd",
+    ("half-mins", 8, torch.float32): "7ca141116578ab1e",
+    ("half-mins", 8, torch.bfloat16): "5978ba6b328001f3",
 }
 
 
-@pytest.mark.parametrize("layout", ["groups", "halves"])
+@pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_every_build_gives_the_pinned_bits(
@@ -223,6 +272,8 @@ def test_every_build_gives_the_pinned_bits(
         gen = torch.Generator().manual_seed(bits)
         sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
         weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
+    if layout == "half-mins":
+        weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
     out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
     assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
 
@@ -269,7 +320,7 @@ def test_scales_without_a_min_row_give_the_bits_of_a_zero_min(kernels: None, bit
     assert pack_weight(codes, d, m, bits).scales.shape[1] == (1 if bits == 8 else 2)
 
 
-@pytest.mark.parametrize("layout", ["groups", "halves"])
+@pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
     kernels: None, bits: int, layout: str
@@ -284,6 +335,8 @@ def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
         gen = torch.Generator().manual_seed(bits)
         sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
         weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
+    if layout == "half-mins":
+        weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
     whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
     alone = torch.cat(
         [

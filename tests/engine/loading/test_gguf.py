@@ -297,7 +297,7 @@ _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], n
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 )
 def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
     """Random block bytes with edge d and m (or dmin) values (zero, subnormal, the f16
@@ -305,21 +305,23 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     for bit (the sign of zero too), except Q4_0 and Q5_0, whose m = -8 d or -16 d turns a
     zero weight into +0 (m is float32 where float16 cannot hold it: the f16 extremes of d).
     K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32; Q3_K's high
-    bits both ways, its signed sub-scales' extremes (0 and 63: -32 and +31)."""
+    bits both ways, its signed sub-scales' extremes (0 and 63: -32 and +31); Q2_K's 4-bit
+    sub-scales and sub-mins, a d and an m per 16-weight half."""
     block = EXACT_BLOCKS[qtype.name]
     block_bytes, block_weights = block.block_bytes, block.block_weights
     gen = np.random.default_rng(int(qtype))
     blocks = gen.integers(0, 256, (64, 4, block_bytes), dtype=np.uint8)
     d = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))]
-    halves = qtype in (Q.Q3_K, Q.Q6_K)  # a d per 16-weight half; d is their last field
-    d_at = block_bytes - 2 if halves else 0
+    halves = qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K)  # a d per 16-weight half
+    d_at = {Q.Q2_K: block_bytes - 4, Q.Q3_K: block_bytes - 2, Q.Q6_K: block_bytes - 2}.get(qtype, 0)
     blocks[..., d_at : d_at + 2] = d.view(np.uint8).reshape(64, 4, 2)
-    if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):  # m or dmin: f16 patterns, extremes included
+    if qtype in (Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K):  # m or dmin: f16, extremes included
         m = _EDGE_D[gen.integers(0, len(_EDGE_D), (64, 4))] * np.float16(-1)
-        blocks[..., 2:4] = m.view(np.uint8).reshape(64, 4, 2)
+        blocks[..., d_at + 2 : d_at + 4] = m.view(np.uint8).reshape(64, 4, 2)
     codes = block_group_codes(qtype.name, torch.from_numpy(blocks), 64, 4 * block_weights)
     assert codes.codes.shape == (64, 4 * block_weights // 32, 32)
     assert codes.d.dim() == (3 if halves else 2)
+    assert codes.m.dim() == (3 if qtype == Q.Q2_K else 2)
     assert codes.d.dtype == (torch.float32 if block_weights > 32 else torch.float16)
     if qtype in (Q.Q4_0, Q.Q5_0):  # the f16 extremes' -8 d and -16 d need float32
         assert codes.m.dtype == torch.float32
@@ -334,7 +336,9 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
 
 
-@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q3_K, 8), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 8)])
+@pytest.mark.parametrize(
+    ("qtype", "bits"), [(Q.Q2_K, 4), (Q.Q3_K, 8), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 8)]
+)
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
 ) -> None:
@@ -348,6 +352,8 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     scales = gen.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)  # d, dmin
     if qtype in (Q.Q3_K, Q.Q6_K):  # d last; no dmin
         blocks[..., -2:] = scales[..., :1].view(np.uint8).reshape(rows, cols // 256, 2)
+    elif qtype == Q.Q2_K:  # d, dmin last
+        blocks[..., -4:] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
     else:
         blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
     writer = GGUFWriter(tmp_path / "k.gguf", "llama")
