@@ -10,7 +10,7 @@ each worker imports it before it takes an actor. Only workers started for our ow
 
 import os
 
-PRELOAD_ENV_VAR = "PREFIXGATE_PRELOAD"
+from replicas.spare_worker import PRELOAD_ENV_VAR  # the standard library only, at import
 
 if os.environ.get(PRELOAD_ENV_VAR) == "1":
     import replicas.app  # noqa: F401

@@ -26,14 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.preload import PRELOAD_ENV_VAR
-
 logger = logging.getLogger(__name__)
 
 # The modules Ray imports into every worker a cluster we start starts (see replicas.preload),
 # and the runtime env of our actors: it makes the preload import the package, and Ray gives
 # an actor only a worker started with the same runtime env, so the spare carries it too.
 PRELOAD_MODULES = ["replicas.preload"]
+PRELOAD_ENV_VAR = "PREFIXGATE_PRELOAD"
 ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {PRELOAD_ENV_VAR: "1"}}
 
 

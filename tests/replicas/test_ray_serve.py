@@ -22,7 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicas.preload import PRELOAD_ENV_VAR
+from replicas.spare_worker import PRELOAD_ENV_VAR
 from tests.gateway.server_harness import (
     HTTP_TIMEOUT,
     Reference,

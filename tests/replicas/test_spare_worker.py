@@ -16,8 +16,7 @@ from ray._private.utils import get_runtime_env_info
 from ray.core.generated import common_pb2, node_manager_pb2
 from ray.runtime_env import RuntimeEnv
 
-from replicas.preload import PRELOAD_ENV_VAR
-from replicas.spare_worker import SpareWorkerConfig, SpareWorkerKeeper
+from replicas.spare_worker import PRELOAD_ENV_VAR, SpareWorkerConfig, SpareWorkerKeeper
 
 NIL = b"\xff" * 16
 JOB = bytes.fromhex("01000000")

@@ -156,13 +156,7 @@ def test_a_d_per_half_group_scales_each_half_alone(
                         q.double().unflatten(-1, (2, 16)))  # fmt: skip
     want = (dots * halves.double()[None] * a.double()[:, None, :, None]).sum((-1, -2))
     want += (m.double()[None] * (a.double() * q.double().sum(-1))[:, None, :]).sum(-1)
-    rtol = 1e-5 if dtype == torch.float32 else 2**-8
-    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
-    for rows in (1, 2, 5, 7, 23):
-        part = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
-        assert torch.equal(part, got[:rows]), rows
-    alone = torch.ops.prefixgate.quant_matmul(x[17:18], weight.codes, weight.scales, bits)
-    assert torch.equal(alone, got[17:18])
+    _assert_scheme_and_rows_alone(x, weight, got, want)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
@@ -185,16 +179,24 @@ def test_an_m_per_half_group_takes_each_half_s_min_term_alone(
     want = (dots * halves.double()[None] * a.double()[:, None, :, None]).sum((-1, -2))
     half_sums = a.double()[..., None] * q_halves.sum(-1)  # [M, G, 2]
     want += (mins.double()[None] * half_sums[:, None]).sum((-1, -2))
-    rtol = 1e-5 if dtype == torch.float32 else 2**-8
-    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
-    for rows in (1, 2, 5, 7, 23):
-        part = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
-        assert torch.equal(part, got[:rows]), rows
-    alone = torch.ops.prefixgate.quant_matmul(x[17:18], weight.codes, weight.scales, bits)
-    assert torch.equal(alone, got[17:18])
+    _assert_scheme_and_rows_alone(x, weight, got, want)
     rows_wanted = torch.tensor([0, 9, 39, 17])
     dequantized = codes.float() * halves.repeat_interleave(16, -1) + mins.repeat_interleave(16, -1)
     assert torch.equal(dequantize_rows(weight, rows_wanted), dequantized[rows_wanted].flatten(1))
+
+
+def _assert_scheme_and_rows_alone(
+    x: torch.Tensor, weight: QuantizedWeight, got: torch.Tensor, want: torch.Tensor
+) -> None:
+    """`got` (the kernel on all of `x`) is the scheme's `want` to the activations' dtype, and
+    the first rows of `x`, or one row, alone give the same bits as in `got`."""
+    rtol = 1e-5 if x.dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
+    for rows in (1, 2, 5, 7, 23):
+        part = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, weight.bits)
+        assert torch.equal(part, got[:rows]), rows
+    alone = torch.ops.prefixgate.quant_matmul(x[17:18], weight.codes, weight.scales, weight.bits)
+    assert torch.equal(alone, got[17:18])
 
 
 def _half_scales(d: torch.Tensor, m: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
