@@ -300,6 +300,13 @@ __attribute__((always_inline)) inline void one_group(const Clear& clear,
   }
 }
 
+// Which of a tile's scale rows holds the m of `part` (see one_group): after the d row, or the
+// two of HALVES; with MINS 2, rows 2 and 3, one a half.
+template <bool HALVES, int MINS>
+constexpr int64_t m_row(int part) {
+  return MINS == 2 ? 1 + part : HALVES ? 2 : 1;
+}
+
 // MB activation rows from `first_row` times the T tiles of `span`; writes
 // out[mb * n + 8 * t + r], rounded once to T (the activations' dtype).
 template <int BITS, int MB, int T, bool HALVES, int MINS, typename OUT>
@@ -307,8 +314,6 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
                int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
-  // Which of a tile's scale rows holds the m of `part` (MINS 2: rows 2 and 3, one a half).
-  const auto m_row = [](int part) { return MINS == 2 ? 1 + part : HALVES ? 2 : 1; };
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;  // 5 bits: 5th bits
 #if PREFIXGATE_QMM_AVX2
@@ -425,7 +430,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         const int64_t tile_scales = t * span.scale_stride;
         const __m256 d = load_scales(span, tile_scales + (d_row * groups + g) * kTile);
         [[maybe_unused]] __m256 m;
-        if (with_min) m = load_scales(span, tile_scales + (m_row(part) * groups + g) * kTile);
+        if (with_min)
+          m = load_scales(span, tile_scales + (m_row<HALVES, MINS>(part) * groups + g) * kTile);
         for (int mb = 0; mb < MB; ++mb) {
           __m256i total = sums[0][mb][t];
           for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
@@ -479,7 +485,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           }
           const float ga = rows.scale[mb * groups + g];
           const auto m = [&](int part) {
-            return scale_at(span, tile_scales + (m_row(part) * groups + g) * kTile + r);
+            const int64_t row = m_row<HALVES, MINS>(part);
+            return scale_at(span, tile_scales + (row * groups + g) * kTile + r);
           };
           const float d = scale_at(span, tile_scales + g * kTile + r);
           const int64_t i = mb * groups + g;
@@ -546,7 +553,6 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
               int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
-  const auto m_row = [](int part) { return MINS == 2 ? 1 + part : HALVES ? 2 : 1; };
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
   [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
   // A multiply-add waits several cycles on the one before it into the same register: at
@@ -596,7 +602,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
                                 bool with_min) __attribute__((always_inline)) {
       const __m512 d = pair_scales(span, (d_row * groups + g) * kTile);
       [[maybe_unused]] __m512 m;
-      if (with_min) m = pair_scales(span, (m_row(part) * groups + g) * kTile);
+      if (with_min) m = pair_scales(span, (m_row<HALVES, MINS>(part) * groups + g) * kTile);
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
