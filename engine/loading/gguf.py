@@ -150,12 +150,16 @@ class GroupCodes:
         out = torch.empty(rows, groups * GROUP_SIZE, dtype=dtype)
         for start in range(0, rows, QUANTIZE_ROWS):
             end = start + QUANTIZE_ROWS
-            d, m = self.d[start:end].float(), self.m[start:end].float()
-            d = d.repeat_interleave(GROUP_SIZE // 2, -1) if d.dim() == 3 else d[..., None]
-            m = m.repeat_interleave(GROUP_SIZE // 2, -1) if m.dim() == 3 else m[..., None]
-            w = self.codes[start:end].float().mul_(d)
-            out[start:end] = w.add_(m).flatten(1)
+            w = self.codes[start:end].float().mul_(_per_column(self.d[start:end]))
+            out[start:end] = w.add_(_per_column(self.m[start:end])).flatten(1)
         return out
+
+
+def _per_column(scale: torch.Tensor) -> torch.Tensor:
+    """A d or m [N, G] (one a group) or [N, G, 2] (one a 16-column half) as float32 that
+    broadcasts over codes [N, G, 32]."""
+    scale = scale.float()
+    return scale.repeat_interleave(GROUP_SIZE // 2, -1) if scale.dim() == 3 else scale[..., None]
 
 
 @dataclass(frozen=True)
