@@ -128,7 +128,10 @@ class SpareWorkerKeeper:
                     continue
                 self.start_spares(self.config.spares - idle)
                 asked_at = time.monotonic()
-                logger.info("spare worker: started one for the next replica replacement")
+                logger.info(
+                    "spare worker: %d started for the next replica replacement",
+                    self.config.spares - idle,
+                )
         except Exception as error:  # Ray's internals may change; serving goes on
             logger.warning("spare worker keeper stopped (%s): replacements start cold", error)
 

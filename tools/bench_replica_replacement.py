@@ -168,8 +168,9 @@ class Cluster:
 def replace_once(cluster: Cluster, args: argparse.Namespace, log: Path) -> Replacement:
     """Kill one replica of a healthy pair; watch its replacement until it has served."""
     before = cluster.wait_pair(args.timeout)
-    time.sleep(args.settle)
-    before = cluster.wait_pair(args.timeout)
+    if args.settle > 0:
+        time.sleep(args.settle)
+        before = cluster.wait_pair(args.timeout)
     names = {r["name"] for r in before["replicas"]}
     pids = replica_pids()
     kill = Replacement(victim=pids[0])
