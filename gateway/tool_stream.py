@@ -1,9 +1,10 @@
 """Streaming text that may turn out to be tool calls.
 
-With tools offered, a choice whose text starts as the model's calls start ('<' of Hermes'
-`<tool_call>`, '{' of Llama 3's bare objects: the tool grammar lets a text answer start with
-anything else) is writing calls: that text is held back until the choice ends and then read
-as calls; any other text streams as it comes.
+With tools offered, a choice whose text starts as the model's calls start (its format's
+`text_guard`: '<' of Hermes' `<tool_call>`, '{' of Llama 3's bare objects, Phi-4-mini's
+`functools[`; the tool grammar lets a text answer start with anything else) is writing calls:
+that text is held back until the choice ends and then read as calls; any other text streams
+as soon as it cannot be their start.
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ class ToolCallText:
             return text
         pending = self.held + text
         assert self.reader is not None
-        # after a forced call's opening (in the prompt) every text is a call
-        is_call = bool(self.reader.opening) or pending.lstrip().startswith(
-            self.reader.tool_format.first_char
-        )
-        self.held = pending if is_call or not pending.strip() else None
+        # after a forced call's opening (in the prompt) every text is a call; otherwise the
+        # text is held while it may still be the start of calls
+        is_call = bool(self.reader.opening) or self.reader.tool_format.starts_calls(pending)
+        self.held = pending if is_call is not False else None
         return "" if self.held is not None else pending
 
     def finish(self, is_cut: bool = False) -> tuple[str, list[ParsedToolCall]]:

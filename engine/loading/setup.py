@@ -49,7 +49,7 @@ from engine.loading.source import (
     shipped_weight_format,
     weight_files,
 )
-from engine.text.tool_format import template_takes_tools, tool_format_of
+from engine.text.tool_format import TOOL_PROMPT_WORDS, tool_format_of, tool_prompt_of
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         logger.info("chat template: none (chat requests get a 400 naming --chat-template)")
     if tokenizer.chat_template:
-        takes_tools = template_takes_tools(tokenizer.chat_template)
+        tool_prompt = tool_prompt_of(tokenizer.chat_template)
         tool_format = tool_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())
         logger.info(
             "tool calls: %s format (%s%s)",
             tool_format.name,
-            "the template renders the tools"
-            if takes_tools
-            else "tools described in the system turn",
+            TOOL_PROMPT_WORDS[tool_prompt],
             "; tags as tokens: " + " ".join(sorted(tool_format.token_tags))
             if tool_format.token_tags
             else "",

@@ -24,11 +24,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from engine.core.errors import InvalidRequestError
-from engine.text.tool_format import (
-    messages_for_template,
-    template_takes_tools,
-    with_argument_objects,
-)
+from engine.text.tool_format import conversation_for_template
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
@@ -48,12 +44,7 @@ def chat_prompt_ids(
     alternate), or content with special-token text goes through a template that rewrites
     content beyond trimming it (its markup could then not be told from the content's).
     """
-    conversation = [dict(message) for message in messages]
-    has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
-    if (tools or has_tool_turns) and not template_takes_tools(tokenizer.chat_template):
-        conversation, tools = messages_for_template(conversation, tools or []), None
-    elif has_tool_turns:
-        conversation = with_argument_objects(conversation)
+    conversation, tools = conversation_for_template(tokenizer.chat_template, messages, tools)
     text = _render(tokenizer, conversation, add_generation_prompt, tools)
     pattern = _special_token_pattern(tokenizer)
     if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):
@@ -166,8 +157,13 @@ def _pattern_of(tokenizer: Tokenizer) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
 
 
+# A message's fields of text a client wrote: its content, and the tools a template reads
+# from a system message (`tool_format.SYSTEM_FIELD`)
+_TEXT_FIELDS = ("content", "tools")
+
+
 def _contents(messages: list[dict[str, Any]]) -> Iterator[str]:
-    return (m["content"] for m in messages if isinstance(m.get("content"), str))
+    return (m[field] for m in messages for field in _TEXT_FIELDS if isinstance(m.get(field), str))
 
 
 def _split_content_specials(
@@ -187,11 +183,12 @@ def _split_content_specials(
     markers: dict[str, str] = {}
     probed = []
     for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) and pattern.search(content):
-            marker = f"pgcontent{uuid.uuid4().hex}"
-            markers[marker] = content
-            message = {**message, "content": f" {marker} "}
+        for field in _TEXT_FIELDS:
+            content = message.get(field)
+            if isinstance(content, str) and pattern.search(content):
+                marker = f"pgcontent{uuid.uuid4().hex}"
+                markers[marker] = content
+                message = {**message, field: f" {marker} "}
         probed.append(message)
     template_text = _render(tokenizer, probed, add_generation_prompt, tools)
     split = re.split("( ?(?:" + "|".join(markers) + ") ?)", template_text)

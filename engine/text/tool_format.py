@@ -4,14 +4,22 @@ chat template (`tool_format_of`):
 - `HERMES`: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per
   call (Qwen2.5/3, SmolLM3, Hermes; and every template that takes no tools, see below);
 - `LLAMA3_JSON`: the bare object `{"name": ..., "parameters": {...}}`, calls separated by
-  "; " (Llama 3.1/3.2/3.3's templates ask for it and render past calls that way).
+  "; " (Llama 3.1/3.2/3.3's templates ask for it and render past calls that way);
+- `PHI4_MINI`: one JSON list of `{"name": ..., "arguments": {...}}` objects after the word
+  `functools`: `functools[{...}, {...}]` (Phi-4-mini, trained on it).
 
-Chat templates that take `tools` get them and render the conversation themselves; for a
-template without tool support (SmolLM2's ChatML, for one) the tools are described in the
-system turn in Hermes' words, an assistant turn's calls are written back in the same tags,
-and a tool result becomes a user turn wrapped in `<tool_response>` tags. A format's
-`grammar` makes the calls a grammar (so `required` and a named function produce valid calls
-from the first token), and its `parse` reads them back out of the generated text.
+How the tools reach the prompt is the template's own way too (`tool_prompt_of`):
+- `ARGUMENT`: templates that take `tools` get them and render the conversation themselves;
+- `SYSTEM_FIELD`: Phi-4-mini's template reads a `tools` field of the system message (JSON
+  text it writes between `<|tool|>` tags) and writes every turn's content verbatim: the
+  tools go in that field, and past calls are written into the assistant's content in the
+  format the model writes them;
+- `DESCRIBED`: for a template without tool support (SmolLM2's ChatML, for one) the tools
+  are described in the system turn in Hermes' words, an assistant turn's calls are written
+  back in the same tags, and a tool result becomes a user turn in `<tool_response>` tags.
+
+A format's `grammar` makes the calls a grammar (so `required` and a named function produce
+valid calls from the first token), and its `parse` reads them back out of the generated text.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
+import jinja2.nodes
 
 from engine.core.sampling_params import GrammarSpec
 
@@ -43,24 +52,69 @@ class ParsedToolCall:
     is_complete: bool = True
 
 
+ARGUMENT, SYSTEM_FIELD, DESCRIBED = "argument", "system field", "described"
+# What the start-up line says of each
+TOOL_PROMPT_WORDS = {
+    ARGUMENT: "the template renders the tools",
+    SYSTEM_FIELD: "tools in the system message's tools field",
+    DESCRIBED: "tools described in the system turn",
+}
+# Phi-4-mini's model card writes its tools under this system prompt
+SYSTEM_FIELD_PROMPT = "You are a helpful assistant with some tools."
+
+
 @functools.lru_cache(maxsize=8)
-def template_takes_tools(chat_template: str | None) -> bool:
-    """Whether the template renders the `tools` it is given: whether it reads a top-level
-    `tools` variable. Naming the word is not enough: Phi-4-mini's template reads
-    `message['tools']` (a system message's field) and ignores the argument, so tools passed
-    to it would vanish; it gets them in the system turn like a template that takes none."""
+def tool_prompt_of(chat_template: str | None) -> str:
+    """How tools reach the prompt through this template (module docstring): `ARGUMENT` when
+    it reads a top-level `tools` variable, `SYSTEM_FIELD` when it reads a message's `tools`
+    field instead (`message['tools']`, Phi-4-mini), `DESCRIBED` otherwise. Naming the word
+    is not enough: a template that merely prints "tools" takes none."""
     if chat_template is None:
-        return False
+        return DESCRIBED
     try:
         parsed = _TEMPLATE_PARSER.parse(chat_template)
     except jinja2.TemplateSyntaxError:
         # A tag only transformers' environment knows (`{% generation %}`): the word it is.
-        return "tools" in chat_template
-    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+        return ARGUMENT if "tools" in chat_template else DESCRIBED
+    if "tools" in jinja2.meta.find_undeclared_variables(parsed):
+        return ARGUMENT
+    fields = parsed.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))
+    if any(_names_tools(node) for node in fields):
+        return SYSTEM_FIELD
+    return DESCRIBED
+
+
+def _names_tools(node: jinja2.nodes.Node) -> bool:
+    """`x.tools` or `x['tools']`."""
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "tools"
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "tools"
+    return False
 
 
 # Parsing only (nothing is rendered with it), with the loop controls HF templates may use.
 _TEMPLATE_PARSER = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+
+
+def conversation_for_template(
+    chat_template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> tuple[list[dict[str, Any]], Sequence[Mapping[str, Any]] | None]:
+    """(the conversation, the `tools` argument) to render through `chat_template`, in the
+    template's own way of taking tools (`tool_prompt_of`): the messages as they are when
+    no tools or calls are in it."""
+    conversation = [dict(message) for message in messages]
+    has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
+    if not tools and not has_tool_turns:
+        return conversation, tools
+    style = tool_prompt_of(chat_template)
+    if style == ARGUMENT:
+        return with_argument_objects(conversation), tools
+    if style == SYSTEM_FIELD:
+        return messages_with_system_tools(conversation, tools or []), None
+    return messages_for_template(conversation, tools or []), None
 
 
 def messages_for_template(
@@ -80,18 +134,41 @@ def messages_for_template(
     return converted
 
 
+def messages_with_system_tools(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversation for a template that reads the system message's `tools` field
+    (Phi-4-mini): the tools' function objects as JSON text in that field (a system message
+    is added where there is none), past calls written into the assistant's content as the
+    model writes them (`PHI4_MINI`), every content a string. Tool results keep their role:
+    the template writes them its own way."""
+    converted = []
+    for message in messages:
+        calls = message.get("tool_calls") or []
+        content = message.get("content") or ""
+        if calls:
+            written = PHI4_MINI.written(calls)
+            content = f"{content}{written}" if content else written
+        converted.append(
+            {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
+        )
+    if not tools:
+        return converted
+    described = json.dumps([tool.get("function", tool) for tool in tools])
+    if converted and converted[0]["role"] == "system":
+        converted[0] = {**converted[0], "tools": described}
+    else:
+        converted.insert(0, {"role": "system", "content": SYSTEM_FIELD_PROMPT, "tools": described})
+    return converted
+
+
 def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     content = message.get("content") or ""
     if message.get("role") == "tool":
         return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
     calls = message.get("tool_calls") or []
-    written = [
-        f"{OPEN}\n"
-        + json.dumps({"name": c["function"]["name"], "arguments": _args(c)})
-        + f"\n{CLOSE}"
-        for c in calls
-    ]
-    return {"role": message["role"], "content": "\n".join(filter(None, [content, *written]))}
+    written = HERMES.written(calls) if calls else ""
+    return {"role": message["role"], "content": "\n".join(filter(None, [content, written]))}
 
 
 def with_argument_objects(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -122,24 +199,44 @@ def _args(call: Mapping[str, Any]) -> Any:
 @dataclass(frozen=True)
 class ToolFormat:
     """How the model writes its calls: each call's JSON object (`arguments_key` holds the
-    arguments) inside `opener` ... `closer`, calls joined by `separator`. A text answer never
-    starts with `opener`'s first character: that is how a stream tells text from calls as
-    soon as it begins (gateway/tool_stream.py)."""
+    arguments) inside `opener` ... `closer`, calls joined by `separator`, all of them inside
+    `list_opener` ... `list_closer` (Phi-4-mini's `functools[` ... `]`). A text answer never
+    starts with `text_guard` (a call's first character, or the word that opens the list):
+    that is how the grammar tells text from calls, and a stream as soon as it can
+    (gateway/tool_stream.py)."""
 
     name: str
     opener: str
     closer: str
     separator: str
     arguments_key: str
+    text_guard: str
+    list_opener: str = ""
+    list_closer: str = ""
     # The tags (the opener's and closer's text, stripped) that are one added token of the
     # served tokenizer (Qwen's `<tool_call>`): the grammar names that token, as the model
     # writes it and as the tokenizer encodes the opening put in the prompt; written as a
     # string, the grammar would make it spell the tag out and refuse the token
     token_tags: frozenset[str] = frozenset()
 
-    @property
-    def first_char(self) -> str:
-        return self.opener[0] if self.opener else "{"
+    def starts_calls(self, text: str) -> bool | None:
+        """Whether an answer that starts with `text` is calls; None while it cannot tell
+        (`text` is blank or a start of `text_guard`)."""
+        start = text.lstrip()
+        if start.startswith(self.text_guard):
+            return True
+        return None if self.text_guard.startswith(start) else False
+
+    def written(self, calls: Sequence[Mapping[str, Any]]) -> str:
+        """OpenAI tool calls (`{"function": {"name", "arguments"}}`) as the model writes
+        them: how a past assistant turn's calls go back into a prompt."""
+        objects = [
+            self.opener
+            + json.dumps({"name": c["function"]["name"], self.arguments_key: _args(c)})
+            + self.closer
+            for c in calls
+        ]
+        return self.list_opener + self.separator.join(objects) + self.list_closer
 
     def grammar(
         self,
@@ -177,6 +274,11 @@ class ToolFormat:
         one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         call_schema = json.dumps({**one_of, **_COMPACT, **({"$defs": defs} if defs else {})})
         calls = f"call ({self._lark(self.separator)} call)*" if parallel else "call"
+        calls = " ".join(
+            part
+            for part in (self._lark(self.list_opener), calls, self._lark(self.list_closer))
+            if part
+        )
         call = " ".join(
             part
             for part in (
@@ -193,7 +295,7 @@ class ToolFormat:
             assert answer.kind == "json_schema", answer.kind
             start = f"start: answer | calls\nanswer: %json {answer.source}\n"
         else:
-            start = f"start: TEXT | calls\nTEXT: /[^{self.first_char}](.|\\n)*/\n"
+            start = f"start: TEXT | calls\nTEXT: /{_not_starting_with(self.text_guard)}/\n"
         return GrammarSpec("lark", start + lark)
 
     def _named_grammar(self, tools: Sequence[Mapping[str, Any]], only: str) -> GrammarSpec:
@@ -222,7 +324,7 @@ class ToolFormat:
         named function's call ends where its arguments do (its closing is not generated)."""
         if not is_required:
             return CallReader(self)
-        closing = "}" + self.closer if only is not None else ""
+        closing = "}" + self.closer + self.list_closer if only is not None else ""
         return CallReader(self, self.opening(only), closing)
 
     def opening(self, only: str | None) -> str:
@@ -232,7 +334,7 @@ class ToolFormat:
         constrains a named call to its arguments alone): it is no decode step and no share
         of max_tokens, and the grammar reads it there (`SamplingParams`'
         `num_grammar_prompt_tokens`)."""
-        start = f'{self.opener}{{"name":"'
+        start = f'{self.list_opener}{self.opener}{{"name":"'
         if only is None:
             return start
         return f'{start}{only}","{self.arguments_key}":'
@@ -244,22 +346,30 @@ class ToolFormat:
         arguments written so far (OpenAI's shape for a call cut by `max_tokens`), and the
         start of one that had no name yet is dropped: call markup never comes back as text."""
         calls, kept, rest = self._split(text)
-        # After Hermes' opening tag anything is call markup; a bare object is one only once
-        # it starts as a call does (a JSON answer starts with "{" too)
-        if is_cut and rest is not None and (self.opener or _starts_a_call(rest)):
+        # After an opening tag (Hermes' `<tool_call>`, Phi-4-mini's `functools[`) anything
+        # is call markup; a bare object is one only once it starts as a call does (a JSON
+        # answer starts with "{" too)
+        if is_cut and rest is not None and (self._tag or _starts_a_call(rest)):
             cut = _cut_call(rest, self.arguments_key)
             return kept.strip() or None, calls + ([cut] if cut is not None else [])
-        if is_cut and self.opener and (calls or text.lstrip().startswith(self.first_char)):
-            kept = _without_partial_tag(kept, self.opener.strip())  # cut inside the tag
+        if is_cut and self._tag and (calls or self.starts_calls(text) is not False):
+            kept = _without_partial_tag(kept, self._tag)  # cut inside the tag
             if calls or not kept.strip():
                 return kept.strip() or None, calls
         if not calls:
             return text, []
         return (kept + (rest or "")).strip() or None, calls
 
+    @property
+    def _tag(self) -> str:
+        """The text that opens calls ("" for bare objects)."""
+        return (self.list_opener or self.opener).strip()
+
     def _split(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
         """(the whole calls, the text outside them, what follows the opening of a call that
         does not end: the call being written, or None)."""
+        if self.list_opener:
+            return self._split_list(text)
         if not self.opener:
             return self._split_bare(text)
         tags = re.escape(self.opener.strip()), re.escape(self.closer.strip())
@@ -284,9 +394,34 @@ class ToolFormat:
         """Bare objects from the start of the text, joined by the separator; what follows
         the last call is text, or the call being written when it starts as calls do. A text
         that does not start with a call is all text."""
+        calls, position = self._bare_calls(text, 0)
+        tail = text[position:]
+        if tail.startswith("{"):
+            return calls, "", tail
+        return calls, tail, None
+
+    def _split_list(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
+        """The calls of the list after `list_opener`, wherever it starts; the text before
+        it and after the list's closer is kept. A list that does not close (the output ended
+        in it) gives what follows its last whole call as the call being written."""
+        opened = text.find(self.list_opener)
+        if opened == -1:
+            return [], text, None
+        before = text[:opened]
+        calls, position = self._bare_calls(text, opened + len(self.list_opener))
+        tail = text[position:]
+        if tail.startswith(self.list_closer):
+            return calls, before + tail[len(self.list_closer) :], None
+        if not tail or tail.startswith("{"):
+            return calls, before, tail
+        return calls, before + tail, None
+
+    def _bare_calls(self, text: str, position: int) -> tuple[list[ParsedToolCall], int]:
+        """The calls written as bare objects joined by the separator from `position` on,
+        and where what follows them starts (blanks skipped)."""
         decoder = json.JSONDecoder()
         calls: list[ParsedToolCall] = []
-        position = len(text) - len(text.lstrip())
+        position += len(text[position:]) - len(text[position:].lstrip())
         while position < len(text):
             try:
                 value, end = decoder.raw_decode(text, position)
@@ -296,15 +431,11 @@ class ToolFormat:
             if call is None:
                 break
             calls.append(call)
-            rest = text[end:]
-            stripped = rest.lstrip()
+            stripped = text[end:].lstrip()
             if stripped.startswith(self.separator.strip()):
                 stripped = stripped[len(self.separator.strip()) :].lstrip()
             position = len(text) - len(stripped)
-        tail = text[position:]
-        if tail.startswith(self.first_char):
-            return calls, "", tail
-        return calls, tail, None
+        return calls, position
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,22 +456,44 @@ class CallReader:
         return self.opening + output + ("" if is_cut else self.closing)
 
 
-HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments")
-LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")
+HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments", text_guard="<")
+LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", text_guard="{")
+PHI4_MINI = ToolFormat(
+    "phi4_mini", "", "", ", ", "arguments", "functools[", list_opener="functools[", list_closer="]"
+)
 
 
 def tool_format_of(chat_template: str | None, added_tokens: Collection[str] = ()) -> ToolFormat:
     """The format the model's template teaches: Llama 3.x's templates ask for bare objects
-    with "parameters" and return results in an `ipython` turn; every other template (and
-    our own system prompt, for templates that take no tools) speaks Hermes. `added_tokens`:
-    the tokenizer's added tokens, which tags are (`ToolFormat.token_tags`)."""
-    if not template_takes_tools(chat_template) or chat_template is None:
-        chosen = HERMES
-    else:
+    with "parameters" and return results in an `ipython` turn; a template that reads the
+    system message's `tools` field is Phi-4-mini's; every other template (and our own
+    system prompt, for templates that take no tools) speaks Hermes. `added_tokens`: the
+    tokenizer's added tokens, which tags are (`ToolFormat.token_tags`)."""
+    style = tool_prompt_of(chat_template)
+    if style == SYSTEM_FIELD:
+        chosen = PHI4_MINI
+    elif style == ARGUMENT and chat_template is not None:
         is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
         chosen = LLAMA3_JSON if is_llama3 else HERMES
+    else:
+        chosen = HERMES
     tags = {chosen.opener.strip(), chosen.closer.strip()} & set(added_tokens)
     return replace(chosen, token_tags=frozenset(tags)) if tags else chosen
+
+
+def _not_starting_with(guard: str) -> str:
+    """A regular expression of the non-empty texts that do not start with `guard`: those
+    that leave it at some character, and its proper starts (an answer may end there)."""
+    leaving = [
+        f"{_regex_text(guard[:i])}[^{_regex_text(guard[i])}](.|\\n)*" for i in range(len(guard))
+    ]
+    starts = [_regex_text(guard[:i]) for i in range(1, len(guard))]
+    return "|".join(leaving + starts)
+
+
+def _regex_text(text: str) -> str:
+    """`text` matched literally inside a Lark /.../ regular expression."""
+    return re.escape(text).replace("/", "\\/")
 
 
 def _split_keeping(text: str, tag: str) -> list[str]:

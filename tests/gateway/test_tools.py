@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from engine import HERMES, LLAMA3_JSON, CallReader, ParsedToolCall, ToolFormat
+from engine import HERMES, LLAMA3_JSON, PHI4_MINI, CallReader, ParsedToolCall, ToolFormat
 from gateway.tool_stream import ToolCallText
 from tests.helpers import tiny_app
 
@@ -136,52 +136,73 @@ def test_bad_tool_requests(
     assert error["param"] == param and message in error["message"], error
 
 
-# --- a template that teaches Llama 3.x's format ----------------------------------------------
+# --- templates that teach their own formats ---------------------------------------------------
 
-LLAMA3_TEMPLATE = Path(__file__).parents[1] / "engine/text/templates/llama-3.2-instruct.jinja"
+TEMPLATES = Path(__file__).parents[1] / "engine/text/templates"
+OWN_FORMATS = {
+    "llama3": ("llama-3.2-instruct.jinja", LLAMA3_JSON),
+    "phi4-mini": ("phi-4-mini-instruct.jinja", PHI4_MINI),
+}
 
 
-@pytest.fixture(scope="module")
-def llama3_client(
-    tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="module", params=list(OWN_FORMATS))
+def own_format_client(
+    request: pytest.FixtureRequest, tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TestClient]:
-    """The tiny model served with Llama 3.2's chat template (`--chat-template`): the template
-    renders the tools, and calls are bare `{"name", "parameters"}` objects. Its prompts run
-    to ~900 tokens (Llama 3's markup is plain text to the tiny tokenizer): a copy of the
-    model with a 2048-position limit."""
+    """The tiny model served with a real model's chat template (`--chat-template`) that
+    teaches its own call format: Llama 3.2's renders the tools, and calls are bare
+    `{"name", "parameters"}` objects; Phi-4-mini's takes them in the system message's field,
+    and calls are one `functools[...]` list. Llama 3's prompts run to ~900 tokens (its markup
+    is plain text to the tiny tokenizer): a copy of the model with a 2048-position limit."""
     path = tmp_path_factory.mktemp("long") / "tiny-llama"  # the model name requests use
     shutil.copytree(tiny_llama_path, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    app = tiny_app(path, chat_template=str(LLAMA3_TEMPLATE), max_model_len=2048)
+    template, tool_format = OWN_FORMATS[request.param]
+    app = tiny_app(path, chat_template=str(TEMPLATES / template), max_model_len=2048)
     with TestClient(app) as test_client:
+        assert app.state.gateway.tool_format is tool_format
         yield test_client
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_llama3_calls_come_back_as_tool_calls(llama3_client: TestClient, stream: bool) -> None:
-    """Forced calls in Llama 3.x's own format come back as OpenAI tool calls, whole or
-    streamed (held back from the content: the text starts with '{')."""
-    assert llama3_client.app.state.gateway.tool_format is LLAMA3_JSON  # type: ignore[attr-defined]
-    body = {**TOOL_CHAT, "tool_choice": NAMED}
-    choice = _choice(llama3_client, body)
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_calls_in_the_models_own_format_come_back_as_tool_calls(
+    own_format_client: TestClient, tool_choice: Any, stream: bool
+) -> None:
+    """Forced calls in the template's own format come back as OpenAI tool calls, whole or
+    streamed (held back from the content), and the conversation goes on: the call and its
+    result render back through the template."""
+    body = {**TOOL_CHAT, "tool_choice": tool_choice}
+    response = own_format_client.post("/v1/chat/completions", json=body).json()
+    choice = response["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather"
-    assert list(json.loads(call["function"]["arguments"])) == ["city"]
-    if not stream:
+    names = {"get_weather"} if tool_choice == NAMED else {"get_weather", "get_time"}
+    assert call["function"]["name"] in names
+    arguments = json.loads(call["function"]["arguments"])
+    assert isinstance(arguments, dict)
+    if call["function"]["name"] == "get_weather":
+        assert list(arguments) == ["city"]
+    if stream:
+        streamed = _streamed(own_format_client, body)
+        assert streamed["message"]["content"] is None
+        assert [c["function"] for c in streamed["message"]["tool_calls"]] == [call["function"]]
         return
-    with llama3_client.stream(
-        "POST", "/v1/chat/completions", json={**body, "stream": True}
-    ) as response:
-        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
-    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
-    assert [c["function"] for c in calls] == [call["function"]]
-    assert all(not d["delta"].get("content") for d in deltas)
+    follow_up = [
+        *TOOL_CHAT["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "18 C"},
+    ]
+    # content None beside calls: the template gets the calls written as text, no None
+    again = {**TOOL_CHAT, "messages": follow_up, "max_tokens": 1}
+    answered = own_format_client.post("/v1/chat/completions", json=again)
+    assert answered.status_code == 200, answered.text
 
 
-@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=["hermes", "llama3"])
+@pytest.mark.parametrize(
+    "tool_format", [HERMES, LLAMA3_JSON, PHI4_MINI], ids=["hermes", "llama3", "phi4-mini"]
+)
 def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolFormat) -> None:
     """Text streams through unless it starts as the format's calls start (after any
     whitespace); held text is read as calls when the choice ends."""
@@ -189,8 +210,8 @@ def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolForma
     assert text.feed("  ") == ""  # undecided yet
     assert text.feed("It is sunny.") == "  It is sunny."
     assert text.feed(" {") == " {"  # once streaming, the rest streams
-    call = {"name": "f", tool_format.arguments_key: {"x": 1}}
-    written = f"{tool_format.opener}{json.dumps(call)}{tool_format.closer}"
+    call = {"function": {"name": "f", "arguments": '{"x": 1}'}}
+    written = tool_format.written([call])
     held = ToolCallText.of(CallReader(tool_format))
     assert held.feed(written[:3]) == "" and held.feed(written[3:]) == ""
     assert held.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
@@ -199,6 +220,20 @@ def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolForma
     forced = ToolCallText.of(tool_format.reader("f", is_required=True))
     assert forced.feed('{"x":') == "" and forced.feed("1}") == ""
     assert forced.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
+
+
+def test_a_stream_holds_text_only_while_it_may_start_a_list_of_calls() -> None:
+    """Phi-4-mini's calls start with the word `functools[`: a text that starts as that
+    word does is held until it leaves it, then streams whole."""
+    text = ToolCallText.of(CallReader(PHI4_MINI))
+    assert text.feed("fun") == ""
+    assert text.feed("ctoo") == ""
+    assert text.feed("ls is") == "functools is"
+    assert text.feed(" a module.") == " a module."
+    calls = ToolCallText.of(CallReader(PHI4_MINI))
+    assert calls.feed("functools") == "" and calls.feed('[{"name"') == ""
+    assert calls.feed(': "f", "arguments": {}}]') == ""
+    assert calls.finish() == ("", [ParsedToolCall("f", "{}")])
 
 
 def _streamed(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
