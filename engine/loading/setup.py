@@ -49,7 +49,7 @@ from engine.loading.source import (
     shipped_weight_format,
     weight_files,
 )
-from engine.text.tool_format import TOOL_PROMPT_WORDS, tool_format_of, tool_prompt_of
+from engine.text.tool_format import tool_format_of, tool_prompt_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         logger.info(
             "tool calls: %s format (%s%s)",
             tool_format.name,
-            TOOL_PROMPT_WORDS[tool_prompt],
+            tool_prompt.words,
             "; tags as tokens: " + " ".join(sorted(tool_format.token_tags))
             if tool_format.token_tags
             else "",

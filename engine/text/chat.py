@@ -44,13 +44,13 @@ def chat_prompt_ids(
     alternate), or content with special-token text goes through a template that rewrites
     content beyond trimming it (its markup could then not be told from the content's).
     """
-    conversation, tools = conversation_for_template(tokenizer.chat_template, messages, tools)
-    text = _render(tokenizer, conversation, add_generation_prompt, tools)
+    conversation, variables = conversation_for_template(tokenizer.chat_template, messages, tools)
+    text = _render(tokenizer, conversation, add_generation_prompt, variables)
     pattern = _special_token_pattern(tokenizer)
     if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):
         return _encode(tokenizer, text)
     segments = _split_content_specials(
-        tokenizer, conversation, add_generation_prompt, pattern, tools
+        tokenizer, conversation, add_generation_prompt, pattern, variables
     )
     if "".join(segment for segment, _ in segments) != text:
         raise InvalidRequestError(
@@ -103,8 +103,10 @@ def _render(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
-    tools: Sequence[Mapping[str, Any]] | None = None,
+    variables: Mapping[str, Any],
 ) -> str:
+    """`messages` through the chat template; `variables`: the template's own besides them
+    (the tools, under the name the template reads)."""
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             "this model has no chat template: send a raw prompt to the completions API, or "
@@ -114,9 +116,9 @@ def _render(
     try:
         text = tokenizer.apply_chat_template(
             messages,
-            tools=[dict(tool) for tool in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **variables,
         )
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(
@@ -171,7 +173,7 @@ def _split_content_specials(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     pattern: re.Pattern[str],
-    tools: Sequence[Mapping[str, Any]] | None,
+    variables: Mapping[str, Any],
 ) -> list[tuple[str, bool]]:
     """The prompt's text as segments; True marks special-token text written by content.
 
@@ -190,7 +192,7 @@ def _split_content_specials(
                 markers[marker] = content
                 message = {**message, field: f" {marker} "}
         probed.append(message)
-    template_text = _render(tokenizer, probed, add_generation_prompt, tools)
+    template_text = _render(tokenizer, probed, add_generation_prompt, variables)
     split = re.split("( ?(?:" + "|".join(markers) + ") ?)", template_text)
     segments: list[tuple[str, bool]] = []
     for i, piece in enumerate(split):

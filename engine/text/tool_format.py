@@ -32,8 +32,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+import jinja2.parser
 
 from engine.core.sampling_params import GrammarSpec
 
@@ -53,68 +55,115 @@ class ParsedToolCall:
 
 
 ARGUMENT, SYSTEM_FIELD, DESCRIBED = "argument", "system field", "described"
-# What the start-up line says of each
-TOOL_PROMPT_WORDS = {
-    ARGUMENT: "the template renders the tools",
-    SYSTEM_FIELD: "tools in the system message's tools field",
-    DESCRIBED: "tools described in the system turn",
-}
 # Phi-4-mini's model card writes its tools under this system prompt
 SYSTEM_FIELD_PROMPT = "You are a helpful assistant with some tools."
+# The variables templates read their tools from: SmolLM3's takes `xml_tools`, and never
+# reads `tools` (tools passed under that name would vanish)
+TOOL_ARGUMENTS = ("tools", "xml_tools")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPrompt:
+    """How a chat template takes tools (`how`: `ARGUMENT`, under the variable `argument`;
+    `SYSTEM_FIELD`; or `DESCRIBED`, module docstring) and whether it renders an assistant
+    message's `tool_calls` itself (`reads_calls`; one that does not would drop them: they
+    are written into the message's content instead, as the model writes them)."""
+
+    how: str
+    argument: str = "tools"
+    reads_calls: bool = False
+
+    @property
+    def words(self) -> str:
+        """What the start-up line says of it."""
+        if self.how == ARGUMENT:
+            return f"the template renders the tools (as `{self.argument}`)"
+        if self.how == SYSTEM_FIELD:
+            return "tools in the system message's tools field"
+        return "tools described in the system turn"
 
 
 @functools.lru_cache(maxsize=8)
-def tool_prompt_of(chat_template: str | None) -> str:
-    """How tools reach the prompt through this template (module docstring): `ARGUMENT` when
-    it reads a top-level `tools` variable, `SYSTEM_FIELD` when it reads a message's `tools`
-    field instead (`message['tools']`, Phi-4-mini), `DESCRIBED` otherwise. Naming the word
-    is not enough: a template that merely prints "tools" takes none."""
+def tool_prompt_of(chat_template: str | None) -> ToolPrompt:
+    """How tools reach the prompt through this template: `ARGUMENT` when it reads a
+    top-level tools variable (`TOOL_ARGUMENTS`), `SYSTEM_FIELD` when it reads a message's
+    `tools` field instead (`message['tools']`, Phi-4-mini), `DESCRIBED` otherwise. Naming the
+    word is not enough: a template that merely prints "tools" takes none."""
     if chat_template is None:
-        return DESCRIBED
+        return ToolPrompt(DESCRIBED)
     try:
         parsed = _TEMPLATE_PARSER.parse(chat_template)
     except jinja2.TemplateSyntaxError:
-        # A tag only transformers' environment knows (`{% generation %}`): the word it is.
-        return ARGUMENT if "tools" in chat_template else DESCRIBED
-    if "tools" in jinja2.meta.find_undeclared_variables(parsed):
-        return ARGUMENT
-    fields = parsed.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))
-    if any(_names_tools(node) for node in fields):
-        return SYSTEM_FIELD
-    return DESCRIBED
+        return ToolPrompt(DESCRIBED)  # nor would transformers render it
+    variables = jinja2.meta.find_undeclared_variables(parsed)
+    fields = {
+        name
+        for node in parsed.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))
+        if (name := _field_name(node)) is not None
+    }
+    reads_calls = "tool_calls" in fields
+    for argument in TOOL_ARGUMENTS:
+        if argument in variables:
+            return ToolPrompt(ARGUMENT, argument, reads_calls)
+    if "tools" in fields:
+        return ToolPrompt(SYSTEM_FIELD, reads_calls=reads_calls)
+    return ToolPrompt(DESCRIBED, reads_calls=reads_calls)
 
 
-def _names_tools(node: jinja2.nodes.Node) -> bool:
-    """`x.tools` or `x['tools']`."""
+def _field_name(node: jinja2.nodes.Node) -> str | None:
+    """The name `x.name` or `x['name']` reads."""
     if isinstance(node, jinja2.nodes.Getattr):
-        return node.attr == "tools"
-    if isinstance(node, jinja2.nodes.Getitem):
-        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "tools"
-    return False
+        return node.attr
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        value = node.arg.value
+        return value if isinstance(value, str) else None
+    return None
 
 
-# Parsing only (nothing is rendered with it), with the loop controls HF templates may use.
-_TEMPLATE_PARSER = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's
+    text for training masks), parsed as the body it wraps."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a set)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+# Parsing only (nothing is rendered with it), with the tags HF templates may use.
+_TEMPLATE_PARSER = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
 
 
 def conversation_for_template(
     chat_template: str | None,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
-) -> tuple[list[dict[str, Any]], Sequence[Mapping[str, Any]] | None]:
-    """(the conversation, the `tools` argument) to render through `chat_template`, in the
-    template's own way of taking tools (`tool_prompt_of`): the messages as they are when
-    no tools or calls are in it."""
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the conversation, the template's variables holding the tools) to render through
+    `chat_template`, in the template's own way of taking tools and calls (`tool_prompt_of`):
+    the messages as they are when no tools or calls are in it."""
     conversation = [dict(message) for message in messages]
     has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
     if not tools and not has_tool_turns:
-        return conversation, tools
-    style = tool_prompt_of(chat_template)
-    if style == ARGUMENT:
-        return with_argument_objects(conversation), tools
-    if style == SYSTEM_FIELD:
-        return messages_with_system_tools(conversation, tools or []), None
-    return messages_for_template(conversation, tools or []), None
+        return conversation, {}
+    prompt = tool_prompt_of(chat_template)
+    if prompt.how == DESCRIBED:
+        return messages_for_template(conversation, tools or []), {}
+    if prompt.reads_calls:
+        conversation = with_argument_objects(conversation)
+    else:
+        conversation = with_calls_written(conversation, tool_format_of(chat_template))
+    if prompt.how == SYSTEM_FIELD:
+        return with_system_tools(conversation, tools or []), {}
+    if not tools:
+        return conversation, {}
+    if prompt.argument == "tools":
+        return conversation, {"tools": [dict(tool) for tool in tools]}
+    # SmolLM3's template prints each of its `xml_tools` as its model card passes them: the
+    # function objects
+    return conversation, {prompt.argument: [dict(tool.get("function", tool)) for tool in tools]}
 
 
 def messages_for_template(
@@ -134,24 +183,31 @@ def messages_for_template(
     return converted
 
 
-def messages_with_system_tools(
-    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+def with_calls_written(
+    messages: Sequence[Mapping[str, Any]], tool_format: ToolFormat
 ) -> list[dict[str, Any]]:
-    """The conversation for a template that reads the system message's `tools` field
-    (Phi-4-mini): the tools' function objects as JSON text in that field (a system message
-    is added where there is none), past calls written into the assistant's content as the
-    model writes them (`PHI4_MINI`), every content a string. Tool results keep their role:
-    the template writes them its own way."""
+    """The conversation for a template that renders only an assistant message's content
+    (Phi-4-mini's, SmolLM3's): its calls written into the content after its text, as the
+    model writes them, every content a string."""
     converted = []
     for message in messages:
         calls = message.get("tool_calls") or []
         content = message.get("content") or ""
         if calls:
-            written = PHI4_MINI.written(calls)
-            content = f"{content}{written}" if content else written
+            content = "\n".join(filter(None, [content, tool_format.written(calls)]))
         converted.append(
             {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
         )
+    return converted
+
+
+def with_system_tools(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversation for a template that reads the system message's `tools` field
+    (Phi-4-mini): the tools' function objects as JSON text in that field, under the
+    conversation's system message or the model card's own."""
+    converted = [dict(message) for message in messages]
     if not tools:
         return converted
     described = json.dumps([tool.get("function", tool) for tool in tools])
@@ -469,10 +525,10 @@ def tool_format_of(chat_template: str | None, added_tokens: Collection[str] = ()
     system message's `tools` field is Phi-4-mini's; every other template (and our own
     system prompt, for templates that take no tools) speaks Hermes. `added_tokens`: the
     tokenizer's added tokens, which tags are (`ToolFormat.token_tags`)."""
-    style = tool_prompt_of(chat_template)
-    if style == SYSTEM_FIELD:
+    how = tool_prompt_of(chat_template).how
+    if how == SYSTEM_FIELD:
         chosen = PHI4_MINI
-    elif style == ARGUMENT and chat_template is not None:
+    elif how == ARGUMENT and chat_template is not None:
         is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
         chosen = LLAMA3_JSON if is_llama3 else HERMES
     else:

@@ -24,6 +24,7 @@ from engine.text.tool_format import (
     CallReader,
     ParsedToolCall,
     ToolFormat,
+    ToolPrompt,
     tool_format_of,
     tool_prompt_of,
 )
@@ -109,6 +110,7 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 PHI4 = (TEMPLATES / "phi-4-mini-instruct.jinja").read_text()
+SMOLLM3 = (TEMPLATES / "smollm3.jinja").read_text()
 FORMATS = pytest.mark.parametrize(
     "tool_format", [HERMES, LLAMA3_JSON, PHI4_MINI], ids=["hermes", "llama3", "phi4-mini"]
 )
@@ -120,10 +122,11 @@ FORMATS = pytest.mark.parametrize(
         ((TEMPLATES / "llama-3.2-instruct.jinja").read_text(), LLAMA3_JSON),
         ((TEMPLATES / "qwen3.jinja").read_text(), HERMES),
         (PHI4, PHI4_MINI),
+        (SMOLLM3, HERMES),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # takes no tools
         (None, HERMES),
     ],
-    ids=["llama-3.2", "qwen3", "phi-4-mini", "no-tools", "no-template"],
+    ids=["llama-3.2", "qwen3", "phi-4-mini", "smollm3", "no-tools", "no-template"],
 )
 def test_the_template_decides_the_format(template: str | None, expected: ToolFormat) -> None:
     assert tool_format_of(template) is expected
@@ -341,35 +344,48 @@ def test_a_template_that_takes_tools_gets_call_arguments_as_objects(
 
 
 @pytest.mark.parametrize(
-    ("template", "style"),
+    ("template", "expected"),
     [
-        ((TEMPLATES / "llama-3.2-instruct.jinja").read_text(), ARGUMENT),
-        ((TEMPLATES / "qwen3.jinja").read_text(), ARGUMENT),
+        ((TEMPLATES / "llama-3.2-instruct.jinja").read_text(), ToolPrompt(ARGUMENT, "tools", True)),
+        (QWEN3, ToolPrompt(ARGUMENT, "tools", True)),
         # reads message['tools'] (a system message's field), never the argument
-        (PHI4, SYSTEM_FIELD),
-        ("{{ 'tools are welcome' }}{% for m in messages %}{{ m.content }}{% endfor %}", DESCRIBED),
-        ("{% set tools = [] %}{{ tools }}", DESCRIBED),  # its own variable, not the argument
+        (PHI4, ToolPrompt(SYSTEM_FIELD)),
+        # reads `xml_tools`, and `tools` nowhere; writes content only, inside generation tags
+        (SMOLLM3, ToolPrompt(ARGUMENT, "xml_tools")),
+        ("{{ 'tools are welcome' }}{% for m in messages %}{{ m.content }}{% endfor %}", None),
+        ("{% set tools = [] %}{{ tools }}", None),  # its own variable, not the argument
         ("{% for m in messages %}{% if m.tools %}{% break %}{% endif %}{% endfor %}", SYSTEM_FIELD),
         ("{% for m in messages %}{{ m['tools'] }}{% endfor %}", SYSTEM_FIELD),
-        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", DESCRIBED),
-        ("{% generation %}{{ tools }}{% endgeneration %}", ARGUMENT),  # transformers' own tag
-        (None, DESCRIBED),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None),
+        ("{% generation %}{{ tools }}{% endgeneration %}", ToolPrompt(ARGUMENT)),
+        ("{% unknown_tag %}{{ tools }}", None),
+        (None, None),
     ],
     ids=[
         "llama-3.2",
         "qwen3",
         "phi-4-mini",
+        "smollm3",
         "the-word",
         "own-variable",
         "field",
         "item",
         "other-item",
         "generation",
+        "unparsable",
         "no-template",
     ],
 )
-def test_how_a_template_takes_tools(template: str | None, style: str) -> None:
-    assert tool_prompt_of(template) == style
+def test_how_a_template_takes_tools(
+    template: str | None, expected: ToolPrompt | str | None
+) -> None:
+    """`expected`: the whole answer, or a field-reading template's (SYSTEM_FIELD), or None
+    for one that takes no tools (DESCRIBED)."""
+    if expected is None:
+        expected = ToolPrompt(DESCRIBED)
+    elif isinstance(expected, str):
+        expected = ToolPrompt(expected)
+    assert tool_prompt_of(template) == expected
 
 
 def _call(name: str, arguments: str, call_id: str = "c1") -> dict[str, Any]:
@@ -411,6 +427,31 @@ def test_phi4_mini_gets_its_tools_in_the_system_field_and_its_calls_back_as_it_w
     text = tokenizer.decode(chat_prompt_ids(tokenizer, turns))
     assert text.startswith("<|system|>Be brief.<|end|><|user|>")
     assert "functools[" in text
+
+
+def test_smollm3_gets_its_tools_as_xml_tools_and_its_calls_back_in_tags(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """SmolLM3's template takes its tools as `xml_tools` (its model card's function objects)
+    and writes them in its own words; it renders only an assistant's content, so a past
+    turn's calls are written there in the `<tool_call>` tags it asks for."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = SMOLLM3
+    function = {"name": "get_weather", "parameters": {}}
+    tool = {"type": "function", "function": function}
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", "{}")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, turns, tools=[tool]))
+    assert "### Tools\n\nYou may call one or more functions" in text
+    assert f"<tools>\n{function}\n</tools>" in text  # as the template prints a dict
+    assert (
+        "<|im_start|>assistant\n<think>\n\n</think>\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n18 C<|im_end|>\n"
+    ) in text
 
 
 def test_special_token_text_in_the_tools_field_is_text(
