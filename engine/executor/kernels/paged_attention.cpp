@@ -11,9 +11,10 @@
 // chunk's max, exponentials and sums; value accumulation FMA by FMA in key order), and the
 // chunks merged in chunk order. Nothing in that depends on how many queries, sequences or
 // shared blocks the call holds: those only decide which queries share one read of a chunk's
-// keys (a tile) and how the loops are blocked. Where the CPU has AMX and queries and cache are
-// bf16, the chunk's scores and weighted values are tile products instead (tile_scores): the
-// same chunks, softmax and merge, other bits, and then every call of the machine takes them.
+// keys (a tile) and how the loops are blocked. Where the CPU multiplies bf16 pairs (AVX512-BF16)
+// and queries and cache are bf16, the chunk's scores and weighted values are bf16 pair products
+// instead (pair_scores; AMX tile products where the CPU has them, tile_scores): the same
+// chunks, softmax and merge, other bits, and then every such call of the machine takes them.
 //
 //   attention_plan(block_tables, seq_rows, positions, block_size, window)
 //       -> (items [I, 3] = (chunk, first member, member count), members [M], part_start [T+1])
@@ -36,10 +37,15 @@
 
 #include "vec.h"
 
-// Intel's AMX tiles with bf16 products (Sapphire Rapids and later; -march=native says so at
-// build time, prefixgate::amx_ready at run time).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
-    defined(__AVX512BW__) && defined(__AVX512BF16__)
+// bf16 pair products (VDPBF16PS: AVX512-BF16, Zen 4 and Cooper Lake on; -march=native says so
+// at build time), and Intel's AMX tiles over the same layouts where the CPU has them (Sapphire
+// Rapids and later; prefixgate::amx_ready at run time).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PREFIXGATE_ATTN_PAIRS 1
+#else
+#define PREFIXGATE_ATTN_PAIRS 0
+#endif
+#if PREFIXGATE_ATTN_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PREFIXGATE_ATTN_AMX 1
 #else
 #define PREFIXGATE_ATTN_AMX 0
@@ -277,16 +283,109 @@ inline float chunk_max(const float* s, int64_t len) {
   return m;
 }
 
+#if PREFIXGATE_ATTN_PAIRS
+// The pair paths: where the CPU multiplies bf16 pairs and both the queries and the cache are
+// bf16, scores and the values' weighted sum are bf16 pair products (each pair's two products
+// exact, added into float32 lanes) over the same 128-key chunks, the softmax between them and
+// the merge as on the vector path: on AMX's tiles (TDPBF16PS) where the CPU has them, else in
+// 512-bit vectors (VDPBF16PS: half the multiply-add instructions of float32 FMAs, and the
+// keys and values read as bf16, never widened). A query row's scores are its dim pairs in
+// order against each key, its weighted sum its bf16 numerators' key pairs in order against
+// each value dim (pairs past the row's keys add exact zeros): no row's arithmetic depends on
+// which other rows share a tile or a pass, so the invariance holds as on the vector path; the
+// bits differ from it (the numerators are rounded to bf16, the scale is applied to the float32
+// score) and between the tiles and the vectors (their pairs' sums round differently), so a
+// machine keeps one path for every call: the tiles, else the vectors, wherever they serve.
+
+constexpr int64_t kTileRows = 16;  // query rows a tile holds, and a block of rows here
+
+// out[r][n] (r < rows, n < 16 * key_tiles, row stride kScoreStride) = the dot product of query
+// row r (q: rows of HEAD_DIM bf16) with key n; keys as tile_scores reads them. Six rows and up
+// to 64 keys a pass: 24 float32 chains, four key loads and one broadcast a row per dim pair.
+template <int64_t HEAD_DIM, int NR, int NK>
+inline void pair_score_block(const uint16_t* q, const uint32_t* keys, float* out) {
+  __m512 acc[NR][NK];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NK; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < HEAD_DIM / 2; ++j) {
+    __m512bh k[NK];
+    for (int b = 0; b < NK; ++b)
+      k[b] = (__m512bh)_mm512_loadu_si512(keys + j * kChunkTokens + 16 * b);
+    for (int r = 0; r < NR; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, q + r * HEAD_DIM + 2 * j, 4);
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int b = 0; b < NK; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qp, k[b]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NK; ++b) _mm512_storeu_ps(out + r * kScoreStride + 16 * b, acc[r][b]);
+}
+
+template <int64_t HEAD_DIM>
+void pair_scores(const uint16_t* q, const uint32_t* keys, int64_t key_tiles, float* out,
+                 int64_t rows) {
+  for (int64_t n0 = 0; n0 < key_tiles; n0 += 4) {
+    const auto keys_of = [&](auto nk) {
+      constexpr int kNK = decltype(nk)::value;
+      int64_t r = 0;
+      for (; r + 6 <= rows; r += 6)
+        pair_score_block<HEAD_DIM, 6, kNK>(q + r * HEAD_DIM, keys + n0 * 16,
+                                           out + r * kScoreStride + n0 * 16);
+      prefixgate::with_count<6>(rows - r, [&](auto nr) {
+        pair_score_block<HEAD_DIM, decltype(nr)::value, kNK>(q + r * HEAD_DIM, keys + n0 * 16,
+                                                             out + r * kScoreStride + n0 * 16);
+      });
+    };
+    prefixgate::with_count<5>(std::min<int64_t>(4, key_tiles - n0), keys_of);
+  }
+}
+
+// out[r][d] (r < rows, row stride HEAD_DIM) = the sum over key pairs p < pairs of row r's
+// numerators of keys 2p, 2p + 1 (probs: bf16, row stride kChunkTokens) times their values'
+// dim d (values as tile_values reads them), key pair after key pair. Six rows and 64 dims a
+// pass: 24 float32 chains, four value loads and one broadcast a row per key pair.
+template <int64_t HEAD_DIM, int NR>
+inline void pair_value_block(const uint16_t* probs, const uint32_t* values, int64_t pairs,
+                             float* out) {
+  for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += 64) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh v[4];
+      for (int b = 0; b < 4; ++b)
+        v[b] = (__m512bh)_mm512_loadu_si512(values + p * HEAD_DIM + d0 + 16 * b);
+      for (int r = 0; r < NR; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, probs + r * kChunkTokens + 2 * p, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], w, v[b]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < 4; ++b) _mm512_storeu_ps(out + r * HEAD_DIM + d0 + 16 * b, acc[r][b]);
+  }
+}
+
+template <int64_t HEAD_DIM>
+void pair_values(const uint16_t* probs, const uint32_t* values, int64_t pairs, float* out,
+                 int64_t rows) {
+  static_assert(HEAD_DIM % 64 == 0, "four vectors of 16 dims a pass");
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6)
+    pair_value_block<HEAD_DIM, 6>(probs + r * kChunkTokens, values, pairs, out + r * HEAD_DIM);
+  prefixgate::with_count<6>(rows - r, [&](auto nr) {
+    pair_value_block<HEAD_DIM, decltype(nr)::value>(probs + r * kChunkTokens, values, pairs,
+                                                    out + r * HEAD_DIM);
+  });
+}
+#endif
+
 #if PREFIXGATE_ATTN_AMX
-// The tile path: where the CPU has AMX and both the queries and the cache are bf16, scores and
-// the values' weighted sum are tile products (TDPBF16PS: bf16 pairs multiplied exactly and
-// added into float32 lanes) over the same 128-key chunks, the softmax between them and the
-// merge as on the vector path. A query row's scores are one tile row against the chunk's
-// keys, its weighted sum one tile row of bf16 numerators against the chunk's values, 32 keys
-// a step in key order (steps past the row's keys add exact zeros): no row's arithmetic
-// depends on which other rows share its tiles, so the invariance holds as on the vector path;
-// the bits differ from it (the numerators are rounded to bf16, the scale is applied to the
-// float32 score), so a machine keeps one path for every call: the tiles wherever they serve.
+// The tile path (see the pair paths above): a query row's scores are one tile row against the
+// chunk's keys, its weighted sum one tile row of bf16 numerators against the chunk's values,
+// 32 keys a step in key order.
 //
 // Tiles 0-3 accumulate (16 rows x 16 float32), 4 holds A (16 rows x 32 bf16), 5-7 B (16 bf16
 // pairs x 16 columns); every tile 16 rows of 64 bytes.
@@ -295,8 +394,6 @@ struct AttentionTiles : prefixgate::TileConfig {
     for (int i = 0; i < 8; ++i) set(i, 16, 64);
   }
 };
-
-constexpr int64_t kTileRows = 16;
 
 // out[r][n] (n < 16 * key_tiles, row stride kScoreStride) = the dot product of query row r
 // (q: 16 rows of HEAD_DIM bf16) with key n; keys: the chunk's keys as dim pairs, pair j of
@@ -367,12 +464,15 @@ void tile_values(const uint16_t* probs, const uint32_t* values, int64_t key_step
   }
 }
 
+#endif
+
+#if PREFIXGATE_ATTN_PAIRS
 // s[k] = e^(s[k] - m) for k in [first, last), returning their sum (16 lanes, then a fixed
-// tree): the tile path's own exponentials, 2^n * 2^f with f's polynomial (vec.h's
+// tree): the pair paths' own exponentials, 2^n * 2^f with f's polynomial (vec.h's
 // kExp2Poly) in FMAs and the power by VSCALEFPS, ten operations a vector where exp_lanes
 // takes ~25: with the products on the tiles, the softmax was most of the time left. Lanes
 // past `last` are neither read nor written.
-inline float tile_exponentials(float* s, int64_t first, int64_t last, float m) {
+inline float pair_exponentials(float* s, int64_t first, int64_t last, float m) {
   const __m512 max = _mm512_set1_ps(m), floor = _mm512_set1_ps(-87.f);
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   __m512 sum = _mm512_setzero_ps();
@@ -432,20 +532,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   float* part_max = part_acc + num_parts * num_heads * head_dim;
   float* part_sum = part_max + num_parts * num_heads;
 
-  // The tile path where it serves (see tile_scores); otherwise the vector path.
-  constexpr bool kTileTypes = PREFIXGATE_ATTN_AMX && std::is_same_v<T, c10::BFloat16> &&
-                              std::is_same_v<KV, c10::BFloat16> && HEAD_DIM > 0 &&
-                              HEAD_DIM % 64 == 0;
+  // A pair path where it serves (see pair_scores): on the tiles where the CPU has them, else
+  // in vectors; otherwise the vector path.
+  constexpr bool pairs = PREFIXGATE_ATTN_PAIRS && std::is_same_v<T, c10::BFloat16> &&
+                         std::is_same_v<KV, c10::BFloat16> && HEAD_DIM > 0 &&
+                         HEAD_DIM % 64 == 0;
 #if PREFIXGATE_ATTN_AMX
-  const bool tiles = kTileTypes && prefixgate::amx_ready();
+  const bool tiles = pairs && prefixgate::amx_ready();
 #else
   constexpr bool tiles = false;
 #endif
 
   at::parallel_for(0, items.size(0), 1, [&](int64_t begin, int64_t end) {
     const int64_t q_row = num_heads * head_dim, kv_row = num_kv_heads * head_dim;
-#if PREFIXGATE_ATTN_AMX
-    // The tile path's buffers: queries per KV head [kv_heads][rows][HEAD_DIM] bf16, the
+#if PREFIXGATE_ATTN_PAIRS
+    // The pair paths' buffers: queries per KV head [kv_heads][rows][HEAD_DIM] bf16, the
     // chunk's keys as dim pairs [kv_heads][HEAD_DIM / 2][kChunkTokens], its values as key
     // pairs [kv_heads][kChunkTokens / 2][HEAD_DIM], one KV head's numerators [rows]
     // [kChunkTokens] bf16, and one block of 16 rows' results.
@@ -459,7 +560,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     // and values as the last item laid them out: the same blocks, and at least as many keys.
     int64_t laid_chunk = -1, laid_keys = 0;
     std::vector<int64_t> laid_blocks;
-    if (tiles) {
+    if (pairs) {
       const size_t q_words = num_kv_heads * tile_rows * head_dim / 2;
       const size_t kv_words = num_kv_heads * head_dim / 2 * kChunkTokens;
       const size_t p_words = tile_rows * kChunkTokens / 2;
@@ -471,8 +572,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       tvalues = tkeys + kv_words;
       tprobs = reinterpret_cast<uint16_t*>(tvalues + kv_words);
       block_out = reinterpret_cast<float*>(tvalues + kv_words + p_words);
-      const AttentionTiles config;
-      _tile_loadconfig(&config);
+#if PREFIXGATE_ATTN_AMX
+      if (tiles) {
+        const AttentionTiles config;
+        _tile_loadconfig(&config);
+      }
+#endif
     }
 #endif
     // Per-thread scratch, kept between calls (not allocated and zeroed per layer): the
@@ -509,7 +614,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         skip[i] = std::max<int64_t>(0, lo - start);
         part_of[i] = starts[t] + chunk - lo / kChunkTokens;
         longest = std::max(longest, len[i]);
-        if (tiles) continue;
+        if (pairs) continue;
         const float* src = float_row(q_ptr + t * q_row, qf + i * q_row, q_row);
         for (int64_t j = 0; j < q_row; ++j) qf[i * q_row + j] = src[j] * fscale;
       }
@@ -519,9 +624,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t p = start + k;
         return table[p / block_size] * block_stride + p % block_size * token_stride;
       };
-#if PREFIXGATE_ATTN_AMX
-      if constexpr (kTileTypes) {
-        if (tiles) {
+#if PREFIXGATE_ATTN_PAIRS
+      if constexpr (pairs) {
+        {
           const int64_t key_tiles = (longest + 15) / 16, rows_per_head = count * group;
           const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
           const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_ptr);
@@ -558,7 +663,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               }
             }
             for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
-              tile_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out);
+#if PREFIXGATE_ATTN_AMX
+              if (tiles) {
+                tile_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out);
+              } else
+#endif
+              {
+                pair_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out,
+                                      std::min(kTileRows, rows_per_head - rb));
+              }
               const __m512 scale16 = _mm512_set1_ps(fscale);
               for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
                 const int64_t i = r / group, head = h * group + r % group;
@@ -572,7 +685,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       }
 #endif
-      if (!tiles) {
+      if (!pairs) {
       // Keys transposed (a key per lane: [kv_head][dim][key]), 8 keys at a time; values as
       // rows (widened once where stored in 16 bits).
       for (int64_t k0 = 0; k0 < longest; k0 += 8) {
@@ -624,10 +737,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float* __restrict s = probs + (i * num_heads + head) * kScoreStride;
           std::fill(s, s + skip[i], 0.f);  // outside the window: weight 0 in the values' sum
           float m = chunk_max(s + skip[i], len[i] - skip[i]);
-#if PREFIXGATE_ATTN_AMX
-          if (tiles) {  // no accumulator to clear: the tile path writes it whole
+#if PREFIXGATE_ATTN_PAIRS
+          if (pairs) {  // no accumulator to clear: the pair paths write it whole
             part_max[part * num_heads + head] = m;
-            part_sum[part * num_heads + head] = tile_exponentials(s, skip[i], len[i], m);
+            part_sum[part * num_heads + head] = pair_exponentials(s, skip[i], len[i], m);
             continue;
           }
 #endif
@@ -670,9 +783,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           std::fill(acc, acc + head_dim, 0.f);
         }
       }
-#if PREFIXGATE_ATTN_AMX
-      if constexpr (kTileTypes) {
-        if (tiles) {
+#if PREFIXGATE_ATTN_PAIRS
+      if constexpr (pairs) {
+        {
           const int64_t key_steps = (longest + 31) / 32, rows_per_head = count * group;
           const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
           for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -707,7 +820,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             std::fill(tprobs + rows_per_head * kChunkTokens, tprobs + padded_rows * kChunkTokens,
                       uint16_t{0});
             for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
-              tile_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, key_steps, block_out);
+#if PREFIXGATE_ATTN_AMX
+              if (tiles) {
+                tile_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, key_steps, block_out);
+              } else
+#endif
+              {
+                pair_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, (longest + 1) / 2, block_out,
+                                      std::min(kTileRows, rows_per_head - rb));
+              }
               for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
                 const int64_t i = r / group, head = h * group + r % group;
                 std::memcpy(part_acc + (part_of[i] * num_heads + head) * HEAD_DIM,
@@ -850,12 +971,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // Which path bf16 queries over a bf16 cache take (head_dim a multiple of 64), for the start-up
-// line: "amx-bf16" (the tiles) or "vector". Every other call takes the vector path.
+// line: "amx-bf16" (the tiles), "avx512-bf16" (pair products in vectors) or "vector". Every
+// other call takes the vector path.
 std::string attention_path() {
 #if PREFIXGATE_ATTN_AMX
   if (prefixgate::amx_ready()) return "amx-bf16";
 #endif
+#if PREFIXGATE_ATTN_PAIRS
+  return "avx512-bf16";
+#else
   return "vector";
+#endif
 }
 
 }  // namespace

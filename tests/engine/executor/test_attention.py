@@ -234,7 +234,7 @@ def test_paged_attention_kernel_matches_dense_reference(
     [
         (torch.float32, torch.float32),
         (torch.float32, torch.float16),
-        (torch.bfloat16, torch.bfloat16),  # AMX tiles where the CPU has them
+        (torch.bfloat16, torch.bfloat16),  # bf16 pair products where the CPU has them
     ],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -335,13 +335,15 @@ def test_cuda_sdpa_leaves_out_cudnn_and_keeps_the_shape_free_kernels() -> None:
 
 
 @pytest.mark.usefixtures("kernels")
-def test_bf16_attention_takes_the_amx_tiles_where_the_cpu_has_them() -> None:
+def test_bf16_attention_takes_the_pair_products_where_the_cpu_has_them() -> None:
     """The start-up line names the path bf16 attention takes: AMX tiles where the CPU has
-    them (with AVX512-BF16), the build targets it and Linux grants them; the vector path
-    otherwise. The tests above then check the tiles' invariance and accuracy on such a CPU."""
+    them (with AVX512-BF16), the build targets it and Linux grants them; else VDPBF16PS in
+    vectors where the CPU has AVX512-BF16 (Zen 4) and the build targets it; the vector path
+    otherwise. The tests above then check that path's invariance and accuracy on this CPU."""
     from engine.executor.kernels import kernel_target
 
     flags = cpu_flags()
-    tiles = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= flags
-    want = "amx-bf16" if kernel_target() == "avx512" and tiles and linux_grants_amx() else "vector"
+    pairs = kernel_target() == "avx512" and {"avx512_bf16", "avx512bw"} <= flags
+    tiles = pairs and {"amx_tile", "amx_bf16"} <= flags and linux_grants_amx()
+    want = "amx-bf16" if tiles else "avx512-bf16" if pairs else "vector"
     assert torch.ops.prefixgate.attention_path() == want
