@@ -77,7 +77,7 @@ def engine(gguf_path: Path) -> LLMEngine:
 @pytest.fixture(scope="module")
 def prompts(engine: LLMEngine) -> list[list[int]]:
     tok = engine.tokenizer
-    return [tok(p).input_ids for p in [*PROMPTS, LONG]]
+    return [tok.encode(p, add_special_tokens=True) for p in [*PROMPTS, LONG]]
 
 
 def test_the_file_is_served_in_its_own_blocks(gguf_path: Path, engine: LLMEngine) -> None:
