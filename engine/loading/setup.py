@@ -106,7 +106,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             "tool calls: %s format (%s%s)",
             tool_format.name,
             tool_prompt.words,
-            "; tags as tokens: " + " ".join(sorted(tool_format.token_tags))
+            "; tags as tokens: " + " ".join(sorted(tag for tag, _ in tool_format.token_tags))
             if tool_format.token_tags
             else "",
         )

@@ -25,9 +25,10 @@ valid calls from the first token), and its `parse` reads them back out of the ge
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -151,10 +152,11 @@ def conversation_for_template(
     prompt = tool_prompt_of(chat_template)
     if prompt.how == DESCRIBED:
         return messages_for_template(conversation, tools or []), {}
+    tool_format = tool_format_of(chat_template)
     if prompt.reads_calls:
-        conversation = with_argument_objects(conversation)
+        conversation = with_argument_objects(conversation, tool_format.call_id_length)
     else:
-        conversation = with_calls_written(conversation, tool_format_of(chat_template))
+        conversation = with_calls_written(conversation, tool_format)
     if prompt.how == SYSTEM_FIELD:
         return with_system_tools(conversation, tools or []), {}
     if not tools:
@@ -227,21 +229,39 @@ def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": message["role"], "content": "\n".join(filter(None, [content, written]))}
 
 
-def with_argument_objects(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def with_argument_objects(
+    messages: Sequence[Mapping[str, Any]], call_id_length: int = 0
+) -> list[dict[str, Any]]:
     """The conversation for a template that takes tools: each assistant call's `arguments`
     as the object, not OpenAI's JSON text of it. Hugging Face templates take objects and
-    write them with `tojson` (Llama 3.x's would write JSON text as one quoted string)."""
+    write them with `tojson` (Llama 3.x's would write JSON text as one quoted string).
+    `call_id_length`: the ids the template takes (`ToolFormat.call_id_length`): each call's
+    id and each tool result's `tool_call_id` become such an id, the same for the same one."""
     converted = []
     for message in messages:
+        message = dict(message)
         calls = message.get("tool_calls")
         if calls:
-            calls = [
-                {**call, "function": {**call["function"], "arguments": _args(call)}}
+            message["tool_calls"] = [
+                {
+                    **call,
+                    "function": {**call["function"], "arguments": _args(call)},
+                    **({"id": _call_id(call["id"], call_id_length)} if "id" in call else {}),
+                }
                 for call in calls
             ]
-            message = {**message, "tool_calls": calls}
-        converted.append(dict(message))
+        if call_id_length and isinstance(message.get("tool_call_id"), str):
+            message["tool_call_id"] = _call_id(message["tool_call_id"], call_id_length)
+        converted.append(message)
     return converted
+
+
+def _call_id(call_id: str, length: int) -> str:
+    """`call_id` as `length` alphanumeric characters (itself if it is one already, else a
+    digest of it: the same id always maps to the same); 0: as it is."""
+    if not length or (len(call_id) == length and call_id.isascii() and call_id.isalnum()):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:length]
 
 
 def _args(call: Mapping[str, Any]) -> Any:
@@ -269,11 +289,17 @@ class ToolFormat:
     text_guard: str
     list_opener: str = ""
     list_closer: str = ""
-    # The tags (the opener's and closer's text, stripped) that are one added token of the
-    # served tokenizer (Qwen's `<tool_call>`): the grammar names that token, as the model
-    # writes it and as the tokenizer encodes the opening put in the prompt; written as a
-    # string, the grammar would make it spell the tag out and refuse the token
-    token_tags: frozenset[str] = frozenset()
+    # The markup a tokenizer may hold as one added token (Qwen's `<tool_call>`, Mistral's
+    # `[TOOL_CALLS]`)
+    tags: tuple[str, ...] = ()
+    # Those of `tags` that are one added token of the served tokenizer, with its id: the
+    # grammar names that token, as the model writes it and as the tokenizer encodes the
+    # opening put in the prompt (written as a string, the grammar would make it spell the tag
+    # out and refuse the token); and the answer's text keeps it where it is a special token
+    token_tags: tuple[tuple[str, int], ...] = ()
+    # The length of the call ids the template takes in past turns (Mistral's refuse any but
+    # nine alphanumeric characters); 0: any
+    call_id_length: int = 0
 
     def starts_calls(self, text: str) -> bool | None:
         """Whether an answer that starts with `text` is calls; None while it cannot tell
@@ -364,14 +390,13 @@ class ToolFormat:
         return GrammarSpec("lark", f"start: {self._lark(self.opening(only))} %json {arguments}\n")
 
     def _lark(self, text: str) -> str:
-        """`text` as a Lark sequence: strings, and each token tag as its token."""
+        """`text` as a Lark sequence: strings, and each token tag as its token (by id)."""
+        ids = dict(self.token_tags)
         parts = [text]
-        for tag in self.token_tags:
+        for tag in ids:
             parts = [piece for part in parts for piece in _split_keeping(part, tag)]
         return " ".join(
-            f"<{part[1:-1]}>" if part in self.token_tags else json.dumps(part)
-            for part in parts
-            if part
+            f"<[{ids[part]}]>" if part in ids else json.dumps(part) for part in parts if part
         )
 
     def reader(self, only: str | None, is_required: bool) -> CallReader:
@@ -457,14 +482,16 @@ class ToolFormat:
         return calls, tail, None
 
     def _split_list(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
-        """The calls of the list after `list_opener`, wherever it starts; the text before
-        it and after the list's closer is kept. A list that does not close (the output ended
-        in it) gives what follows its last whole call as the call being written."""
-        opened = text.find(self.list_opener)
-        if opened == -1:
+        """The calls of the list after `list_opener` (blanks allowed before its bracket:
+        Mistral 7B writes `[TOOL_CALLS] [`), wherever it starts; the text before it and
+        after the list's closer is kept. A list that does not close (the output ended in
+        it) gives what follows its last whole call as the call being written."""
+        word, bracket = self.list_opener[:-1], self.list_opener[-1]
+        opened = re.search(re.escape(word) + r"\s*" + re.escape(bracket), text)
+        if opened is None:
             return [], text, None
-        before = text[:opened]
-        calls, position = self._bare_calls(text, opened + len(self.list_opener))
+        before = text[: opened.start()]
+        calls, position = self._bare_calls(text, opened.end())
         tail = text[position:]
         if tail.startswith(self.list_closer):
             return calls, before + tail[len(self.list_closer) :], None
@@ -512,29 +539,53 @@ class CallReader:
         return self.opening + output + ("" if is_cut else self.closing)
 
 
-HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments", text_guard="<")
+HERMES = ToolFormat(
+    "hermes", OPEN + "\n", "\n" + CLOSE, "\n", "arguments", text_guard="<", tags=(OPEN, CLOSE)
+)
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", text_guard="{")
 PHI4_MINI = ToolFormat(
     "phi4_mini", "", "", ", ", "arguments", "functools[", list_opener="functools[", list_closer="]"
 )
+MISTRAL = ToolFormat(
+    "mistral",
+    "",
+    "",
+    ", ",
+    "arguments",
+    text_guard="[TOOL_CALLS]",
+    list_opener="[TOOL_CALLS][",
+    list_closer="]",
+    tags=("[TOOL_CALLS]",),
+    call_id_length=9,
+)
 
 
-def tool_format_of(chat_template: str | None, added_tokens: Collection[str] = ()) -> ToolFormat:
+def tool_format_of(
+    chat_template: str | None, added_tokens: Mapping[str, int] | None = None
+) -> ToolFormat:
     """The format the model's template teaches: Llama 3.x's templates ask for bare objects
-    with "parameters" and return results in an `ipython` turn; a template that reads the
-    system message's `tools` field is Phi-4-mini's; every other template (and our own
-    system prompt, for templates that take no tools) speaks Hermes. `added_tokens`: the
-    tokenizer's added tokens, which tags are (`ToolFormat.token_tags`)."""
+    with "parameters" and return results in an `ipython` turn; Mistral's (7B v0.3, Nemo,
+    Ministral 8B) write past calls as one `[TOOL_CALLS][...]` list; a template that reads
+    the system message's `tools` field is Phi-4-mini's; every other template (and our own
+    system prompt, for templates that take no tools) speaks Hermes. Mistral's later
+    templates (`[TOOL_CALLS]name[ARGS]{...}`) are not read yet: Hermes for them too.
+    `added_tokens`: the tokenizer's added tokens and their ids, which tags are
+    (`ToolFormat.token_tags`)."""
     how = tool_prompt_of(chat_template).how
     if how == SYSTEM_FIELD:
         chosen = PHI4_MINI
     elif how == ARGUMENT and chat_template is not None:
-        is_llama3 = '"parameters"' in chat_template and "ipython" in chat_template
-        chosen = LLAMA3_JSON if is_llama3 else HERMES
+        if '"parameters"' in chat_template and "ipython" in chat_template:
+            chosen = LLAMA3_JSON
+        elif "[TOOL_CALLS][" in chat_template and "[ARGS]" not in chat_template:
+            chosen = MISTRAL
+        else:
+            chosen = HERMES
     else:
         chosen = HERMES
-    tags = {chosen.opener.strip(), chosen.closer.strip()} & set(added_tokens)
-    return replace(chosen, token_tags=frozenset(tags)) if tags else chosen
+    added = added_tokens or {}
+    tags = tuple((tag, added[tag]) for tag in chosen.tags if tag in added)
+    return replace(chosen, token_tags=tags) if tags else chosen
 
 
 def _not_starting_with(guard: str) -> str:

@@ -407,7 +407,7 @@ class GenerationRequest(GenerationBase):
                 1.0 if self.repetition_penalty is None else self.repetition_penalty
             ),
             logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self._skips_special_tokens,
             grammar=grammar,
             prompt_logprobs=prompt_logprobs,
             speculative=self.speculative,
@@ -417,6 +417,12 @@ class GenerationRequest(GenerationBase):
     def sets_own_format(self) -> bool:
         """The request states its output format itself (even as plain text)."""
         return bool(self.constraints)
+
+    @property
+    def _skips_special_tokens(self) -> bool:
+        """Whether the answer's text leaves out special tokens (the request's
+        `skip_special_tokens`, or less: ChatCompletionRequest's)."""
+        return self.skip_special_tokens
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -558,6 +564,14 @@ class ChatCompletionRequest(GenerationRequest):
     def uses_tools(self) -> bool:
         """Tools are offered and the model may call them: its output is read for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def _skips_special_tokens(self) -> bool:
+        """Calls whose tag is one of the tokenizer's tokens (Mistral's `[TOOL_CALLS]`, a
+        special token) are read from text that keeps special tokens, as vLLM does."""
+        if self.uses_tools and self._tool_format.token_tags:
+            return False
+        return self.skip_special_tokens
 
     def _format_constraints(self) -> list[tuple[str, GrammarSpec]]:
         """The response format, or with tools one grammar of calls whose non-call answer

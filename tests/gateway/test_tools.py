@@ -9,13 +9,23 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
-from engine import HERMES, LLAMA3_JSON, PHI4_MINI, CallReader, ParsedToolCall, ToolFormat
+from engine import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    PHI4_MINI,
+    CallReader,
+    ParsedToolCall,
+    ToolFormat,
+)
+from gateway.protocol import ChatCompletionRequest
 from gateway.tool_stream import ToolCallText
 from tests.helpers import tiny_app
 
@@ -142,6 +152,7 @@ TEMPLATES = Path(__file__).parents[1] / "engine/text/templates"
 OWN_FORMATS = {
     "llama3": ("llama-3.2-instruct.jinja", LLAMA3_JSON),
     "phi4-mini": ("phi-4-mini-instruct.jinja", PHI4_MINI),
+    "mistral": ("mistral-nemo-instruct.jinja", MISTRAL),
 }
 
 
@@ -152,8 +163,10 @@ def own_format_client(
     """The tiny model served with a real model's chat template (`--chat-template`) that
     teaches its own call format: Llama 3.2's renders the tools, and calls are bare
     `{"name", "parameters"}` objects; Phi-4-mini's takes them in the system message's field,
-    and calls are one `functools[...]` list. Llama 3's prompts run to ~900 tokens (its markup
-    is plain text to the tiny tokenizer): a copy of the model with a 2048-position limit."""
+    and calls are one `functools[...]` list; Mistral Nemo's renders them, calls are one
+    `[TOOL_CALLS][...]` list, and past calls need nine-character ids. Llama 3's prompts
+    run to ~900 tokens (its markup is plain text to the tiny tokenizer): a copy of the model
+    with a 2048-position limit."""
     path = tmp_path_factory.mktemp("long") / "tiny-llama"  # the model name requests use
     shutil.copytree(tiny_llama_path, path)
     config = json.loads((path / "config.json").read_text())
@@ -220,6 +233,22 @@ def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolForma
     forced = ToolCallText.of(tool_format.reader("f", is_required=True))
     assert forced.feed('{"x":') == "" and forced.feed("1}") == ""
     assert forced.finish() == ("", [ParsedToolCall("f", '{"x": 1}')])
+
+
+def test_calls_tagged_by_a_special_token_are_read_from_text_that_keeps_it() -> None:
+    """Mistral's `[TOOL_CALLS]` is a special token, which answers leave out by default: a
+    request that may call tools keeps special tokens in its text (as vLLM does), one that
+    may not leaves them out as asked."""
+    tagged = replace(MISTRAL, token_tags=(("[TOOL_CALLS]", 5),))
+    context = {"tool_format": tagged}
+    body = {**TOOL_CHAT, "tool_choice": "auto"}
+    params = ChatCompletionRequest.model_validate(body, context=context).to_sampling_params(64)
+    assert params.skip_special_tokens is False
+    for other in ({**body, "tool_choice": "none"}, CHAT):
+        request = ChatCompletionRequest.model_validate(other, context=context)
+        assert request.to_sampling_params(64).skip_special_tokens is True
+    untagged = ChatCompletionRequest.model_validate(body, context={"tool_format": MISTRAL})
+    assert untagged.to_sampling_params(64).skip_special_tokens is True
 
 
 def test_a_stream_holds_text_only_while_it_may_start_a_list_of_calls() -> None:

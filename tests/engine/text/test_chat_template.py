@@ -5,6 +5,7 @@ the sandbox refuses what transformers' refuses."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,12 @@ def test_a_template_renders_as_transformers_renders_it(
     reference, ours = tokenizers
     reference.chat_template = ours.chat_template = template
     kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": add_generation_prompt}
-    expected = reference.apply_chat_template(conversation, tokenize=False, **kwargs)
+    try:
+        expected = reference.apply_chat_template(conversation, tokenize=False, **kwargs)
+    except jinja2.TemplateError as refused:  # Mistral's refuses the "skip" role: so must ours
+        with pytest.raises(jinja2.TemplateError, match=re.escape(str(refused))):
+            ours.apply_chat_template(conversation, **kwargs)
+        return
     assert ours.apply_chat_template(conversation, **kwargs) == expected
     if template == EVERYTHING:  # what the probe template shows of the inputs
         assert expected.startswith("<|endoftext|>") and expected.endswith("<|im_end|>")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from engine.text.tool_format import (
     DESCRIBED,
     HERMES,
     LLAMA3_JSON,
+    MISTRAL,
     PHI4_MINI,
     SYSTEM_FIELD,
     CallReader,
@@ -111,8 +113,11 @@ TEMPLATES = Path(__file__).parent / "templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 PHI4 = (TEMPLATES / "phi-4-mini-instruct.jinja").read_text()
 SMOLLM3 = (TEMPLATES / "smollm3.jinja").read_text()
+MISTRAL_NEMO = (TEMPLATES / "mistral-nemo-instruct.jinja").read_text()
 FORMATS = pytest.mark.parametrize(
-    "tool_format", [HERMES, LLAMA3_JSON, PHI4_MINI], ids=["hermes", "llama3", "phi4-mini"]
+    "tool_format",
+    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL],
+    ids=["hermes", "llama3", "phi4-mini", "mistral"],
 )
 
 
@@ -123,10 +128,22 @@ FORMATS = pytest.mark.parametrize(
         ((TEMPLATES / "qwen3.jinja").read_text(), HERMES),
         (PHI4, PHI4_MINI),
         (SMOLLM3, HERMES),
+        (MISTRAL_NEMO, MISTRAL),
+        # Mistral's later templates write `[TOOL_CALLS]name[ARGS]{...}`: not this list
+        ("{{ tools }}{{ '[TOOL_CALLS][' }}{{ '[ARGS]' }}", HERMES),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # takes no tools
         (None, HERMES),
     ],
-    ids=["llama-3.2", "qwen3", "phi-4-mini", "smollm3", "no-tools", "no-template"],
+    ids=[
+        "llama-3.2",
+        "qwen3",
+        "phi-4-mini",
+        "smollm3",
+        "mistral-nemo",
+        "mistral-args",
+        "no-tools",
+        "no-template",
+    ],
 )
 def test_the_template_decides_the_format(template: str | None, expected: ToolFormat) -> None:
     assert tool_format_of(template) is expected
@@ -238,6 +255,71 @@ def test_the_phi4_mini_grammar_writes_one_list(tiny_tokenizer: PreTrainedTokeniz
     assert not accepts(auto, "functools[ is how I call")
 
 
+def test_mistral_calls_are_one_list_after_the_tool_calls_tag() -> None:
+    """As Mistral 7B v0.3 and Nemo write them: a blank after the tag or none, ids inside."""
+    one = '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}, "id": "a1b2c3d4e"}]'
+    assert MISTRAL.parse(one) == (None, [ParsedToolCall("f", '{"x": 1}')])
+    two = '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"y": 2}}]'
+    expected = [ParsedToolCall("f", "{}"), ParsedToolCall("g", '{"y": 2}')]
+    assert MISTRAL.parse(two) == (None, expected)
+    for text in ("[1, 2, 3]", 'A list: [{"name": "f", "arguments": {}}]', "[TOOL_CALLS] none"):
+        assert MISTRAL.parse(text) == (text, [])
+
+
+def test_mistral_past_calls_get_the_nine_character_ids_its_template_takes(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Mistral's templates refuse call ids that are not nine alphanumeric characters;
+    OpenAI's (`call_...`) become such ids, the call's and its result's the same."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = MISTRAL_NEMO
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [_call("get_weather", '{"city": "Paris"}', "call_0123456789abcdef")],
+        },
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "18 C"},
+        {"role": "assistant", "content": "It is 18 C."},
+        {"role": "user", "content": "And in Rome?"},
+    ]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, turns, tools=[tool]))
+    [call_id] = set(re.findall(r'"id": "(\w+)"', text))
+    assert len(call_id) == 9 and f'"call_id": "{call_id}"' in text
+    assert '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id"' in text
+    assert '[AVAILABLE_TOOLS][{"type": "function"' in text
+    own = [turns[0], {**turns[1], "tool_calls": [_call("get_weather", "{}", "abcDEF123")]}]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, own, tools=[tool]))
+    assert '"id": "abcDEF123"' in text  # an id of the template's own shape stays
+
+
+def test_a_special_token_tag_is_that_token_in_the_grammar_and_the_prompt() -> None:
+    """Mistral's `[TOOL_CALLS]` is a special token: a forced call's opening encodes it as
+    that token, the grammar names it by id (llguidance's `<[id]>`), and a model writing it
+    writes calls."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tag_id = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    tool_format = tool_format_of(MISTRAL_NEMO, tokenizer.get_added_vocab())
+    assert tool_format.token_tags == (("[TOOL_CALLS]", tag_id),)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({0}))
+    tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
+    opening = answer_start_ids(tokenizer, tool_format.opening(None))
+    assert opening[0] == tag_id
+    grammar = compiler.compile(tool_format.grammar(tools, None, is_required=True, parallel=True))
+    assert grammar.started(opening).new_matcher().compute_ff_tokens()
+    auto = compiler.compile(tool_format.grammar(tools, None, is_required=False, parallel=True))
+    call = '[TOOL_CALLS][{"name":"make","arguments":{"pet":{"age":3}}}]'
+    written = tokenizer.encode(call, add_special_tokens=False)
+    assert written[0] == tag_id and auto.started(written).new_matcher().is_accepting()
+    plain = tokenizer.encode("It is sunny.", add_special_tokens=False)
+    assert auto.started(plain).new_matcher().is_accepting()
+
+
 @FORMATS
 @pytest.mark.parametrize("only", [None, "make"], ids=["required", "named"])
 def test_the_opening_is_what_the_grammar_forces_first(
@@ -281,8 +363,9 @@ def test_tags_that_are_one_token_are_that_token_in_the_grammar(only: str | None)
     )
     tag_id = tokenizer.convert_tokens_to_ids("<tool_call>")
     tool_format = tool_format_of(QWEN3, tokenizer.get_added_vocab())
-    assert tool_format.token_tags == {"<tool_call>", "</tool_call>"}
-    assert tool_format_of(QWEN3) == HERMES and HERMES.token_tags == frozenset()
+    closing_id = tokenizer.convert_tokens_to_ids("</tool_call>")
+    assert dict(tool_format.token_tags) == {"<tool_call>": tag_id, "</tool_call>": closing_id}
+    assert tool_format_of(QWEN3) == HERMES and HERMES.token_tags == ()
     compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({0}))
     tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
     opening = answer_start_ids(tokenizer, tool_format.opening(only))
