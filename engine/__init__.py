@@ -36,6 +36,7 @@ from engine.speculative.drafter import DraftCounts
 from engine.stats import EngineStats, PrefixInfo
 from engine.text.chat import answer_start_ids, chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.text.tool_format import (
+    GRANITE,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -47,6 +48,7 @@ from engine.text.tool_format import (
 )
 
 __all__ = [
+    "GRANITE",
     "HERMES",
     "LLAMA3_JSON",
     "MAX_LOGPROBS",

@@ -6,7 +6,10 @@ chat template (`tool_format_of`):
 - `LLAMA3_JSON`: the bare object `{"name": ..., "parameters": {...}}`, calls separated by
   "; " (Llama 3.1/3.2/3.3's templates ask for it and render past calls that way);
 - `PHI4_MINI`: one JSON list of `{"name": ..., "arguments": {...}}` objects after the word
-  `functools`: `functools[{...}, {...}]` (Phi-4-mini, trained on it).
+  `functools`: `functools[{...}, {...}]` (Phi-4-mini, trained on it);
+- `MISTRAL` and `GRANITE`: the same list after `[TOOL_CALLS]` (Mistral 7B v0.3, Nemo,
+  Ministral 8B) or `<|tool_call|>` (Granite 3.x), tags their tokenizers hold as special
+  tokens.
 
 How the tools reach the prompt is the template's own way too (`tool_prompt_of`):
 - `ARGUMENT`: templates that take `tools` get them and render the conversation themselves;
@@ -558,6 +561,17 @@ MISTRAL = ToolFormat(
     tags=("[TOOL_CALLS]",),
     call_id_length=9,
 )
+GRANITE = ToolFormat(
+    "granite",
+    "",
+    "",
+    ", ",
+    "arguments",
+    text_guard="<|tool_call|>",
+    list_opener="<|tool_call|>[",
+    list_closer="]",
+    tags=("<|tool_call|>",),
+)
 
 
 def tool_format_of(
@@ -565,7 +579,8 @@ def tool_format_of(
 ) -> ToolFormat:
     """The format the model's template teaches: Llama 3.x's templates ask for bare objects
     with "parameters" and return results in an `ipython` turn; Mistral's (7B v0.3, Nemo,
-    Ministral 8B) write past calls as one `[TOOL_CALLS][...]` list; a template that reads
+    Ministral 8B) write past calls as one `[TOOL_CALLS][...]` list, Granite 3's ask for one
+    `<|tool_call|>[...]` list; a template that reads
     the system message's `tools` field is Phi-4-mini's; every other template (and our own
     system prompt, for templates that take no tools) speaks Hermes. Mistral's later
     templates (`[TOOL_CALLS]name[ARGS]{...}`) are not read yet: Hermes for them too.
@@ -579,6 +594,8 @@ def tool_format_of(
             chosen = LLAMA3_JSON
         elif "[TOOL_CALLS][" in chat_template and "[ARGS]" not in chat_template:
             chosen = MISTRAL
+        elif "<|tool_call|>" in chat_template:
+            chosen = GRANITE
         else:
             chosen = HERMES
     else:

@@ -17,6 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engine import (
+    GRANITE,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -153,6 +154,7 @@ OWN_FORMATS = {
     "llama3": ("llama-3.2-instruct.jinja", LLAMA3_JSON),
     "phi4-mini": ("phi-4-mini-instruct.jinja", PHI4_MINI),
     "mistral": ("mistral-nemo-instruct.jinja", MISTRAL),
+    "granite": ("granite-3.3-instruct.jinja", GRANITE),
 }
 
 
@@ -164,7 +166,8 @@ def own_format_client(
     teaches its own call format: Llama 3.2's renders the tools, and calls are bare
     `{"name", "parameters"}` objects; Phi-4-mini's takes them in the system message's field,
     and calls are one `functools[...]` list; Mistral Nemo's renders them, calls are one
-    `[TOOL_CALLS][...]` list, and past calls need nine-character ids. Llama 3's prompts
+    `[TOOL_CALLS][...]` list, and past calls need nine-character ids; Granite 3's renders
+    them and asks for one `<|tool_call|>[...]` list. Llama 3's prompts
     run to ~900 tokens (its markup is plain text to the tiny tokenizer): a copy of the model
     with a 2048-position limit."""
     path = tmp_path_factory.mktemp("long") / "tiny-llama"  # the model name requests use

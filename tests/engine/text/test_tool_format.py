@@ -18,6 +18,7 @@ from engine.structured.grammar import GrammarCompiler
 from engine.text.tool_format import (
     ARGUMENT,
     DESCRIBED,
+    GRANITE,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -114,10 +115,11 @@ QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 PHI4 = (TEMPLATES / "phi-4-mini-instruct.jinja").read_text()
 SMOLLM3 = (TEMPLATES / "smollm3.jinja").read_text()
 MISTRAL_NEMO = (TEMPLATES / "mistral-nemo-instruct.jinja").read_text()
+GRANITE3 = (TEMPLATES / "granite-3.3-instruct.jinja").read_text()
 FORMATS = pytest.mark.parametrize(
     "tool_format",
-    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL],
-    ids=["hermes", "llama3", "phi4-mini", "mistral"],
+    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL, GRANITE],
+    ids=["hermes", "llama3", "phi4-mini", "mistral", "granite"],
 )
 
 
@@ -129,6 +131,7 @@ FORMATS = pytest.mark.parametrize(
         (PHI4, PHI4_MINI),
         (SMOLLM3, HERMES),
         (MISTRAL_NEMO, MISTRAL),
+        (GRANITE3, GRANITE),
         # Mistral's later templates write `[TOOL_CALLS]name[ARGS]{...}`: not this list
         ("{{ tools }}{{ '[TOOL_CALLS][' }}{{ '[ARGS]' }}", HERMES),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # takes no tools
@@ -140,6 +143,7 @@ FORMATS = pytest.mark.parametrize(
         "phi-4-mini",
         "smollm3",
         "mistral-nemo",
+        "granite-3.3",
         "mistral-args",
         "no-tools",
         "no-template",
@@ -264,6 +268,31 @@ def test_mistral_calls_are_one_list_after_the_tool_calls_tag() -> None:
     assert MISTRAL.parse(two) == (None, expected)
     for text in ("[1, 2, 3]", 'A list: [{"name": "f", "arguments": {}}]', "[TOOL_CALLS] none"):
         assert MISTRAL.parse(text) == (text, [])
+
+
+def test_granite_gets_its_tools_rendered_and_its_calls_back_as_one_tagged_list(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Granite 3's template renders the tools (under its `available_tools`) and asks for
+    `<|tool_call|>` and a JSON list; it renders an assistant turn's content only, so past
+    calls are written there as that list."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = GRANITE3
+    assert tool_prompt_of(GRANITE3) == ToolPrompt(ARGUMENT, "tools", reads_calls=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", "{}")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, turns, tools=[tool]))
+    assert "<|start_of_role|>available_tools<|end_of_role|>" in text
+    assert (
+        '<|start_of_role|>assistant<|end_of_role|><|tool_call|>[{"name": "get_weather", '
+        '"arguments": {}}]<|end_of_text|>'
+    ) in text
+    call = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    assert GRANITE.parse(call) == (None, [ParsedToolCall("get_weather", '{"city": "Rome"}')])
 
 
 def test_mistral_past_calls_get_the_nine_character_ids_its_template_takes(
