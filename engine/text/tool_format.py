@@ -9,7 +9,9 @@ chat template (`tool_format_of`):
   `functools`: `functools[{...}, {...}]` (Phi-4-mini, trained on it);
 - `MISTRAL` and `GRANITE`: the same list after `[TOOL_CALLS]` (Mistral 7B v0.3, Nemo,
   Ministral 8B) or `<|tool_call|>` (Granite 3.x), tags their tokenizers hold as special
-  tokens.
+  tokens;
+- `MISTRAL_ARGS`: `[TOOL_CALLS]name[ARGS]{...}` a call, the name outside the object
+  (Ministral 3, Devstral).
 
 How the tools reach the prompt is the template's own way too (`tool_prompt_of`):
 - `ARGUMENT`: templates that take `tools` get them and render the conversation themselves;
@@ -303,6 +305,9 @@ class ToolFormat:
     # The length of the call ids the template takes in past turns (Mistral's refuse any but
     # nine alphanumeric characters); 0: any
     call_id_length: int = 0
+    # Set: a call is `opener`, the function's name, this tag and the arguments' JSON object
+    # (Ministral 3's `[TOOL_CALLS]get_weather[ARGS]{...}`), not one object holding both
+    arguments_tag: str = ""
 
     def starts_calls(self, text: str) -> bool | None:
         """Whether an answer that starts with `text` is calls; None while it cannot tell
@@ -317,7 +322,11 @@ class ToolFormat:
         them: how a past assistant turn's calls go back into a prompt."""
         objects = [
             self.opener
-            + json.dumps({"name": c["function"]["name"], self.arguments_key: _args(c)})
+            + (
+                c["function"]["name"] + self.arguments_tag + json.dumps(_args(c))
+                if self.arguments_tag
+                else json.dumps({"name": c["function"]["name"], self.arguments_key: _args(c)})
+            )
             + self.closer
             for c in calls
         ]
@@ -339,6 +348,8 @@ class ToolFormat:
         arguments' JSON: the call's closing is the reader's, no decode step."""
         if only is not None:
             return self._named_grammar(tools, only)
+        if self.arguments_tag:
+            return self._tagged_grammar(tools, is_required, parallel, answer)
         schemas, defs = [], {}
         for tool in tools:
             name = tool["function"]["name"]
@@ -373,7 +384,32 @@ class ToolFormat:
             )
             if part
         )
-        lark = f"calls: {calls}\ncall: {call}\n"
+        return self._with_start(f"calls: {calls}\ncall: {call}\n", is_required, answer)
+
+    def _tagged_grammar(
+        self,
+        tools: Sequence[Mapping[str, Any]],
+        is_required: bool,
+        parallel: bool,
+        answer: GrammarSpec | None,
+    ) -> GrammarSpec:
+        """`grammar` for calls whose name stands before `arguments_tag` (`arguments_tag`):
+        one alternative a tool, its name and its arguments' own schema."""
+        alternatives = []
+        for tool in tools:
+            parameters = tool["function"].get("parameters") or {"type": "object"}
+            arguments = json.dumps({**parameters, **_COMPACT})
+            name = self._lark(tool["function"]["name"] + self.arguments_tag)
+            alternatives.append(f"{name} %json {arguments}")
+        calls = "call+" if parallel else "call"
+        call = " ".join(part for part in (self._lark(self.opener), "named") if part)
+        closer = self._lark(self.closer)
+        rules = f"calls: {calls}\ncall: {call}{' ' + closer if closer else ''}\n"
+        rules += "named: " + " | ".join(alternatives) + "\n"
+        return self._with_start(rules, is_required, answer)
+
+    def _with_start(self, rules: str, is_required: bool, answer: GrammarSpec | None) -> GrammarSpec:
+        """The `calls` rules as the whole answer, or beside a text or JSON answer."""
         if is_required:
             start = "start: calls\n"
         elif answer is not None:
@@ -381,7 +417,7 @@ class ToolFormat:
             start = f"start: answer | calls\nanswer: %json {answer.source}\n"
         else:
             start = f"start: TEXT | calls\nTEXT: /{_not_starting_with(self.text_guard)}/\n"
-        return GrammarSpec("lark", start + lark)
+        return GrammarSpec("lark", start + rules)
 
     def _named_grammar(self, tools: Sequence[Mapping[str, Any]], only: str) -> GrammarSpec:
         [parameters] = [
@@ -408,7 +444,8 @@ class ToolFormat:
         named function's call ends where its arguments do (its closing is not generated)."""
         if not is_required:
             return CallReader(self)
-        closing = "}" + self.closer + self.list_closer if only is not None else ""
+        ends = self.closer + self.list_closer  # after the arguments' object
+        closing = (ends if self.arguments_tag else "}" + ends) if only is not None else ""
         return CallReader(self, self.opening(only), closing)
 
     def opening(self, only: str | None) -> str:
@@ -418,6 +455,9 @@ class ToolFormat:
         constrains a named call to its arguments alone): it is no decode step and no share
         of max_tokens, and the grammar reads it there (`SamplingParams`'
         `num_grammar_prompt_tokens`)."""
+        if self.arguments_tag:  # the tag, then the name and its own tag
+            start = self.list_opener + self.opener
+            return start if only is None else f"{start}{only}{self.arguments_tag}"
         start = f'{self.list_opener}{self.opener}{{"name":"'
         if only is None:
             return start
@@ -434,7 +474,11 @@ class ToolFormat:
         # is call markup; a bare object is one only once it starts as a call does (a JSON
         # answer starts with "{" too)
         if is_cut and rest is not None and (self._tag or _starts_a_call(rest)):
-            cut = _cut_call(rest, self.arguments_key)
+            cut = (
+                _cut_tagged_call(rest, self.arguments_tag)
+                if self.arguments_tag
+                else _cut_call(rest, self.arguments_key)
+            )
             return kept.strip() or None, calls + ([cut] if cut is not None else [])
         if is_cut and self._tag and (calls or self.starts_calls(text) is not False):
             kept = _without_partial_tag(kept, self._tag)  # cut inside the tag
@@ -452,6 +496,8 @@ class ToolFormat:
     def _split(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
         """(the whole calls, the text outside them, what follows the opening of a call that
         does not end: the call being written, or None)."""
+        if self.arguments_tag:
+            return self._split_tagged(text)
         if self.list_opener:
             return self._split_list(text)
         if not self.opener:
@@ -501,6 +547,37 @@ class ToolFormat:
         if not tail or tail.startswith("{"):
             return calls, before, tail
         return calls, before + tail, None
+
+    def _split_tagged(self, text: str) -> tuple[list[ParsedToolCall], str, str | None]:
+        """Calls as `opener` name `arguments_tag` {arguments}, one after another from the
+        first opener on; the text before it and after the last call is kept. A call whose
+        arguments do not end (or whose tag was not written yet) is the call being written."""
+        tag = self.opener.strip()
+        opened = text.find(tag)
+        if opened == -1:
+            return [], text, None
+        calls: list[ParsedToolCall] = []
+        position = opened
+        decoder = json.JSONDecoder()
+        while text.startswith(tag, position):
+            body = text[position + len(tag) :]
+            named = body.find(self.arguments_tag)
+            if named == -1:
+                return calls, text[:opened], body
+            name = body[:named].strip()
+            start = position + len(tag) + named + len(self.arguments_tag)
+            start += len(text[start:]) - len(text[start:].lstrip())
+            try:
+                value, end = decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                return calls, text[:opened], body
+            if not name or not isinstance(value, dict):
+                break
+            calls.append(ParsedToolCall(name, json.dumps(value)))
+            position = end + len(text[end:]) - len(text[end:].lstrip())
+        if not calls:
+            return [], text, None
+        return calls, text[:opened] + text[position:], None
 
     def _bare_calls(self, text: str, position: int) -> tuple[list[ParsedToolCall], int]:
         """The calls written as bare objects joined by the separator from `position` on,
@@ -561,6 +638,16 @@ MISTRAL = ToolFormat(
     tags=("[TOOL_CALLS]",),
     call_id_length=9,
 )
+MISTRAL_ARGS = ToolFormat(
+    "mistral_args",
+    "[TOOL_CALLS]",
+    "",
+    "",
+    "arguments",
+    text_guard="[TOOL_CALLS]",
+    tags=("[TOOL_CALLS]", "[ARGS]"),
+    arguments_tag="[ARGS]",
+)
 GRANITE = ToolFormat(
     "granite",
     "",
@@ -579,11 +666,12 @@ def tool_format_of(
 ) -> ToolFormat:
     """The format the model's template teaches: Llama 3.x's templates ask for bare objects
     with "parameters" and return results in an `ipython` turn; Mistral's (7B v0.3, Nemo,
-    Ministral 8B) write past calls as one `[TOOL_CALLS][...]` list, Granite 3's ask for one
+    Ministral 8B) write past calls as one `[TOOL_CALLS][...]` list and their later ones
+    (Ministral 3, Devstral) as `[TOOL_CALLS]name[ARGS]{...}`, Granite 3's ask for one
     `<|tool_call|>[...]` list; a template that reads
     the system message's `tools` field is Phi-4-mini's; every other template (and our own
-    system prompt, for templates that take no tools) speaks Hermes. Mistral's later
-    templates (`[TOOL_CALLS]name[ARGS]{...}`) are not read yet: Hermes for them too.
+    system prompt, for templates that take no tools) speaks Hermes. Mistral Small 3.2's
+    (`[CALL_ID]` between a call's name and arguments) is not read yet: Hermes for it too.
     `added_tokens`: the tokenizer's added tokens and their ids, which tags are
     (`ToolFormat.token_tags`)."""
     how = tool_prompt_of(chat_template).how
@@ -594,6 +682,8 @@ def tool_format_of(
             chosen = LLAMA3_JSON
         elif "[TOOL_CALLS][" in chat_template and "[ARGS]" not in chat_template:
             chosen = MISTRAL
+        elif "[TOOL_CALLS]" in chat_template and "[ARGS]" in chat_template:
+            chosen = MISTRAL_ARGS if "[CALL_ID]" not in chat_template else HERMES
         elif "<|tool_call|>" in chat_template:
             chosen = GRANITE
         else:
@@ -675,6 +765,23 @@ def _cut_call(body: str, arguments_key: str) -> ParsedToolCall | None:
     if not isinstance(value, dict):
         return ParsedToolCall(name, arguments.rstrip(), is_complete=False)
     return ParsedToolCall(name, json.dumps(value))
+
+
+def _cut_tagged_call(body: str, arguments_tag: str) -> ParsedToolCall | None:
+    """The call a text cut at the length limit was writing, in the `arguments_tag` shape
+    (`body`: what follows its opener): its name and the arguments written so far, or None
+    when its name was not whole (its tag not written yet)."""
+    name, tagged, arguments = body.partition(arguments_tag)
+    if not tagged or not name.strip():
+        return None
+    arguments = arguments.strip()
+    try:
+        value, _ = json.JSONDecoder().raw_decode(arguments)
+    except json.JSONDecodeError:
+        return ParsedToolCall(name.strip(), arguments, is_complete=False)
+    if not isinstance(value, dict):
+        return ParsedToolCall(name.strip(), arguments, is_complete=False)
+    return ParsedToolCall(name.strip(), json.dumps(value))
 
 
 def _call_from(value: Any, arguments_key: str) -> ParsedToolCall | None:

@@ -21,6 +21,7 @@ from engine import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    MISTRAL_ARGS,
     PHI4_MINI,
     CallReader,
     ParsedToolCall,
@@ -155,6 +156,7 @@ OWN_FORMATS = {
     "phi4-mini": ("phi-4-mini-instruct.jinja", PHI4_MINI),
     "mistral": ("mistral-nemo-instruct.jinja", MISTRAL),
     "granite": ("granite-3.3-instruct.jinja", GRANITE),
+    "ministral": ("ministral-3-reasoning.jinja", MISTRAL_ARGS),
 }
 
 
@@ -167,7 +169,8 @@ def own_format_client(
     `{"name", "parameters"}` objects; Phi-4-mini's takes them in the system message's field,
     and calls are one `functools[...]` list; Mistral Nemo's renders them, calls are one
     `[TOOL_CALLS][...]` list, and past calls need nine-character ids; Granite 3's renders
-    them and asks for one `<|tool_call|>[...]` list. Llama 3's prompts
+    them and asks for one `<|tool_call|>[...]` list; Ministral 3's for
+    `[TOOL_CALLS]name[ARGS]{...}`. Llama 3's prompts
     run to ~900 tokens (its markup is plain text to the tiny tokenizer): a copy of the model
     with a 2048-position limit."""
     path = tmp_path_factory.mktemp("long") / "tiny-llama"  # the model name requests use
@@ -217,7 +220,9 @@ def test_calls_in_the_models_own_format_come_back_as_tool_calls(
 
 
 @pytest.mark.parametrize(
-    "tool_format", [HERMES, LLAMA3_JSON, PHI4_MINI], ids=["hermes", "llama3", "phi4-mini"]
+    "tool_format",
+    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL_ARGS],
+    ids=["hermes", "llama3", "phi4-mini", "mistral-args"],
 )
 def test_a_stream_holds_back_text_that_starts_as_calls_do(tool_format: ToolFormat) -> None:
     """Text streams through unless it starts as the format's calls start (after any

@@ -22,6 +22,7 @@ from engine.text.tool_format import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    MISTRAL_ARGS,
     PHI4_MINI,
     SYSTEM_FIELD,
     CallReader,
@@ -116,10 +117,11 @@ PHI4 = (TEMPLATES / "phi-4-mini-instruct.jinja").read_text()
 SMOLLM3 = (TEMPLATES / "smollm3.jinja").read_text()
 MISTRAL_NEMO = (TEMPLATES / "mistral-nemo-instruct.jinja").read_text()
 GRANITE3 = (TEMPLATES / "granite-3.3-instruct.jinja").read_text()
+MINISTRAL3 = (TEMPLATES / "ministral-3-reasoning.jinja").read_text()
 FORMATS = pytest.mark.parametrize(
     "tool_format",
-    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL, GRANITE],
-    ids=["hermes", "llama3", "phi4-mini", "mistral", "granite"],
+    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL, GRANITE, MISTRAL_ARGS],
+    ids=["hermes", "llama3", "phi4-mini", "mistral", "granite", "mistral-args"],
 )
 
 
@@ -132,8 +134,9 @@ FORMATS = pytest.mark.parametrize(
         (SMOLLM3, HERMES),
         (MISTRAL_NEMO, MISTRAL),
         (GRANITE3, GRANITE),
-        # Mistral's later templates write `[TOOL_CALLS]name[ARGS]{...}`: not this list
-        ("{{ tools }}{{ '[TOOL_CALLS][' }}{{ '[ARGS]' }}", HERMES),
+        (MINISTRAL3, MISTRAL_ARGS),
+        # Mistral Small 3.2's puts a `[CALL_ID]` between the name and the arguments
+        ("{{ tools }}{{ '[TOOL_CALLS]' }}{{ '[CALL_ID]' }}{{ '[ARGS]' }}", HERMES),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # takes no tools
         (None, HERMES),
     ],
@@ -144,7 +147,8 @@ FORMATS = pytest.mark.parametrize(
         "smollm3",
         "mistral-nemo",
         "granite-3.3",
-        "mistral-args",
+        "ministral-3",
+        "mistral-call-id",
         "no-tools",
         "no-template",
     ],
@@ -428,8 +432,8 @@ def test_a_reader_reads_the_output_after_the_opening(tool_format: ToolFormat) ->
     assert reader.parse("", is_cut=True) == (None, [ParsedToolCall("make", "", False)])
     any_call = tool_format.reader(None, is_required=True)
     assert any_call.closing == ""
-    whole = 'make","' + tool_format.arguments_key + '":{"pet":{"age":3}}}'
-    whole += tool_format.closer + tool_format.list_closer
+    written = tool_format.opening("make") + '{"pet":{"age":3}}' + reader.closing
+    whole = written.removeprefix(tool_format.opening(None))
     assert any_call.parse(whole) == (None, [ParsedToolCall("make", '{"pet": {"age": 3}}')])
     assert any_call.parse("ma", is_cut=True) == (None, [])  # no whole name: no call yet
     assert tool_format.reader("make", is_required=False) == CallReader(tool_format)
@@ -583,6 +587,51 @@ def test_special_token_text_in_the_tools_field_is_text(
     assert forged in tokenizer.decode(ids)
 
 
+def _name_end(tool_format: ToolFormat, text: str, name: str) -> int:
+    """Where a written call's name is whole: after its quotes, or after the arguments' tag
+    that follows it (`ToolFormat.arguments_tag`)."""
+    if tool_format.arguments_tag:
+        at = text.index(name + tool_format.arguments_tag)
+        return at + len(name) + len(tool_format.arguments_tag)
+    return text.index(f'"{name}"') + len(name) + 2
+
+
+def test_ministral_calls_are_a_tag_a_name_and_the_arguments() -> None:
+    """Ministral 3 and Devstral write `[TOOL_CALLS]name[ARGS]{...}`, one after another."""
+    one = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    assert MISTRAL_ARGS.parse(one) == (None, [ParsedToolCall("get_weather", '{"city": "Paris"}')])
+    two = 'Checking. [TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{"y": 2} done'
+    expected = [ParsedToolCall("f", "{}"), ParsedToolCall("g", '{"y": 2}')]
+    assert MISTRAL_ARGS.parse(two) == ("Checking. done", expected)
+    for text in ("[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS][ARGS]{}", "no [ARGS] here"):
+        assert MISTRAL_ARGS.parse(text) == (text, [])
+
+
+def test_the_ministral_grammar_writes_named_calls(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
+    """Each call is the tag, one tool's name and that tool's arguments; several where
+    parallel; a text answer may start with anything but the tag."""
+    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    tools = [
+        {"type": "function", "function": {"name": "make", "parameters": PERSON}},
+        {"type": "function", "function": {"name": "mend", "parameters": PET}},
+    ]
+    make = '[TOOL_CALLS]make[ARGS]{"pet":{"age":3}}'
+    mend = '[TOOL_CALLS]mend[ARGS]{"age":4}'
+
+    def accepts(grammar: GrammarSpec, text: str) -> bool:
+        matcher = compiler.compile(grammar).new_matcher()
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+    required = MISTRAL_ARGS.grammar(tools, only=None, is_required=True, parallel=True)
+    assert accepts(required, make) and accepts(required, make + mend)
+    assert not accepts(required, '[TOOL_CALLS]make[ARGS]{"age":4}')  # mend's arguments
+    assert not accepts(required, '[TOOL_CALLS][{"name":"make","arguments":{}}]')
+    auto = MISTRAL_ARGS.grammar(tools, only=None, is_required=False, parallel=False)
+    assert accepts(auto, mend) and not accepts(auto, make + mend)
+    assert accepts(auto, "It is sunny.") and accepts(auto, "[1, 2]")
+
+
 @FORMATS
 def test_a_call_cut_at_the_length_limit_keeps_its_name_and_the_arguments_written(
     tool_format: ToolFormat,
@@ -591,13 +640,13 @@ def test_a_call_cut_at_the_length_limit_keeps_its_name_and_the_arguments_written
     whole the call comes back with the arguments so far (the whole object once it is)."""
     calls = [_call("get_time", "{}"), _call("get_weather", '{"city": "Paris"}', "c2")]
     text = tool_format.written(calls)
-    first_name_end = text.index('"get_time"') + len('"get_time"')
+    first_name_end = _name_end(tool_format, text, "get_time")
     for cut in range(1, first_name_end):  # inside the first call's opening: nothing yet
         assert tool_format.parse(text[:cut], is_cut=True) == (None, []), cut
     start = text.index(tool_format.written(calls[1:]).removeprefix(tool_format.list_opener))
     done, written = text[:start], text[start:]
-    name_end = written.index('"get_weather"') + len('"get_weather"')
-    args_start = written.index("{", written.index(tool_format.arguments_key))
+    name_end = _name_end(tool_format, written, "get_weather")
+    args_start = written.index("{", name_end)
     for cut in range(1, len(written) + 1):
         content, calls_read = tool_format.parse(done + written[:cut], is_cut=True)
         assert content is None, (cut, content)
