@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,18 @@ PERSON = {
     "additionalProperties": False,
     "$defs": {"Pet": {**PET, "required": ["age"], "additionalProperties": False}},
 }
+
+
+def _accepter(tokenizer: PreTrainedTokenizerFast) -> Callable[[GrammarSpec, str], bool]:
+    """Whether a grammar takes a whole text, as `tokenizer` encodes it."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({0}))
+
+    def accepts(grammar: GrammarSpec, text: str) -> bool:
+        matcher = compiler.compile(grammar).new_matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+    return accepts
 
 
 def test_calls_and_the_text_around_them() -> None:
@@ -189,14 +202,9 @@ def test_llama3_text_that_is_not_a_call_stays_text(text: str) -> None:
 def test_the_llama3_grammar_writes_bare_calls(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
     """Calls as Llama 3.x writes them, several joined by "; " where parallel; a text answer
     may start with anything but '{'; Hermes' tags are not calls here."""
-    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    accepts = _accepter(tiny_tokenizer)
     tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
     call = '{"name":"make","parameters":{"pet":{"age":3}}}'
-
-    def accepts(grammar: GrammarSpec, text: str) -> bool:
-        matcher = compiler.compile(grammar).new_matcher()
-        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
-        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
 
     required = LLAMA3_JSON.grammar(tools, only=None, is_required=True, parallel=True)
     assert accepts(required, call)
@@ -241,14 +249,9 @@ def test_the_phi4_mini_grammar_writes_one_list(tiny_tokenizer: PreTrainedTokeniz
     """Calls as Phi-4-mini writes them: one list after `functools`, several calls in it
     where parallel; a text answer may start with anything but `functools[`, words that
     start as it does included."""
-    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    accepts = _accepter(tiny_tokenizer)
     tools = [{"type": "function", "function": {"name": "make", "parameters": PERSON}}]
     call = '{"name":"make","arguments":{"pet":{"age":3}}}'
-
-    def accepts(grammar: GrammarSpec, text: str) -> bool:
-        matcher = compiler.compile(grammar).new_matcher()
-        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
-        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
 
     required = PHI4_MINI.grammar(tools, only=None, is_required=True, parallel=True)
     assert accepts(required, f"functools[{call}]")
@@ -610,18 +613,13 @@ def test_ministral_calls_are_a_tag_a_name_and_the_arguments() -> None:
 def test_the_ministral_grammar_writes_named_calls(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
     """Each call is the tag, one tool's name and that tool's arguments; several where
     parallel; a text answer may start with anything but the tag."""
-    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
+    accepts = _accepter(tiny_tokenizer)
     tools = [
         {"type": "function", "function": {"name": "make", "parameters": PERSON}},
         {"type": "function", "function": {"name": "mend", "parameters": PET}},
     ]
     make = '[TOOL_CALLS]make[ARGS]{"pet":{"age":3}}'
     mend = '[TOOL_CALLS]mend[ARGS]{"age":4}'
-
-    def accepts(grammar: GrammarSpec, text: str) -> bool:
-        matcher = compiler.compile(grammar).new_matcher()
-        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
-        return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
 
     required = MISTRAL_ARGS.grammar(tools, only=None, is_required=True, parallel=True)
     assert accepts(required, make) and accepts(required, make + mend)
