@@ -107,6 +107,8 @@ constexpr int kTileBlock = 2;
 // task passes over them: with all 1000 rows of a prefill at once, each tile streamed ~576 KB
 // of activations from beyond L2 and the same loop ran at ~half speed.
 constexpr int64_t kChunkBytes = 16384;
+// Calls of at most this many rows fetch the next tile block's codes ahead (quant_matmul_impl).
+constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of a tile's stream
 constexpr int64_t kGroupsPerTask = 512;   // activation groups quantized per parallel task
 
@@ -908,9 +910,17 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         const int64_t t = u * kTileBlock;
         if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
         if (u + 1 < end) {  // the next block's scales: a separate, short stream
-          const char* next = static_cast<const char*>(base.at(t + kTileBlock).scales);
+          const TileSpan next = base.at(t + kTileBlock);
+          const char* next_scales = static_cast<const char*>(next.scales);
           for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
-            __builtin_prefetch(next + off);
+            __builtin_prefetch(next_scales + off);
+          // One or two rows read each block's codes once, and the hardware's prefetch does
+          // not run ahead of it across blocks: the next block's codes come into L2 while
+          // this one is computed (Gemma 3 270M's batch-1 decode step on Zen 4, most of it
+          // its Q8_0 head, in turns: 15.8-18.9 -> 14.7-14.8 ms; at 8 rows it did not help)
+          if (last - first <= kPrefetchRows)
+            for (int64_t off = 0; off < tile_code_bytes * kTileBlock; off += 64)
+              __builtin_prefetch(next.codes + off, 0, 2);
         }
         const TileSpan span = base.at(t);
         OUT* block_out = out + t * kTile;
