@@ -626,60 +626,60 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       };
 #if PREFIXGATE_ATTN_PAIRS
       if constexpr (pairs) {
-        {
-          const int64_t key_tiles = (longest + 15) / 16, rows_per_head = count * group;
-          const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
-          const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_ptr);
-          const int64_t* first_block = table + start / block_size;
-          const int64_t num_blocks = (start + longest - 1) / block_size - start / block_size + 1;
-          laid_out = chunk == laid_chunk && longest <= laid_keys &&
-                     std::equal(first_block, first_block + num_blocks, laid_blocks.begin());
-          if (!laid_out) {
-            laid_chunk = chunk;
-            laid_keys = longest;
-            laid_blocks.assign(first_block, first_block + num_blocks);
-          }
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            // A: the members' query heads of this KV head, then zero rows to a whole tile
-            uint16_t* qa = tq + h * tile_rows * HEAD_DIM;
-            for (int64_t i = 0, r = 0; i < count; ++i)
-              for (int64_t g = 0; g < group; ++g, ++r)
-                std::memcpy(qa + r * HEAD_DIM, q_bits + tile[i] * q_row + (h * group + g) * HEAD_DIM,
-                            HEAD_DIM * 2);
+        const int64_t key_tiles = (longest + 15) / 16, rows_per_head = count * group;
+        const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
+        const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_ptr);
+        const int64_t* first_block = table + start / block_size;
+        const int64_t num_blocks = (start + longest - 1) / block_size - start / block_size + 1;
+        laid_out = chunk == laid_chunk && longest <= laid_keys &&
+                   std::equal(first_block, first_block + num_blocks, laid_blocks.begin());
+        if (!laid_out) {
+          laid_chunk = chunk;
+          laid_keys = longest;
+          laid_blocks.assign(first_block, first_block + num_blocks);
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          // A: the members' query heads of this KV head (then, for the tiles, zero rows to a
+          // whole tile)
+          uint16_t* qa = tq + h * tile_rows * HEAD_DIM;
+          for (int64_t i = 0, r = 0; i < count; ++i)
+            for (int64_t g = 0; g < group; ++g, ++r)
+              std::memcpy(qa + r * HEAD_DIM, q_bits + tile[i] * q_row + (h * group + g) * HEAD_DIM,
+                          HEAD_DIM * 2);
+          if (tiles)  // the vector pairs read the rows there are
             std::fill(qa + rows_per_head * HEAD_DIM, qa + padded_rows * HEAD_DIM, uint16_t{0});
-            // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time (past the last
-            // key: it again, as on the vector path; those scores are never read)
-            uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
-            for (int64_t k0 = 0; k0 < (laid_out ? 0 : key_tiles * 16); k0 += 8) {
-              const c10::BFloat16* key_rows[8];
-              for (int64_t j = 0; j < 8; ++j)
-                key_rows[j] = k_ptr + cache_offset(std::min(k0 + j, longest - 1)) + h * HEAD_DIM;
-              for (int64_t pair = 0; pair < HEAD_DIM / 2; pair += 8) {
-                const float* src[8];
-                for (int j = 0; j < 8; ++j)
-                  src[j] = reinterpret_cast<const float*>(key_rows[j]) + pair;
-                prefixgate::transpose8(src, reinterpret_cast<float*>(kb + pair * kChunkTokens + k0),
-                                       kChunkTokens);
-              }
+          // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time (past the last
+          // key: it again, as on the vector path; those scores are never read)
+          uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
+          for (int64_t k0 = 0; k0 < (laid_out ? 0 : key_tiles * 16); k0 += 8) {
+            const c10::BFloat16* key_rows[8];
+            for (int64_t j = 0; j < 8; ++j)
+              key_rows[j] = k_ptr + cache_offset(std::min(k0 + j, longest - 1)) + h * HEAD_DIM;
+            for (int64_t pair = 0; pair < HEAD_DIM / 2; pair += 8) {
+              const float* src[8];
+              for (int j = 0; j < 8; ++j)
+                src[j] = reinterpret_cast<const float*>(key_rows[j]) + pair;
+              prefixgate::transpose8(src, reinterpret_cast<float*>(kb + pair * kChunkTokens + k0),
+                                     kChunkTokens);
             }
-            for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
+          }
+          for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
 #if PREFIXGATE_ATTN_AMX
-              if (tiles) {
-                tile_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out);
-              } else
+            if (tiles) {
+              tile_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out);
+            } else
 #endif
-              {
-                pair_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out,
-                                      std::min(kTileRows, rows_per_head - rb));
-              }
-              const __m512 scale16 = _mm512_set1_ps(fscale);
-              for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
-                const int64_t i = r / group, head = h * group + r % group;
-                float* dst = probs + (i * num_heads + head) * kScoreStride;
-                const float* src = block_out + (r - rb) * kScoreStride;
-                for (int64_t k = 0; k < key_tiles * 16; k += 16)
-                  _mm512_storeu_ps(dst + k, _mm512_mul_ps(_mm512_loadu_ps(src + k), scale16));
-              }
+            {
+              pair_scores<HEAD_DIM>(qa + rb * HEAD_DIM, kb, key_tiles, block_out,
+                                    std::min(kTileRows, rows_per_head - rb));
+            }
+            const __m512 scale16 = _mm512_set1_ps(fscale);
+            for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
+              const int64_t i = r / group, head = h * group + r % group;
+              float* dst = probs + (i * num_heads + head) * kScoreStride;
+              const float* src = block_out + (r - rb) * kScoreStride;
+              for (int64_t k = 0; k < key_tiles * 16; k += 16)
+                _mm512_storeu_ps(dst + k, _mm512_mul_ps(_mm512_loadu_ps(src + k), scale16));
             }
           }
         }
@@ -785,59 +785,60 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
 #if PREFIXGATE_ATTN_PAIRS
       if constexpr (pairs) {
-        {
-          const int64_t key_steps = (longest + 31) / 32, rows_per_head = count * group;
-          const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
-          for (int64_t h = 0; h < num_kv_heads; ++h) {
-            // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word); past the
-            // chunk's last key, zeros
-            uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
-            for (int64_t pair = 0; pair < (laid_out ? 0 : key_steps * 16); ++pair) {
-              const int64_t k = 2 * pair;
-              const c10::BFloat16* even = k < longest ? v_ptr + cache_offset(k) + h * HEAD_DIM : nullptr;
-              const c10::BFloat16* odd =
-                  k + 1 < longest ? v_ptr + cache_offset(k + 1) + h * HEAD_DIM : nullptr;
-              for (int64_t d = 0; d < HEAD_DIM; d += 16) {
-                const __m512i lo = even ? widen16(even + d, false) : _mm512_setzero_si512();
-                const __m512i hi = odd ? widen16(odd + d, true) : _mm512_setzero_si512();
-                _mm512_storeu_si512(vb + pair * HEAD_DIM + d, _mm512_or_si512(lo, hi));
-              }
+        const int64_t key_steps = (longest + 31) / 32, rows_per_head = count * group;
+        const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word); past the
+          // chunk's last key, zeros
+          uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
+          // (the tiles read whole steps of 32 keys, the vector pairs the keys there are)
+          const int64_t value_pairs = tiles ? key_steps * 16 : (longest + 1) / 2;
+          for (int64_t pair = 0; pair < (laid_out ? 0 : value_pairs); ++pair) {
+            const int64_t k = 2 * pair;
+            const c10::BFloat16* even = k < longest ? v_ptr + cache_offset(k) + h * HEAD_DIM : nullptr;
+            const c10::BFloat16* odd =
+                k + 1 < longest ? v_ptr + cache_offset(k + 1) + h * HEAD_DIM : nullptr;
+            for (int64_t d = 0; d < HEAD_DIM; d += 16) {
+              const __m512i lo = even ? widen16(even + d, false) : _mm512_setzero_si512();
+              const __m512i hi = odd ? widen16(odd + d, true) : _mm512_setzero_si512();
+              _mm512_storeu_si512(vb + pair * HEAD_DIM + d, _mm512_or_si512(lo, hi));
             }
-            // A: each row's numerators in bf16, zero past its keys
-            for (int64_t i = 0, r = 0; i < count; ++i) {
-              for (int64_t g = 0; g < group; ++g, ++r) {
-                const float* src = probs + (i * num_heads + h * group + g) * kScoreStride;
-                uint16_t* dst = tprobs + r * kChunkTokens;
-                for (int64_t k = 0; k < key_steps * 32; k += 16) {
-                  const int64_t live = std::clamp<int64_t>(len[i] - k, 0, 16);
-                  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
-                  const __m256bh bf = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));
-                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
-                                      (__m256i)bf);
-                }
-              }
-            }
-            std::fill(tprobs + rows_per_head * kChunkTokens, tprobs + padded_rows * kChunkTokens,
-                      uint16_t{0});
-            for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
-#if PREFIXGATE_ATTN_AMX
-              if (tiles) {
-                tile_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, key_steps, block_out);
-              } else
-#endif
-              {
-                pair_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, (longest + 1) / 2, block_out,
-                                      std::min(kTileRows, rows_per_head - rb));
-              }
-              for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
-                const int64_t i = r / group, head = h * group + r % group;
-                std::memcpy(part_acc + (part_of[i] * num_heads + head) * HEAD_DIM,
-                            block_out + (r - rb) * HEAD_DIM, HEAD_DIM * 4);
+          }
+          // A: each row's numerators in bf16, zero past its keys
+          for (int64_t i = 0, r = 0; i < count; ++i) {
+            for (int64_t g = 0; g < group; ++g, ++r) {
+              const float* src = probs + (i * num_heads + h * group + g) * kScoreStride;
+              uint16_t* dst = tprobs + r * kChunkTokens;
+              for (int64_t k = 0; k < key_steps * 32; k += 16) {
+                const int64_t live = std::clamp<int64_t>(len[i] - k, 0, 16);
+                const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+                const __m256bh bf = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                                    (__m256i)bf);
               }
             }
           }
-          continue;
+          if (tiles)
+            std::fill(tprobs + rows_per_head * kChunkTokens, tprobs + padded_rows * kChunkTokens,
+                      uint16_t{0});
+          for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
+#if PREFIXGATE_ATTN_AMX
+            if (tiles) {
+              tile_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, key_steps, block_out);
+            } else
+#endif
+            {
+              pair_values<HEAD_DIM>(tprobs + rb * kChunkTokens, vb, (longest + 1) / 2, block_out,
+                                    std::min(kTileRows, rows_per_head - rb));
+            }
+            for (int64_t r = rb; r < std::min(rows_per_head, rb + kTileRows); ++r) {
+              const int64_t i = r / group, head = h * group + r % group;
+              std::memcpy(part_acc + (part_of[i] * num_heads + head) * HEAD_DIM,
+                          block_out + (r - rb) * HEAD_DIM, HEAD_DIM * 4);
+            }
+          }
         }
+        continue;
       }
 #endif
       // The numerator-weighted sum of the values, in key order, 16 value rows at a time for
