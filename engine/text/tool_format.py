@@ -353,8 +353,6 @@ class ToolFormat:
         schemas, defs = [], {}
         for tool in tools:
             name = tool["function"]["name"]
-            if only is not None and name != only:
-                continue
             parameters = dict(tool["function"].get("parameters") or {"type": "object"})
             # Pydantic-made schemas refer to "#/$defs/...": the definitions move to the root
             # of the call's schema, where those references resolve.
@@ -369,21 +367,9 @@ class ToolFormat:
             )
         one_of = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         call_schema = json.dumps({**one_of, **_COMPACT, **({"$defs": defs} if defs else {})})
-        calls = f"call ({self._lark(self.separator)} call)*" if parallel else "call"
-        calls = " ".join(
-            part
-            for part in (self._lark(self.list_opener), calls, self._lark(self.list_closer))
-            if part
-        )
-        call = " ".join(
-            part
-            for part in (
-                self._lark(self.opener),
-                f"%json {call_schema}",
-                self._lark(self.closer),
-            )
-            if part
-        )
+        one = f"call ({self._lark(self.separator)} call)*" if parallel else "call"
+        calls = _sequence(self._lark(self.list_opener), one, self._lark(self.list_closer))
+        call = _sequence(self._lark(self.opener), f"%json {call_schema}", self._lark(self.closer))
         return self._with_start(f"calls: {calls}\ncall: {call}\n", is_required, answer)
 
     def _tagged_grammar(
@@ -402,10 +388,8 @@ class ToolFormat:
             name = self._lark(tool["function"]["name"] + self.arguments_tag)
             alternatives.append(f"{name} %json {arguments}")
         calls = "call+" if parallel else "call"
-        call = " ".join(part for part in (self._lark(self.opener), "named") if part)
-        closer = self._lark(self.closer)
-        rules = f"calls: {calls}\ncall: {call}{' ' + closer if closer else ''}\n"
-        rules += "named: " + " | ".join(alternatives) + "\n"
+        call = _sequence(self._lark(self.opener), "named", self._lark(self.closer))
+        rules = f"calls: {calls}\ncall: {call}\nnamed: {' | '.join(alternatives)}\n"
         return self._with_start(rules, is_required, answer)
 
     def _with_start(self, rules: str, is_required: bool, answer: GrammarSpec | None) -> GrammarSpec:
@@ -552,7 +536,7 @@ class ToolFormat:
         """Calls as `opener` name `arguments_tag` {arguments}, one after another from the
         first opener on; the text before it and after the last call is kept. A call whose
         arguments do not end (or whose tag was not written yet) is the call being written."""
-        tag = self.opener.strip()
+        tag = self._tag
         opened = text.find(tag)
         if opened == -1:
             return [], text, None
@@ -674,25 +658,35 @@ def tool_format_of(
     (`[CALL_ID]` between a call's name and arguments) is not read yet: Hermes for it too.
     `added_tokens`: the tokenizer's added tokens and their ids, which tags are
     (`ToolFormat.token_tags`)."""
-    how = tool_prompt_of(chat_template).how
-    if how == SYSTEM_FIELD:
-        chosen = PHI4_MINI
-    elif how == ARGUMENT and chat_template is not None:
-        if '"parameters"' in chat_template and "ipython" in chat_template:
-            chosen = LLAMA3_JSON
-        elif "[TOOL_CALLS][" in chat_template and "[ARGS]" not in chat_template:
-            chosen = MISTRAL
-        elif "[TOOL_CALLS]" in chat_template and "[ARGS]" in chat_template:
-            chosen = MISTRAL_ARGS if "[CALL_ID]" not in chat_template else HERMES
-        elif "<|tool_call|>" in chat_template:
-            chosen = GRANITE
-        else:
-            chosen = HERMES
-    else:
-        chosen = HERMES
+    chosen = _template_format(chat_template)
     added = added_tokens or {}
     tags = tuple((tag, added[tag]) for tag in chosen.tags if tag in added)
     return replace(chosen, token_tags=tags) if tags else chosen
+
+
+@functools.lru_cache(maxsize=8)
+def _template_format(chat_template: str | None) -> ToolFormat:
+    """`tool_format_of` before the tokenizer's tags: read once a template (every prompt with
+    tools asks)."""
+    how = tool_prompt_of(chat_template).how
+    if how == SYSTEM_FIELD:
+        return PHI4_MINI
+    if how != ARGUMENT or chat_template is None:
+        return HERMES
+    if '"parameters"' in chat_template and "ipython" in chat_template:
+        return LLAMA3_JSON
+    if "[TOOL_CALLS][" in chat_template and "[ARGS]" not in chat_template:
+        return MISTRAL
+    if "[TOOL_CALLS]" in chat_template and "[ARGS]" in chat_template:
+        return MISTRAL_ARGS if "[CALL_ID]" not in chat_template else HERMES
+    if "<|tool_call|>" in chat_template:
+        return GRANITE
+    return HERMES
+
+
+def _sequence(*parts: str) -> str:
+    """Lark items in order, the empty ones left out."""
+    return " ".join(part for part in parts if part)
 
 
 def _not_starting_with(guard: str) -> str:
