@@ -15,11 +15,14 @@ start-up line, `/health` and the `prefixgate_cache_config` metric; `make kernels
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -163,24 +166,63 @@ def load_extension(
     ninja only to find nothing to do, ~0.1 s of every start. One that does not load (a build
     cut short) is built again."""
     built = build_dir / f"{name}.so"
-    if built.is_file():
-        try:
-            torch.ops.load_library(str(built))  # type: ignore[no-untyped-call]
-            return
-        except OSError as exc:
-            logger.warning("%s does not load (%s): building it again", built, _one_line(exc))
+    if _loads(built):
+        return
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_cflags=[*compile_flags(), *(f"-I{d}" for d in include_dirs)],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _builder_lock(build_dir):
+        if _loads(built, quiet=True):  # another process built it while this one waited
+            return
+        load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=[*compile_flags(), *(f"-I{d}" for d in include_dirs)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+
+
+def _loads(built: Path, quiet: bool = False) -> bool:
+    """`built` loaded and its ops registered; False where there is none or it does not load
+    (a build cut short), which is then built again."""
+    if not built.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(built))  # type: ignore[no-untyped-call]
+        return True
+    except OSError as exc:
+        if not quiet:
+            logger.warning("%s does not load (%s): building it again", built, _one_line(exc))
+        return False
+
+
+@contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """One builder per build folder, and never a wait on a dead one.
+
+    torch's builder marks a build in progress with a `lock` file that its `finally` removes;
+    a builder killed mid-way (Ctrl-C twice, `kill -9`, a test session ending) leaves the file,
+    and every later build into the folder waits for it forever: a server start that hangs at
+    "compiling the CPU kernels". An flock is released by the kernel when its holder dies, so
+    under it torch's `lock` file can only be a dead builder's, and goes."""
+    with (build_dir / "builder.flock").open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of the CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("%s was left by a build that did not finish: removed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _put_ninja_on_path() -> None:

@@ -85,6 +85,57 @@ def test_a_built_library_is_loaded_as_it_is_and_a_broken_one_is_built_again(
     assert "does not load" in caplog.text and "building it again" in caplog.text
 
 
+def test_a_build_left_unfinished_by_a_killed_builder_does_not_stop_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch's builder waits forever on the `lock` file a killed build leaves: under our
+    flock that file can only be a dead builder's, and is removed before torch looks."""
+    import torch.utils.cpp_extension
+
+    (tmp_path / "lock").write_text("")
+    seen: list[bool] = []
+    monkeypatch.setattr(
+        torch.utils.cpp_extension,
+        "load",
+        lambda **kw: seen.append((Path(kw["build_directory"]) / "lock").exists()),
+    )
+    with caplog.at_level("WARNING", logger="engine.executor.kernels"):
+        kernels.load_extension("prefixgate_kernels_x", kernels.SOURCES, tmp_path)
+    assert seen == [False]
+    assert "left by a build that did not finish" in caplog.text
+
+
+def test_a_second_builder_waits_for_the_first_and_loads_its_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two starts at once (two replicas, a test session's background build and its engine):
+    the second waits on the first's flock, then finds the library built and does not build."""
+    import threading
+    import time
+
+    import torch.utils.cpp_extension
+
+    built = tmp_path / "prefixgate_kernels_x.so"
+    calls: list[str] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: calls.append("build"))
+    monkeypatch.setattr(kernels, "_loads", lambda path, quiet=False: path.is_file())
+    first = kernels._builder_lock(tmp_path)
+    first.__enter__()
+    with caplog.at_level("INFO", logger="engine.executor.kernels"):
+        second = threading.Thread(
+            target=kernels.load_extension, args=("prefixgate_kernels_x", kernels.SOURCES, tmp_path)
+        )
+        second.start()
+        deadline = time.monotonic() + 30
+        while "waiting for another process's build" not in caplog.text:
+            assert time.monotonic() < deadline and second.is_alive()
+            time.sleep(0.01)
+        built.write_bytes(b"")  # the first builder's result
+        first.__exit__(None, None, None)
+        second.join(30)
+    assert not second.is_alive() and calls == []
+
+
 def test_a_build_names_its_integer_dot_products_in_the_start_up_line() -> None:
     build = kernels.KernelBuild(
         "avx512", True, dot_products="amx+avx512-vnni", attention="amx-bf16"
@@ -116,6 +167,7 @@ KERNEL_TESTS = ("test_quantization.py", "test_attention.py", "test_layers.py")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the build's wait and the kernel tests' run, each bounded below
 @pytest.mark.parametrize("capability", sorted(kernel_variants.VARIANTS))
 def test_other_instruction_set_builds_pass_the_kernel_tests(capability: str) -> None:
     import subprocess
@@ -132,7 +184,7 @@ def test_other_instruction_set_builds_pass_the_kernel_tests(capability: str) -> 
     assert probe.stdout.split() == [target, march or "no-march"]
     build = kernel_variants.build_of(capability)
     if build is not None:  # started at collection; the kernel tests would build it otherwise
-        returncode, log = build.wait(timeout=900)
+        returncode, log = build.wait(timeout=540)
         assert returncode == 0, log[-4000:]
         assert f"ok: C++ kernels ({target}" in log
     here = Path(__file__).parent
@@ -142,7 +194,7 @@ def test_other_instruction_set_builds_pass_the_kernel_tests(capability: str) -> 
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout
