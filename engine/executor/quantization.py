@@ -24,7 +24,7 @@ K/V differ between a prefill and a decode, and is gone (docs/benchmarks.md, issu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -52,16 +52,59 @@ class QuantizedWeight:
     # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
     # tile, d then m; [N / 8, 1, K / 32, 8] d alone where every m is 0 (Q8_0, int8: 1/18 of
     # the bytes a step reads); [N / 8, 3, K / 32, 8] with a d per 16-column half (Q6_K)
+    # (or int8 sub-scales where `factors` is set: the K-quants' two levels, see ScaleFactors)
     scales: torch.Tensor
     bits: int
+    # [N / 8, scale rows, K / 256, 8] float16: each int8 scale's factor, one per 8 groups
+    factors: torch.Tensor | None = None
 
     @property
     def num_bytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        extra = 0 if self.factors is None else self.factors.nbytes
+        return self.codes.nbytes + self.scales.nbytes + extra
 
     @property
     def in_features(self) -> int:
         return self.codes.shape[1] * GROUP_SIZE
+
+    def float_scales(self, tiles: torch.Tensor | slice, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Scales of `tiles`' rows `rows` as float32 [.., scale rows, K / 32] (the products,
+        exact, where they are factored)."""
+        scales = self.scales[tiles, :, :, rows].float()
+        if self.factors is None:
+            return scales
+        return scales * self.factors[tiles, :, :, rows].float().repeat_interleave(8, -1)
+
+
+@dataclass(frozen=True)
+class ScaleFactors:
+    """A K-quant's d and m in its own two levels: d = d_sub * d_super, m = m_sub * m_super,
+    with int8 sub-scales per group (or per 16-column half, [N, K / 32, 2]) and one float16
+    factor per super-block of 8 groups [N, K / 256] (the file's d and -dmin). The products are
+    exact in float32, so the kernel computes with the same numbers from 1.25 bits a weight of
+    scales instead of 2 (float32 d and m per group): Q4_K's 6 bits a weight become 4.6."""
+
+    d_sub: torch.Tensor
+    d_super: torch.Tensor
+    m_sub: torch.Tensor
+    m_super: torch.Tensor
+
+    def per_half(self, d: bool, m: bool) -> ScaleFactors:
+        """One sub-scale per group as two equal halves' (`d`, `m`: which)."""
+
+        def halves(x: torch.Tensor, wanted: bool) -> torch.Tensor:
+            return x[..., None].expand(*x.shape, 2) if wanted and x.dim() == 2 else x
+
+        return ScaleFactors(
+            halves(self.d_sub, d), self.d_super, halves(self.m_sub, m), self.m_super
+        )
+
+    @staticmethod
+    def cat(parts: list[ScaleFactors]) -> ScaleFactors:
+        """Rows of `parts` one after another."""
+        return ScaleFactors(
+            *(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(ScaleFactors))
+        )
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +162,7 @@ def pack_weight(
     low: torch.Tensor,
     bits: int,
     with_min: bool | None = None,
+    factors: ScaleFactors | None = None,
 ) -> QuantizedWeight:
     """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -127..127 for 8, any dtype) with
     d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4
@@ -127,7 +171,9 @@ def pack_weight(
     [N, K / 32, 2] gives each group a d per 16-column half (Q6_K's sub-blocks), then the
     kernel's halves; `low` [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).
     Where every m is 0 (and d is one per group), the scales are d alone, unless `with_min`
-    says (True: a min row whatever its values; False: m must be 0)."""
+    says (True: a min row whatever its values; False: m must be 0). With `factors` (d and m's
+    own two levels) the scales are their int8 sub-scales, and the factors a tensor of their
+    own."""
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
@@ -144,24 +190,34 @@ def pack_weight(
         packed = steps.to(torch.int8).view(torch.uint8)
     wide = torch.float32 in (scale.dtype, low.dtype)
     if low.dim() == 3:  # an m per half too (Q2_K's sub-blocks): two d, then two m
-        parts = [scale[..., 0], scale[..., 1], low[..., 0], low[..., 1]]
+        rows_of = ["d0", "d1", "m0", "m1"]
     elif scale.dim() == 3:
-        parts = [scale[..., 0], scale[..., 1], low]
+        rows_of = ["d0", "d1", "m"]
     else:  # no min row where every m is 0: the kernel then skips the min term (same bits)
         if with_min is None:
             with_min = bool(low.any())
         if not with_min and bool(low.any()):
             raise ValueError("pack_weight: with_min=False, but some m is not 0")
-        parts = [scale, low] if with_min else [scale]
-    stacked = torch.stack([p.to(torch.float32) for p in parts], 1)
-    scales = stacked.to(torch.float32 if wide else torch.float16).reshape(
-        tiles, TILE_ROWS, len(parts), groups
-    )
-    return QuantizedWeight(
-        packed.reshape(tiles, groups, -1).contiguous(),
-        scales.permute(0, 2, 3, 1).contiguous(),
-        bits,
-    )
+        rows_of = ["d", "m"] if with_min else ["d"]
+
+    def pick(d: torch.Tensor, m: torch.Tensor, row: str) -> torch.Tensor:
+        x = d if row[0] == "d" else m
+        return x[..., int(row[1])] if len(row) == 2 else x
+
+    def tiled(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """[N, parts, G'] -> [N / 8, parts, G', 8]: the 8 rows of a tile side by side."""
+        stacked = torch.stack([p.to(dtype) for p in parts], 1)
+        return stacked.reshape(tiles, TILE_ROWS, len(parts), -1).permute(0, 2, 3, 1).contiguous()
+
+    codes_out = packed.reshape(tiles, groups, -1).contiguous()
+    if factors is not None:
+        subs = [pick(factors.d_sub, factors.m_sub, row) for row in rows_of]
+        supers = [factors.d_super if row[0] == "d" else factors.m_super for row in rows_of]
+        return QuantizedWeight(
+            codes_out, tiled(subs, torch.int8), bits, tiled(supers, torch.float16)
+        )
+    parts = [pick(scale, low, row).to(torch.float32) for row in rows_of]
+    return QuantizedWeight(codes_out, tiled(parts, torch.float32 if wide else torch.float16), bits)
 
 
 @dataclass(frozen=True)
@@ -243,6 +299,8 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, QuantizedLinear):
             state[f"{name}.quantized.codes"] = module.quantized.codes
             state[f"{name}.quantized.scales"] = module.quantized.scales
+            if module.quantized.factors is not None:
+                state[f"{name}.quantized.factors"] = module.quantized.factors
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() not in seen:
@@ -262,7 +320,12 @@ def restore_linears(
             raise ValueError(f"no quantized weight for {full} in the quantized state")
         codes = state.pop(f"{full}.quantized.codes")
         bits = codes.shape[-1] // (TILE_ROWS * 4)  # [N / 8, K / 32, 8 * bits * 4]
-        quantized = QuantizedWeight(codes, state.pop(f"{full}.quantized.scales"), bits)
+        quantized = QuantizedWeight(
+            codes,
+            state.pop(f"{full}.quantized.scales"),
+            bits,
+            state.pop(f"{full}.quantized.factors", None),
+        )
         dense = None
         if weights.dense_copies:
             dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
@@ -298,7 +361,7 @@ class QuantizedLinear(nn.Module):
             return out
         q = self.quantized
         y: torch.Tensor = torch.ops.prefixgate.quant_matmul(
-            x.contiguous(), q.codes, q.scales, q.bits
+            x.contiguous(), q.codes, q.scales, q.bits, q.factors
         )
         return y if self.bias is None else y + self.bias
 
@@ -329,7 +392,7 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     else:
         packed = weight.codes.view(torch.int8).view(tiles, groups, 8, TILE_ROWS, 4)
         codes = packed[tile, :, :, row].reshape(len(rows), groups, GROUP_SIZE).float()
-    scales = weight.scales[tile, :, :, row].float()  # [n, parts, G]
+    scales = weight.float_scales(tile, row)  # [n, parts, G]
 
     def per_half(pair: torch.Tensor) -> torch.Tensor:  # [n, 2, G] -> [n, G, 32]
         return pair.transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)

@@ -4,11 +4,13 @@ Why not through transformers: its GGUF loader dequantizes the whole model to flo
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
 the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K
 blocks are exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py:
-4-bit codes for the Q4 types and Q2_K, 5-bit for Q5, 8-bit lanes for Q3_K, Q6 and Q8; float32
-d and m for the K-quants' products, two d per group for Q2_K's, Q3_K's and Q6_K's 16-weight
-sub-blocks, two m for Q2_K's), so they are unpacked into codes, d and m with no float round
-trip (`group_codes`), each linear at its own type's width, a file mixing types per tensor
-included; every other type (F32, F16, BF16, IQ...) is dequantized by the `gguf` package
+4-bit codes for the Q4 types and Q2_K, 5-bit for Q5, 8-bit lanes for Q3_K, Q6 and Q8; the
+K-quants' d and m as the file holds them, an int8 sub-scale per group times a float16 factor
+per super-block (`ScaleFactors`; their float32 products exactly), two d per group for Q2_K's,
+Q3_K's and Q6_K's 16-weight sub-blocks, two m for Q2_K's), so they are unpacked into codes, d
+and m with no float round trip (`group_codes`), each linear at its own type's width, a file
+mixing types per tensor included (a linear fusing a K-quant with a 32-weight type keeps float32
+products); every other type (F32, F16, BF16, IQ...) is dequantized by the `gguf` package
 (`dequantize`) and, for a quantized linear, re-quantized with a warning.
 
 Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
@@ -24,7 +26,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from engine.executor.quantization import (
     BITS,
     GROUP_SIZE,
     QUANTIZE_ROWS,
+    ScaleFactors,
     WeightFormat,
     pack_weight,
     quantizable_linears,
@@ -107,6 +110,8 @@ class GroupCodes:
     d: torch.Tensor
     m: torch.Tensor
     bits: int
+    # a K-quant's d and m in the file's own two levels (exactly d and m): what the kernel reads
+    factors: ScaleFactors | None = None
 
     def widened(self, bits: int) -> GroupCodes:
         """The same weights in `bits`-wide codes: 4- and 5-bit codes (0..15, 0..31) are wider
@@ -116,8 +121,8 @@ class GroupCodes:
             return self
         if (self.bits, bits) not in ((4, 5), (4, 8), (5, 8)):
             raise ValueError(f"{self.bits}-bit codes do not fit in {bits} bits")
-        return GroupCodes(
-            self.codes.to(torch.int8 if bits == 8 else torch.uint8), self.d, self.m, bits
+        return dataclasses.replace(
+            self, codes=self.codes.to(torch.int8 if bits == 8 else torch.uint8), bits=bits
         )
 
     @staticmethod
@@ -135,11 +140,16 @@ class GroupCodes:
         def per_half(x: torch.Tensor, wanted: bool) -> torch.Tensor:
             return x[..., None].expand(*x.shape, 2) if wanted and x.dim() == 2 else x
 
+        # the factors where every part has them (K-quants only), else the products alone
+        factors = [p.factors for p in parts if p.factors is not None]
         return GroupCodes(
             torch.cat([p.codes for p in parts]),
             torch.cat([per_half(p.d, halves).to(scale) for p in parts]),
             torch.cat([per_half(p.m, half_mins).to(scale) for p in parts]),
             bits,
+            ScaleFactors.cat([f.per_half(halves, half_mins) for f in factors])
+            if len(factors) == len(parts)
+            else None,
         )
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -324,7 +334,10 @@ class GGUFWeights:
         order = self._hf_row_order(hf_name)
         if order is None:
             return codes
-        return GroupCodes(codes.codes[order], codes.d[order], codes.m[order], codes.bits)
+        factors = codes.factors
+        if factors is not None:
+            factors = ScaleFactors(*(getattr(factors, f.name)[order] for f in fields(factors)))
+        return GroupCodes(codes.codes[order], codes.d[order], codes.m[order], codes.bits, factors)
 
     def bits_of(self, hf_name: str) -> int:
         """The code width that serves this tensor's file type (8 for a float type)."""
@@ -391,9 +404,7 @@ class GGUFWeights:
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
 
 
-def _block_codes(
-    kind: str, blocks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _block_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 32], d and m [...] of `kind`'s 32-weight blocks [..., block bytes] (ggml's
     block structs: d first, then m for the _1 types, the 5th bits of Q5 as a little-endian
     uint32, then the nibbles), such that codes * d + m is what GGML dequantizes them to."""
@@ -402,20 +413,20 @@ def _block_codes(
     # GGML's code * d does (x + -0 is x for every x; x + +0 turns -0 into +0).
     zero = torch.full_like(d, -0.0)
     if kind == "Q8_0":
-        return blocks[..., 2:].contiguous().view(torch.int8), d, zero
+        return blocks[..., 2:].contiguous().view(torch.int8), d, zero, None
     packed = blocks[..., -16:]  # byte j: weight j (low nibble), weight j + 16 (high)
     codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
     if kind == "Q4_0":  # w = (q - 8) * d
-        return codes, d, _exact_min(d, -8)
+        return codes, d, _exact_min(d, -8), None
     if kind == "Q4_1":
-        return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0], None
     high_at = 2 if kind == "Q5_0" else 4  # Q5_1 has m before its high bits
     high = blocks[..., high_at : high_at + 4]  # bit j of the uint32: weight j's 5th bit
     fifth = (high[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., 4, 8]
     codes = codes | (fifth.flatten(-2) << 4)
     if kind == "Q5_0":  # w = (q - 16) * d: m = -16 d, as Q4_0's -8 d (a zero weight is +0)
-        return codes, d, _exact_min(d, -16)
-    return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        return codes, d, _exact_min(d, -16), None
+    return codes, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0], None
 
 
 def _exact_min(d: torch.Tensor, factor: int) -> torch.Tensor:
@@ -425,9 +436,20 @@ def _exact_min(d: torch.Tensor, factor: int) -> torch.Tensor:
     return m.half() if bool(torch.isfinite(m.half()).all()) else m
 
 
-def _super_block_codes(
-    kind: str, blocks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block (a K-quant's d or dmin)."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
+
+
+def _no_min_factors(d_sub: torch.Tensor, d_super: torch.Tensor) -> ScaleFactors:
+    """Factors of a symmetric K-quant (Q3_K, Q6_K): m = 0 * -0.0 = -0.0, as its m."""
+    lead = d_sub.shape[:-1]
+    return ScaleFactors(
+        d_sub, d_super, torch.zeros(lead, dtype=torch.int8), torch.full_like(d_super, -0.0)
+    )
+
+
+def _super_block_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 8, 32], d and m [..., 8] of Q4_K / Q5_K super-blocks [..., 144 | 176]:
     d f16, dmin f16, 12 bytes of 6-bit sub-scales and sub-mins, (Q5_K: 32 bytes of 5th bits,)
     128 bytes of nibbles. Group j's d = d * sc_j and m = -(dmin * min_j), float32 products
@@ -447,10 +469,13 @@ def _super_block_codes(
             >> torch.arange(8, dtype=torch.uint8)[:, None]
         )
         codes = codes | ((fifth & 1) << 4)
-    return codes, d[..., None] * sub_scale.float(), -(dmin[..., None] * sub_min.float())
+    factors = ScaleFactors(
+        sub_scale.to(torch.int8), _half(blocks, 0), sub_min.to(torch.int8), -_half(blocks, 2)
+    )
+    return codes, d[..., None] * sub_scale.float(), -(dmin[..., None] * sub_min.float()), factors
 
 
-def _q6_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q6_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 8, 32], d [..., 8, 2] and m [..., 8] of Q6_K super-blocks [..., 210]: 128
     bytes of low nibbles, 64 of 2-bit high parts, 16 int8 sub-scales, d f16. Sixteen
     sub-blocks of 16 weights: group j's halves are sub-blocks 2j and 2j + 1, each with its d =
@@ -466,10 +491,11 @@ def _q6_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     sub_scale = blocks[..., 192:208].contiguous().view(torch.int8).float()
     d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0].float()
     halves = (d[..., None] * sub_scale).reshape(*lead, 8, 2)
-    return codes, halves, torch.full((*lead, 8), -0.0)
+    sub = blocks[..., 192:208].contiguous().view(torch.int8).reshape(*lead, 8, 2)
+    return codes, halves, torch.full((*lead, 8), -0.0), _no_min_factors(sub, _half(blocks, 208))
 
 
-def _q3_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q3_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 8, 32], d [..., 8, 2] and m [..., 8] of Q3_K super-blocks [..., 110]: 32
     bytes of high bits (hmask), 64 of 2-bit low parts, 12 of sixteen packed 6-bit scales, d
     f16. Sixteen sub-blocks of 16 weights, as Q6_K's: group j's halves are sub-blocks 2j and
@@ -488,10 +514,11 @@ def _q3_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     bit_shift = torch.arange(8, dtype=torch.uint8)[:, None]
     high_bit = (hmask.reshape(*lead, 1, 32) >> bit_shift).reshape(*lead, 16, 16) & 0x01
     codes = low_bits.to(torch.int8) - ((high_bit ^ 1) << 2).to(torch.int8)
-    return codes.reshape(*lead, 8, 32), halves, torch.full((*lead, 8), -0.0)
+    factors = _no_min_factors(scale.to(torch.int8).reshape(*lead, 8, 2), _half(blocks, 108))
+    return codes.reshape(*lead, 8, 32), halves, torch.full((*lead, 8), -0.0), factors
 
 
-def _q2_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q2_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 8, 32], d and m [..., 8, 2] of Q2_K super-blocks [..., 84]: 16 bytes of
     4-bit sub-scales (low nibble) and sub-mins (high), 64 of 2-bit codes, d f16, dmin f16.
     Sixteen sub-blocks of 16 weights: group j's halves are sub-blocks 2j and 2j + 1, each with
@@ -506,10 +533,18 @@ def _q2_k_codes(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     codes = (qs.reshape(*lead, 2, 1, 32) >> pair_shift) & 0x03  # [..., 2, 4, 32]
     halves = (d[..., None] * (sub & 0x0F).float()).reshape(*lead, 8, 2)
     mins = (-(dmin[..., None] * (sub >> 4).float())).reshape(*lead, 8, 2)
-    return codes.reshape(*lead, 8, 32), halves, mins
+    factors = ScaleFactors(
+        (sub & 0x0F).to(torch.int8).reshape(*lead, 8, 2),
+        _half(blocks, 80),
+        (sub >> 4).to(torch.int8).reshape(*lead, 8, 2),
+        -_half(blocks, 82),
+    )
+    return codes.reshape(*lead, 8, 32), halves, mins, factors
 
 
-Decoder = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# codes, d, m, and the K-quants' d and m in their own two levels (ScaleFactors), per block
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScaleFactors | None]
+Decoder = Callable[[str, torch.Tensor], Decoded]
 
 
 @dataclass(frozen=True)
@@ -553,13 +588,21 @@ def block_group_codes(kind: str, raw: torch.Tensor, rows: int, cols: int) -> Gro
     file's row order."""
     block = EXACT_BLOCKS[kind]
     blocks = raw.reshape(rows, cols // block.block_weights, block.block_bytes)
-    codes, d, m = block.decode(kind, blocks)
+    codes, d, m, factors = block.decode(kind, blocks)
     groups = cols // GROUP_SIZE
+
+    def per_group(x: torch.Tensor) -> torch.Tensor:  # [rows, groups, 2] for one per half
+        return x.reshape(rows, groups, -1).squeeze(-1)
+
+    if factors is not None:
+        factors = ScaleFactors(
+            per_group(factors.d_sub),
+            factors.d_super.reshape(rows, groups // 8),
+            per_group(factors.m_sub),
+            factors.m_super.reshape(rows, groups // 8),
+        )
     return GroupCodes(
-        codes.reshape(rows, groups, GROUP_SIZE),
-        d.reshape(rows, groups, -1).squeeze(-1),  # [rows, groups, 2] for a d per half
-        m.reshape(rows, groups, -1).squeeze(-1),  # [rows, groups, 2] for an m per half
-        block.bits,
+        codes.reshape(rows, groups, GROUP_SIZE), per_group(d), per_group(m), block.bits, factors
     )
 
 
@@ -603,9 +646,11 @@ def blocks_quantized_state(
             # the head's codes are the embedding's values: it is read from them
             # (`HeadRowsEmbedding`), with no float copy of the table
             del sources["embed_tokens.weight"]
-        packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
+        packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
         state[f"{full}.quantized.codes"] = packed.codes
         state[f"{full}.quantized.scales"] = packed.scales
+        if packed.factors is not None:
+            state[f"{full}.quantized.factors"] = packed.factors
         if weights.dense_copies:
             state[f"{full}.dense.weight"] = codes.dequantize(dtype)
     for key, names in sources.items():

@@ -7,7 +7,7 @@
 // activations in integer multiply-adds (maddubs on AVX2, dpbusd with AVX512-VNNI), and each
 // group's scales are applied once to its integer sum.
 //
-//   quant_matmul(x [M, K] float32 | bf16, codes, scales, bits) -> [M, N] in x's dtype
+//   quant_matmul(x [M, K] float32 | bf16, codes, scales, bits, factors?) -> [M, N], x's dtype
 //     weight[n, 32g + j] = d * code + m, per group g of 32 (Q4_1's form; m = 0 for Q8_0)
 //     codes  [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 weight rows. A group of a tile is
 //            8 steps of 4 columns; step s is 32 bytes, row r's codes for columns 4s..4s+3 at
@@ -31,6 +31,10 @@
 //            [N / 8, 4, K / 32, 8] ("half mins"): a d per half, then an m per half: Q2_K's
 //            sub-blocks, each with its own min (the min term then taken per half too, from
 //            the activations' sum over that half).
+//            int8, with `factors` [N / 8, scale rows, K / 256, 8] float16: each scale is its
+//            int8 times the factor of its 8 groups, the K-quants' own two levels (sub-scale
+//            times the super-block's d or -dmin); exact in float32, so the same numbers as
+//            the float32 form, from 1.25 bits a weight of scales instead of 2 (ScaleForm).
 //   A tile is a sequential stream, and a group's 8 row results come out in one vector: one
 //   conversion and one scale multiply serve 8 rows.
 //
@@ -82,6 +86,7 @@ constexpr bool kVnniBuild = false;
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -223,35 +228,74 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k,
   return out;
 }
 
+// How a tile's scales are stored: float16 (the 32-weight GGML types' own d and m), float32
+// (products that float16 cannot hold), or factored: an int8 sub-scale per entry times a
+// float16 factor per 8 groups, the K-quants' own two levels (d * sc, -dmin * min). Their
+// float32 product is exact (11 by at most 8 significant bits), the number the float32 form
+// holds: the same bits, at 1.25 bits a weight of scales instead of 2.
+enum class ScaleForm { kHalf, kFloat, kFactored };
+
 // Where a block's tiles are: tile t's codes at codes + t * code_stride, its scales at
 // scales + t * scale_stride.
 struct TileSpan {
   const uint8_t* codes;
-  const void* scales;  // at::Half, or float where `wide_scales`
+  const void* scales;  // at::Half, float or int8, by `form`
   int64_t code_stride;
   int64_t scale_stride;  // in scales
-  bool wide_scales;
+  ScaleForm form;
+  // kFactored: [scale rows, K / 256, 8] float16 a tile, the factor of scales 64i..64i + 63
+  // (8 groups of 8 rows) at 8i..8i + 7 (scale_stride is a multiple of 64)
+  const at::Half* factors = nullptr;
 
   // Tile t's span, counted from this one's first tile.
   TileSpan at(int64_t t) const {
     return {codes + t * code_stride,
-            static_cast<const char*>(scales) + t * scale_stride * (wide_scales ? 4 : 2),
-            code_stride, scale_stride, wide_scales};
+            static_cast<const char*>(scales) + t * scale_stride * scale_bytes(),
+            code_stride,
+            scale_stride,
+            form,
+            factors == nullptr ? nullptr : factors + t * scale_stride / 8};
+  }
+
+  int64_t scale_bytes() const {
+    return form == ScaleForm::kFloat ? 4 : form == ScaleForm::kHalf ? 2 : 1;
   }
 };
 
-// Scale i of a tile's scales as float (exact either way: float16 widens exactly).
+// Where scale i's factor is (ScaleForm::kFactored).
+inline int64_t factor_index(int64_t i) { return (i >> 6 << 3) + (i & 7); }
+
+// Scale i of a tile's scales as float (exact in every form: float16 widens exactly, and a
+// factored scale's product is exact).
 inline float scale_at(const TileSpan& span, int64_t i) {
-  return span.wide_scales ? static_cast<const float*>(span.scales)[i]
-                          : static_cast<float>(static_cast<const at::Half*>(span.scales)[i]);
+  switch (span.form) {
+    case ScaleForm::kFloat:
+      return static_cast<const float*>(span.scales)[i];
+    case ScaleForm::kHalf:
+      return static_cast<float>(static_cast<const at::Half*>(span.scales)[i]);
+    default:
+      return static_cast<float>(static_cast<const int8_t*>(span.scales)[i]) *
+             static_cast<float>(span.factors[factor_index(i)]);
+  }
 }
 
 #if PREFIXGATE_QMM_AVX2
-// Eight consecutive scales from index i, as floats.
+// Eight consecutive scales from index i (a multiple of 8), as floats.
 inline __m256 load_scales(const TileSpan& span, int64_t i) {
-  if (span.wide_scales) return _mm256_loadu_ps(static_cast<const float*>(span.scales) + i);
-  return _mm256_cvtph_ps(_mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(static_cast<const at::Half*>(span.scales) + i)));
+  switch (span.form) {
+    case ScaleForm::kFloat:
+      return _mm256_loadu_ps(static_cast<const float*>(span.scales) + i);
+    case ScaleForm::kHalf:
+      return _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const at::Half*>(span.scales) + i)));
+    default: {
+      const __m256 subs = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(span.scales) + i))));
+      const __m256 factors = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(span.factors + factor_index(i))));
+      return _mm256_mul_ps(subs, factors);
+    }
+  }
 }
 
 // Step j's codes of a 4- or 5-bit tile group, a byte each: `packed` the 32 bytes holding
@@ -879,9 +923,8 @@ std::string quant_matmul_path() {
 
 template <int BITS, bool HALVES, int MINS, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
-                       const void* scales, bool wide_scales, int64_t rows, int64_t n, int64_t k,
-                       OUT* out) {
-  const int64_t scale_bytes = wide_scales ? 4 : 2;
+                       const void* scales, ScaleForm form, const at::Half* factors,
+                       int64_t rows, int64_t n, int64_t k, OUT* out) {
   const int64_t groups = k / kGroup;
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
   const int64_t tile_scales = ((HALVES ? 2 : 1) + MINS) * groups * kTile;
@@ -892,7 +935,8 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t units = (tiles + kTileBlock - 1) / kTileBlock;
   // Rows [0, tile_rows) of every full pair of tiles go to the AMX tiles where they serve.
   const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
-  const TileSpan base{codes, scales, tile_code_bytes, tile_scales, wide_scales};
+  const TileSpan base{codes, scales, tile_code_bytes, tile_scales, form, factors};
+  const int64_t scale_bytes = base.scale_bytes();
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
 #if PREFIXGATE_QMM_AMX
     if (tile_rows > 0) {
@@ -914,6 +958,9 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
           const char* next_scales = static_cast<const char*>(next.scales);
           for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
             __builtin_prefetch(next_scales + off);
+          if (next.factors != nullptr)
+            for (int64_t off = 0; off < tile_scales / 4 * kTileBlock; off += 64)
+              __builtin_prefetch(reinterpret_cast<const char*>(next.factors) + off);
           // One or two rows read each block's codes once, and the hardware's prefetch does
           // not run ahead of it across blocks: the next block's codes come into L2 while
           // this one is computed (Gemma 3 270M's batch-1 decode step on Zen 4, most of it
@@ -936,7 +983,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
 }
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        int64_t bits) {
+                        int64_t bits, const std::optional<at::Tensor>& factors) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant_matmul: bits must be 4, 5 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -953,16 +1000,27 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   // scale rows: 1 d alone (m = 0), 2 d and m, 3 a d per half and m, 4 a d and an m per half
   const int64_t parts = scales.dim() == 4 ? scales.size(1) : 0;
   const bool halves = parts >= 3, with_min = parts != 1, half_mins = parts == 4;
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+  const bool factored = factors.has_value();
+  TORCH_CHECK((factored ? scales.scalar_type() == at::kChar
+                        : scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
                   scales.is_contiguous() && parts >= 1 && parts <= 4 &&
                   scales.sizes() == at::IntArrayRef({n / kTile, parts, groups, kTile}),
-              "quant_matmul: scales must be a contiguous float16 or float32 [N / 8, 1 to 4, "
-              "K / 32, 8]");
+              "quant_matmul: scales must be a contiguous float16 or float32 (int8 with factors) "
+              "[N / 8, 1 to 4, K / 32, 8]");
+  TORCH_CHECK(!factored || (groups % 8 == 0 && factors->scalar_type() == at::kHalf &&
+                            factors->is_contiguous() &&
+                            factors->sizes() ==
+                                at::IntArrayRef({n / kTile, parts, groups / 8, kTile})),
+              "quant_matmul: factors must be a contiguous float16 [N / 8, scale rows, K / 256, "
+              "8] (K a multiple of 256)");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
   const void* scale_ptr = scales.data_ptr();
-  const bool wide_scales = scales.scalar_type() == at::kFloat;
+  const ScaleForm form = factored                             ? ScaleForm::kFactored
+                         : scales.scalar_type() == at::kFloat ? ScaleForm::kFloat
+                                                              : ScaleForm::kHalf;
+  const at::Half* factor_ptr = factored ? factors->data_ptr<at::Half>() : nullptr;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const QuantizedActivations act =
@@ -972,13 +1030,17 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
       constexpr int kBits = decltype(bits_tag)::value;
       T* y = out.data_ptr<T>();
       if (half_mins) {
-        quant_matmul_impl<kBits, true, 2>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+        quant_matmul_impl<kBits, true, 2>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
+                                                   k, y);
       } else if (halves) {
-        quant_matmul_impl<kBits, true, 1>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+        quant_matmul_impl<kBits, true, 1>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
+                                                   k, y);
       } else if (with_min) {
-        quant_matmul_impl<kBits, false, 1>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+        quant_matmul_impl<kBits, false, 1>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
+                                                   k, y);
       } else {
-        quant_matmul_impl<kBits, false, 0>(act, code_ptr, scale_ptr, wide_scales, rows, n, k, y);
+        quant_matmul_impl<kBits, false, 0>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
+                                                   k, y);
       }
     };
     if (bits == 4) {
@@ -1000,7 +1062,9 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
-  m.def("quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits) -> Tensor");
+  m.def(
+      "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, Tensor? factors=None) -> "
+      "Tensor");
   m.def("quant_matmul_path() -> str", &quant_matmul_path);
 }
 

@@ -328,6 +328,18 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     low_code, high_code = {4: (0, 15), 5: (0, 31), 8: (-32, 31)}[block.bits]
     in_range = low_code <= int(codes.codes.min()) and int(codes.codes.max()) <= high_code
     assert in_range or qtype == Q.Q8_0
+    # a K-quant's two levels (what the kernel reads) multiply out to d and m bit for bit
+    assert (codes.factors is not None) == (block_weights > 32)
+    if codes.factors is not None:
+        f = codes.factors
+
+        def product(sub: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+            factor = factor.float().repeat_interleave(8, 1)
+            return sub.float() * (factor[..., None] if sub.dim() == 3 else factor)
+
+        for value, sub, factor in ((codes.d, f.d_sub, f.d_super), (codes.m, f.m_sub, f.m_super)):
+            assert sub.dtype == torch.int8 and factor.dtype == torch.float16
+            assert torch.equal(product(sub, factor).view(torch.int32), value.view(torch.int32))
     ours = codes.dequantize(torch.float32)
     ggml = torch.from_numpy(dequantize(blocks.reshape(64, -1), qtype).astype(np.float32))
     if qtype in (Q.Q4_0, Q.Q5_0):
@@ -344,9 +356,11 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
 ) -> None:
     """A K-quant tensor (written as raw super-blocks: gguf cannot quantize to them) read as
     the kernel's groups: float32 group scales, the file's values exactly, and the kernel on
-    its packing computing them (to its 8-bit activations' rounding)."""
+    its packing computing them (to its 8-bit activations' rounding). Packed in the file's own
+    two levels (int8 sub-scales, a float16 factor per super-block), the scales are the same
+    numbers, and the kernel's results the same bits as from the float32 products."""
     block_bytes = EXACT_BLOCKS[qtype.name].block_bytes
-    rows, cols = 16, 512
+    rows, cols = 32, 512
     gen = np.random.default_rng(5)
     blocks = gen.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
     scales = gen.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)  # d, dmin
@@ -380,6 +394,29 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     out = torch.ops.prefixgate.quant_matmul(x, packed.codes, packed.scales, bits)
     reference = x @ dense.T
     torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
+
+    assert codes.factors is not None
+    factored = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
+    assert factored.scales.dtype == torch.int8 and factored.factors is not None
+    assert factored.factors.dtype == torch.float16
+    # a byte per scale and 2 a factor per 8 of them: 5/16 of float32's 4 bytes a scale
+    assert factored.scales.nbytes + factored.factors.nbytes == packed.scales.nbytes * 5 // 16
+    every = torch.arange(rows)
+    products = factored.float_scales(every // 8, every % 8)
+    assert torch.equal(
+        products.view(torch.int32), packed.float_scales(every // 8, every % 8).view(torch.int32)
+    )
+    assert torch.equal(
+        dequantize_rows(factored, order).view(torch.int32), dense[order].view(torch.int32)
+    )
+    for batch in (1, 3, 17):  # the register blocks of every width, and row chunks
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+        for dtype in (torch.float32, torch.bfloat16):
+            want = torch.ops.prefixgate.quant_matmul(x.to(dtype), packed.codes, packed.scales, bits)
+            got = torch.ops.prefixgate.quant_matmul(
+                x.to(dtype), factored.codes, factored.scales, bits, factored.factors
+            )
+            assert torch.equal(got, want), (batch, dtype)
 
 
 def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
