@@ -48,7 +48,7 @@ class QuantizedWeight:
     """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
 
     codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
-    # (bits 4, 5 or 8: 5 is 4's nibbles then a plane of 5th bits)
+    # (bits 4, 5, 6 or 8: 5 and 6 are 4's nibbles then a plane per higher bit; 6 holds w + 32)
     # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
     # tile, d then m; [N / 8, 1, K / 32, 8] d alone where every m is 0 (Q8_0, int8: 1/18 of
     # the bytes a step reads); [N / 8, 3, K / 32, 8] with a d per 16-column half (Q6_K)
@@ -164,7 +164,8 @@ def pack_weight(
     with_min: bool | None = None,
     factors: ScaleFactors | None = None,
 ) -> QuantizedWeight:
-    """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -127..127 for 8, any dtype) with
+    """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -32..31 for 6, -127..127 for 8, any
+    dtype) with
     d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4
     columns with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The
     scales stay float32 where d or m is (a K-quant's exact products), else float16. `scale`
@@ -177,15 +178,19 @@ def pack_weight(
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]
-    if bits in (4, 5):
-        codes8 = steps.to(torch.uint8)
+    if bits in (4, 5, 6):
+        # 6 bits: codes -32..31 stored as w + 32 (the kernel takes the 32 off its sums)
+        codes8 = (
+            (steps.to(torch.int16) + 32).to(torch.uint8) if bits == 6 else steps.to(torch.uint8)
+        )
         nibbles = (codes8 & 15).reshape(tiles, groups, 4, 2, TILE_ROWS * 4)
         packed = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)  # steps 2j, 2j + 1
-        if bits == 5:  # then 32 bytes: bit s of byte i, step s's code i's 5th bit
-            fifths = (codes8 >> 4).reshape(tiles, groups, 8, TILE_ROWS * 4)  # [T, G, s, i]
-            weights = torch.tensor([1 << s for s in range(8)], dtype=torch.uint8)[:, None]
-            plane = (fifths * weights).sum(2, dtype=torch.uint8)  # bits are disjoint: no carry
-            packed = torch.cat([packed.reshape(tiles, groups, -1), plane], -1)
+        weights = torch.tensor([1 << s for s in range(8)], dtype=torch.uint8)[:, None]
+        planes = [packed.reshape(tiles, groups, -1)]
+        for bit in range(4, bits):  # then 32 bytes a bit: bit s of byte i, step s's code i's
+            high = ((codes8 >> bit) & 1).reshape(tiles, groups, 8, TILE_ROWS * 4)  # [T, G, s, i]
+            planes.append((high * weights).sum(2, dtype=torch.uint8))  # disjoint bits: no carry
+        packed = torch.cat(planes, -1)
     else:
         packed = steps.to(torch.int8).view(torch.uint8)
     wide = torch.float32 in (scale.dtype, low.dtype)
@@ -376,19 +381,20 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     the values are the same floats, bit for bit)."""
     tiles, groups = weight.codes.shape[:2]
     tile, row = rows // TILE_ROWS, rows % TILE_ROWS
-    if weight.bits in (4, 5):  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
+    if weight.bits in (4, 5, 6):  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
         n, nibble_bytes = len(rows), TILE_ROWS * GROUP_SIZE // 2
         mine = weight.codes[tile]  # [n, G, 8 * bits * 4]: the rows' tiles only
         packed = mine[:, :, :nibble_bytes].reshape(n, groups, 4, TILE_ROWS, 4)
         packed = packed[torch.arange(n), :, :, row]  # [n, G, 4, 4]
         steps = torch.stack((packed & 15, packed >> 4), 3)  # [n, G, 4, 2, 4]
         codes = steps.reshape(n, groups, GROUP_SIZE)
-        if weight.bits == 5:  # bit s of byte 4r + i: row r's column 4s + i's 5th bit
-            plane = mine[:, :, nibble_bytes:].reshape(n, groups, TILE_ROWS, 4)
+        for bit in range(4, weight.bits):  # bit s of byte 4r + i: row r's column 4s + i's
+            at = nibble_bytes + 32 * (bit - 4)
+            plane = mine[:, :, at : at + 32].reshape(n, groups, TILE_ROWS, 4)
             plane = plane[torch.arange(n), :, row]  # [n, G, 4]
-            fifths = (plane[:, :, None] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-            codes = codes | (fifths.reshape(n, groups, GROUP_SIZE) << 4)  # [n, G, s, i]
-        codes = codes.float()
+            high = (plane[:, :, None] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+            codes = codes | (high.reshape(n, groups, GROUP_SIZE) << bit)  # [n, G, s, i]
+        codes = codes.float() - (32 if weight.bits == 6 else 0)  # 6 bits: stored as w + 32
     else:
         packed = weight.codes.view(torch.int8).view(tiles, groups, 8, TILE_ROWS, 4)
         codes = packed[tile, :, :, row].reshape(len(rows), groups, GROUP_SIZE).float()

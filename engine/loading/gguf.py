@@ -4,7 +4,7 @@ Why not through transformers: its GGUF loader dequantizes the whole model to flo
 (the embedded model: 540 MB, a 1.2 GB peak at a fresh start), and the quantized engine wants
 the file's own blocks anyway. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K
 blocks are exactly the kernel's group-32 form w = code * d + m (engine/executor/quantization.py:
-4-bit codes for the Q4 types and Q2_K, 5-bit for Q5, 8-bit lanes for Q3_K, Q6 and Q8; the
+4-bit codes for the Q4 types and Q2_K, 5-bit for Q5, 6-bit for Q3_K and Q6_K, 8 for Q8; the
 K-quants' d and m as the file holds them, an int8 sub-scale per group times a float16 factor
 per super-block (`ScaleFactors`; their float32 products exactly), two d per group for Q2_K's,
 Q3_K's and Q6_K's 16-weight sub-blocks, two m for Q2_K's), so they are unpacked into codes, d
@@ -100,11 +100,11 @@ ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 @dataclass(frozen=True)
 class GroupCodes:
     """A weight as group-32 codes, w = codes * d + m: codes [N, K / 32, 32] (uint8 0..15 for
-    4 bits, 0..31 for 5, int8 for 8), d and m [N, K / 32] float16 (float32 for the K-quants
-    and where float16 cannot hold m exactly); d [N, K / 32, 2] where each 16-column half of a
-    group has its own (Q3_K, Q6_K), and m [N, K / 32, 2] too where each half has its own
-    min (Q2_K). Unpacked, so rows concatenate (q/k/v fused into one linear) before
-    `pack_weight` lays them out for the kernel."""
+    4 bits, 0..31 for 5, int8 -32..31 for 6, int8 for 8), d and m [N, K / 32] float16
+    (float32 for the K-quants and where float16 cannot hold m exactly); d [N, K / 32, 2]
+    where each 16-column half of a group has its own (Q3_K, Q6_K), and m [N, K / 32, 2] too
+    where each half has its own min (Q2_K). Unpacked, so rows concatenate (q/k/v fused into
+    one linear) before `pack_weight` lays them out for the kernel."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -119,10 +119,10 @@ class GroupCodes:
         values."""
         if bits == self.bits:
             return self
-        if (self.bits, bits) not in ((4, 5), (4, 8), (5, 8)):
+        if (self.bits, bits) not in ((4, 5), (4, 6), (4, 8), (5, 6), (5, 8), (6, 8)):
             raise ValueError(f"{self.bits}-bit codes do not fit in {bits} bits")
         return dataclasses.replace(
-            self, codes=self.codes.to(torch.int8 if bits == 8 else torch.uint8), bits=bits
+            self, codes=self.codes.to(torch.int8 if bits in (6, 8) else torch.uint8), bits=bits
         )
 
     @staticmethod
@@ -551,7 +551,8 @@ Decoder = Callable[[str, torch.Tensor], Decoded]
 class BlockType:
     """A GGML type whose blocks are the kernel's groups exactly."""
 
-    bits: int  # the code width that holds it: 4, 5 (the kernel's nibbles plus a bit plane), 8
+    # the code width that holds it: 4, 5 or 6 (the kernel's nibbles plus bit planes), 8
+    bits: int
     block_bytes: int
     block_weights: int  # 32, or a K-quant super-block's 256 (8 groups)
     decode: Decoder
@@ -568,8 +569,8 @@ EXACT_BLOCKS = {
     "Q8_0": BlockType(8, 34, 32, _block_codes),
     "Q4_K": BlockType(4, 144, 256, _super_block_codes),
     "Q5_K": BlockType(5, 176, 256, _super_block_codes),
-    "Q6_K": BlockType(8, 210, 256, _q6_k_codes),
-    "Q3_K": BlockType(8, 110, 256, _q3_k_codes),
+    "Q6_K": BlockType(6, 210, 256, _q6_k_codes),
+    "Q3_K": BlockType(6, 110, 256, _q3_k_codes),
     "Q2_K": BlockType(4, 84, 256, _q2_k_codes),
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
@@ -681,7 +682,7 @@ def _fused_codes(
 
 
 def _quantized(w: torch.Tensor, bits: int) -> GroupCodes:
-    if bits in (4, 5):  # a 5-bit linear's re-quantized part: 4-bit codes, widened
+    if bits in (4, 5, 6):  # a 5- or 6-bit linear's re-quantized part: 4-bit codes, widened
         codes, scale, low = quantize_int4(w)
         return GroupCodes(codes.to(torch.uint8), scale.half(), low.half(), 4).widened(bits)
     codes, scale = quantize_int8(w)

@@ -280,9 +280,9 @@ def shipped_weight_format(source: ModelSource) -> WeightFormat:
 
 
 def _width(bits: int | None) -> str:
-    """The weight format of a code width (BITS reversed; 5-bit codes re-quantized to int8,
-    the narrowest that holds them), "none" for a float type."""
-    bits = 8 if bits == 5 else bits
+    """The weight format of a code width (BITS reversed; 5- and 6-bit codes re-quantized to
+    int8, the narrowest that holds them), "none" for a float type."""
+    bits = 8 if bits in (5, 6) else bits
     return next((name for name, width in BITS.items() if width == bits), "none")
 
 

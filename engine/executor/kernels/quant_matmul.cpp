@@ -19,7 +19,10 @@
 //            bits 5: bits 4's 128 bytes for the codes' low 4 bits, then 32 bytes, bit s of
 //            byte i the 5th bit of step s's code i (one shift and a mask give a step's);
 //            codes 0..31 (Q5_0, Q5_1, Q5_K as their files hold them: 5.5 bits a weight, not
-//            8.5).
+//            8.5). bits 6: bits 5's 160 bytes, then 32 bytes of 6th bits alike; a code w in
+//            -32..31 stored as w + 32, the 32 * sum(activation codes) taken off each integer
+//            sum (Q6_K as its file holds it, 6 bits and not 8: the same integers, so the
+//            same bits as its codes in 8-bit lanes).
 //     scales [N / 8, 2, K / 32, 8] float16 or float32: a tile's d then its m, 8 rows per
 //            group. float16 is what Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the
 //            K-quants' per-group products (super-block d times a 6-bit sub-scale) exactly.
@@ -298,19 +301,26 @@ inline __m256 load_scales(const TileSpan& span, int64_t i) {
   }
 }
 
-// Step j's codes of a 4- or 5-bit tile group, a byte each: `packed` the 32 bytes holding
-// steps j and j ^ 1 (the even one in the low nibbles), `fifths` (5 bits) the group's fifth
-// bits, bit s of byte i step s's code i's. For block_dot and the AMX path's prepare_pair.
+// Step j's codes of a 4-, 5- or 6-bit tile group, a byte each: `packed` the 32 bytes holding
+// steps j and j ^ 1 (the even one in the low nibbles), `fifths` (5, 6 bits) the group's
+// fifth bits, bit s of byte i step s's code i's, `sixths` (6 bits) its sixth bits alike. For
+// block_dot and the AMX path's prepare_pair.
 template <int BITS>
-inline __m256i step_codes(__m256i packed, [[maybe_unused]] __m256i fifths, int j) {
+inline __m256i step_codes(__m256i packed, [[maybe_unused]] __m256i fifths,
+                          [[maybe_unused]] __m256i sixths, int j) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   __m256i u = j % 2 == 0 ? _mm256_and_si256(packed, low_nibbles)
                          : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-  if constexpr (BITS == 5) {  // bit j to bit 4 (16-bit shifts of at most 4 stay in their byte
+  if constexpr (BITS >= 5) {  // bit j to bit 4 (16-bit shifts of at most 4 stay in their byte
                               // under the mask)
     const __m256i fifth =
         j < 4 ? _mm256_slli_epi16(fifths, 4 - j) : _mm256_srli_epi16(fifths, j - 4);
     u = _mm256_or_si256(u, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
+  }
+  if constexpr (BITS == 6) {  // bit j to bit 5, alike (shifts of at most 5)
+    const __m256i sixth =
+        j < 5 ? _mm256_slli_epi16(sixths, 5 - j) : _mm256_srli_epi16(sixths, j - 5);
+    u = _mm256_or_si256(u, _mm256_and_si256(sixth, _mm256_set1_epi8(0x20)));
   }
   return u;
 }
@@ -361,7 +371,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
   constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
-  [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;  // 5 bits: 5th bits
+  // 5, 6 bits: the 5th bits' plane at kNibbleBytes, the 6th bits' 32 bytes after it
+  [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
 #if PREFIXGATE_QMM_AVX2
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kVnni = true;
@@ -394,20 +405,27 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     // The integer sums of steps [2 * first_pair, 2 * last_pair) into `sums`.
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
     // 5 bits without VNNI: 16-bit pair sums over 4 steps (<= 4 * 2 * 31 * 127), then widened
-    // into `sums`: the same integers as widening every step, for fewer instructions.
+    // into `sums`: the same integers as widening every step, for fewer instructions; 6 bits
+    // over 2 steps (<= 2 * 2 * 63 * 127).
     [[maybe_unused]] __m256i sums16[MB][T];
-    if constexpr (BITS == 5 && !kVnni)
+    if constexpr (BITS >= 5 && BITS < 8 && !kVnni)
       for (int mb = 0; mb < MB; ++mb)
         for (int t = 0; t < T; ++t) sums16[mb][t] = _mm256_setzero_si256();
     for (int pair = first_pair; pair < last_pair; ++pair) {
-      [[maybe_unused]] __m256i packed[T];  // 4, 5 bits: steps 2 * pair and 2 * pair + 1
-      [[maybe_unused]] __m256i fifths[T];  // 5 bits: bit s of byte i, step s's code i's 5th
-      if constexpr (BITS == 5) {
+      [[maybe_unused]] __m256i packed[T];  // 4-6 bits: steps 2 * pair and 2 * pair + 1
+      [[maybe_unused]] __m256i fifths[T];  // 5, 6 bits: bit s of byte i, step s's code i's 5th
+      [[maybe_unused]] __m256i sixths[T];  // 6 bits: its 6th
+      if constexpr (BITS == 5 || BITS == 6) {
         for (int t = 0; t < T; ++t)
           fifths[t] = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(group_codes[t] + kNibbleBytes));
       }
-      if constexpr (BITS == 4 || BITS == 5) {
+      if constexpr (BITS == 6) {
+        for (int t = 0; t < T; ++t)
+          sixths[t] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(group_codes[t] + kNibbleBytes + 32));
+      }
+      if constexpr (BITS != 8) {
         for (int t = 0; t < T; ++t)
           packed[t] =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes[t] + pair * 32));
@@ -417,8 +435,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
         __m256i u[T];                      // the multiply-add's unsigned operand, per tile
         [[maybe_unused]] __m256i sign[T];  // 8 bits without VNNI: the codes, for their signs
         for (int t = 0; t < T; ++t) {
-          if constexpr (BITS == 4 || BITS == 5)
-            u[t] = step_codes<BITS>(packed[t], BITS == 5 ? fifths[t] : __m256i{}, j);
+          if constexpr (BITS != 8)
+            u[t] = step_codes<BITS>(packed[t], BITS >= 5 ? fifths[t] : __m256i{},
+                                    BITS == 6 ? sixths[t] : __m256i{}, j);
           if constexpr (BITS == 8) {
             // 8-bit codes are signed and the multiply-add takes its first operand unsigned:
             // with VNNI, w + 128 (its top bit flipped), the 128 * sum(activation codes) it
@@ -444,7 +463,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 #else
             if constexpr (kPairs) {  // <= 8 * 2 * 15 * 127
               sums[0][mb][t] = _mm256_add_epi16(sums[0][mb][t], _mm256_maddubs_epi16(u[t], s));
-            } else if constexpr (BITS == 5) {
+            } else if constexpr (BITS == 5 || BITS == 6) {
               sums16[mb][t] = _mm256_add_epi16(sums16[mb][t], _mm256_maddubs_epi16(u[t], s));
             } else {
               const __m256i pairs = _mm256_maddubs_epi16(u[t], _mm256_sign_epi8(s, sign[t]));
@@ -455,8 +474,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           }
         }
       }
-      if constexpr (BITS == 5 && !kVnni) {
-        if (pair % 2 == 1) {  // 4 steps summed: widen, start again
+      if constexpr ((BITS == 5 || BITS == 6) && !kVnni) {
+        if (BITS == 6 || pair % 2 == 1) {  // 4 (6 bits: 2) steps summed: widen, start again
           for (int mb = 0; mb < MB; ++mb)
             for (int t = 0; t < T; ++t) {
               sums[0][mb][t] = _mm256_add_epi32(
@@ -485,6 +504,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           if constexpr (BITS == 8 && kVnni) {  // the codes were taken as w + 128
             const int32_t codes = rows.codes_summed(mb * groups + g, part);
             total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * codes));
+          } else if constexpr (BITS == 6) {  // 6-bit codes are stored as w + 32
+            const int32_t codes = rows.codes_summed(mb * groups + g, part);
+            total = _mm256_sub_epi32(total, _mm256_set1_epi32(32 * codes));
           }
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(rows.scale[mb * groups + g]));
           acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
@@ -518,11 +540,14 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           for (int64_t j = 0; j < kSteps; ++j) {
             for (int64_t i = 0; i < 4; ++i) {
               int32_t code;
-              if constexpr (BITS == 4 || BITS == 5) {
+              if constexpr (BITS != 8) {
                 const uint8_t byte = group_codes[j / 2 * 32 + 4 * r + i];
                 code = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
-                if constexpr (BITS == 5)
+                if constexpr (BITS >= 5)
                   code |= ((group_codes[kNibbleBytes + 4 * r + i] >> j) & 1) << 4;
+                if constexpr (BITS == 6)
+                  code = (code | ((group_codes[kNibbleBytes + 32 + 4 * r + i] >> j) & 1) << 5) -
+                         32;
               } else {
                 code = static_cast<int8_t>(group_codes[j * 32 + 4 * r + i]);
               }
@@ -580,14 +605,20 @@ inline __m512 pair_scales(const TileSpan& span, int64_t i) {
 
 // step_codes in 512-bit lanes: the same bytes, tile by tile.
 template <int BITS>
-inline __m512i pair_step_codes(__m512i packed, [[maybe_unused]] __m512i fifths, int j) {
+inline __m512i pair_step_codes(__m512i packed, [[maybe_unused]] __m512i fifths,
+                               [[maybe_unused]] __m512i sixths, int j) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __m512i u = j % 2 == 0 ? _mm512_and_si512(packed, low_nibbles)
                          : _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-  if constexpr (BITS == 5) {
+  if constexpr (BITS >= 5) {
     const __m512i fifth =
         j < 4 ? _mm512_slli_epi16(fifths, 4 - j) : _mm512_srli_epi16(fifths, j - 4);
     u = _mm512_or_si512(u, _mm512_and_si512(fifth, _mm512_set1_epi8(0x10)));
+  }
+  if constexpr (BITS == 6) {
+    const __m512i sixth =
+        j < 5 ? _mm512_slli_epi16(sixths, 5 - j) : _mm512_srli_epi16(sixths, j - 5);
+    u = _mm512_or_si512(u, _mm512_and_si512(sixth, _mm512_set1_epi8(0x20)));
   }
   return u;
 }
@@ -615,8 +646,9 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
       if constexpr (BITS >= 5) __builtin_prefetch(codes + kPrefetchBytes + 128);
       if constexpr (BITS == 8) __builtin_prefetch(codes + kPrefetchBytes + 192);
     }
-    [[maybe_unused]] __m512i fifths{};
-    if constexpr (BITS == 5) fifths = pair_bytes(codes0, codes1, kNibbleBytes);
+    [[maybe_unused]] __m512i fifths{}, sixths{};
+    if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes(codes0, codes1, kNibbleBytes);
+    if constexpr (BITS == 6) sixths = pair_bytes(codes0, codes1, kNibbleBytes + 32);
     __m512i sums[kChains][MB];
     const auto clear = [&]() __attribute__((always_inline)) {
       for (int c = 0; c < kChains; ++c)
@@ -625,7 +657,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
       for (int pair = first_pair; pair < last_pair; ++pair) {
         [[maybe_unused]] __m512i packed{};
-        if constexpr (BITS == 4 || BITS == 5) packed = pair_bytes(codes0, codes1, pair * 32);
+        if constexpr (BITS != 8) packed = pair_bytes(codes0, codes1, pair * 32);
         for (int half = 0; half < 2; ++half) {
           const int j = 2 * pair + half;
           __m512i u;
@@ -633,7 +665,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
             u = _mm512_xor_si512(pair_bytes(codes0, codes1, j * 32),
                                  _mm512_set1_epi8(static_cast<char>(0x80)));
           } else {
-            u = pair_step_codes<BITS>(packed, fifths, j);
+            u = pair_step_codes<BITS>(packed, fifths, sixths, j);
           }
           for (int mb = 0; mb < MB; ++mb) {
             int32_t four;
@@ -652,9 +684,9 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
-        if constexpr (BITS == 8) {
+        if constexpr (BITS == 8 || BITS == 6) {  // stored as w + 128 (w + 32)
           const int32_t codes = rows.codes_summed(mb * groups + g, part);
-          total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * codes));
+          total = _mm512_sub_epi32(total, _mm512_set1_epi32((BITS == 8 ? 128 : 32) * codes));
         }
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[mb * groups + g]));
         acc[mb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[mb]);
@@ -756,12 +788,19 @@ void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
     for (int t = 0; t < 2; ++t) {
       const uint8_t* codes = span.codes + t * span.code_stride + g * kGroupBytes;
       const __m256i fifths =
-          BITS == 5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes))
-                    : __m256i{};
+          BITS == 5 || BITS == 6
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes))
+              : __m256i{};
+      const __m256i sixths =
+          BITS == 6
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes + 32))
+              : __m256i{};
       for (int j = 0; j < kSteps; ++j) {
         __m256i step = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(codes + (BITS == 8 ? j : j / 2) * 32));
-        if constexpr (BITS != 8) step = step_codes<BITS>(step, fifths, j);
+        if constexpr (BITS != 8) step = step_codes<BITS>(step, fifths, sixths, j);
+        // 6-bit codes are stored as w + 32: the tiles multiply signed bytes, w itself
+        if constexpr (BITS == 6) step = _mm256_sub_epi8(step, _mm256_set1_epi8(32));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + j * 64 + t * 32), step);
       }
     }
@@ -984,7 +1023,8 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         int64_t bits, const std::optional<at::Tensor>& factors) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant_matmul: bits must be 4, 5 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "quant_matmul: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_matmul: x must be float32 or bfloat16");
@@ -1024,7 +1064,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const QuantizedActivations act =
-        quantize_activations(x.data_ptr<T>(), rows, k, halves && bits == 8 && kVnniBuild,
+        quantize_activations(x.data_ptr<T>(), rows, k,
+                             halves && (bits == 6 || (bits == 8 && kVnniBuild)),
                              half_mins);
     const auto impl = [&](auto bits_tag) {
       constexpr int kBits = decltype(bits_tag)::value;
@@ -1047,6 +1088,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
       impl(std::integral_constant<int, 4>{});
     } else if (bits == 5) {
       impl(std::integral_constant<int, 5>{});
+    } else if (bits == 6) {
+      impl(std::integral_constant<int, 6>{});
     } else {
       impl(std::integral_constant<int, 8>{});
     }

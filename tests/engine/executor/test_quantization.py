@@ -19,6 +19,7 @@ from engine.executor.quantization import (
     TILE_ROWS,
     QuantizedLinear,
     QuantizedWeight,
+    ScaleFactors,
     WeightFormat,
     dequantize_rows,
     pack_weight,
@@ -278,6 +279,52 @@ def test_every_build_gives_the_pinned_bits(
         weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
     out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
     assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
+
+
+@pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_six_bit_codes_give_the_bits_of_the_same_codes_in_8_bit_lanes(
+    kernels: None, dtype: torch.dtype, layout: str
+) -> None:
+    """Q6_K's and Q3_K's codes (-32..31) in their own 6 bits, stored as w + 32 with 32 times
+    the activation codes' sum taken off each integer sum: the same integers as the codes in
+    8-bit lanes, so the same bits (the 8-bit lanes are pinned above, on every build), with
+    float32 scales and with the K-quants' factored ones alike, for every row count from 1 to
+    40 (every register block, pair and tile width) and in every layout of the scales."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 8 * 6, 512
+    groups = k // GROUP_SIZE
+    codes = torch.randint(-32, 32, (n, groups, GROUP_SIZE), generator=gen).to(torch.int8)
+    codes[0, 0], codes[1, 0] = -32, 31  # the extremes, a whole group each
+    shape = (n, groups, 2) if layout != "groups" else (n, groups)
+    d_sub = torch.randint(-128, 128, shape, generator=gen).to(torch.int8)
+    m_sub = torch.randint(0, 64, shape if layout == "half-mins" else (n, groups), generator=gen)
+    d_super = (torch.randint(1, 2000, (n, groups // 8), generator=gen).float() / 2**20).half()
+    m_super = -(torch.randint(1, 2000, (n, groups // 8), generator=gen).float() / 2**18).half()
+    if layout == "halves":  # Q6_K: no min
+        m_sub, m_super = torch.zeros_like(m_sub), torch.full_like(m_super, -0.0)
+    factors = ScaleFactors(d_sub, d_super, m_sub.to(torch.int8), m_super)
+
+    def product(sub: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        factor = factor.float().repeat_interleave(8, 1)
+        return sub.float() * (factor[..., None] if sub.dim() == 3 else factor)
+
+    d, m = product(factors.d_sub, d_super), product(factors.m_sub, m_super)
+    x = (torch.randint(-4096, 4096, (40, k), generator=gen).float() / 1024).to(dtype)
+    wide = pack_weight(codes, d, m, 8)
+    want = torch.ops.prefixgate.quant_matmul(x, wide.codes, wide.scales, 8)
+    six = pack_weight(codes, d, m, 6)
+    six_factored = pack_weight(codes, d, m, 6, factors=factors)
+    assert six.codes.shape[-1] == 6 * 32 and six_factored.scales.dtype == torch.int8
+    every = torch.arange(n)
+    assert torch.equal(dequantize_rows(six, every), dequantize_rows(wide, every))
+    assert torch.equal(dequantize_rows(six_factored, every), dequantize_rows(wide, every))
+    for rows in range(1, 41):
+        for weight in (six, six_factored):
+            got = torch.ops.prefixgate.quant_matmul(
+                x[:rows], weight.codes, weight.scales, 6, weight.factors
+            )
+            assert torch.equal(got, want[:rows]), (rows, weight.factors is None)
 
 
 def test_the_integer_dot_products_are_the_best_this_cpu_and_build_have(kernels: None) -> None:

@@ -325,7 +325,7 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     assert codes.d.dtype == (torch.float32 if block_weights > 32 else torch.float16)
     if qtype in (Q.Q4_0, Q.Q5_0):  # the f16 extremes' -8 d and -16 d need float32
         assert codes.m.dtype == torch.float32
-    low_code, high_code = {4: (0, 15), 5: (0, 31), 8: (-32, 31)}[block.bits]
+    low_code, high_code = {4: (0, 15), 5: (0, 31), 6: (-32, 31), 8: (-128, 127)}[block.bits]
     in_range = low_code <= int(codes.codes.min()) and int(codes.codes.max()) <= high_code
     assert in_range or qtype == Q.Q8_0
     # a K-quant's two levels (what the kernel reads) multiply out to d and m bit for bit
@@ -349,7 +349,7 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
 
 
 @pytest.mark.parametrize(
-    ("qtype", "bits"), [(Q.Q2_K, 4), (Q.Q3_K, 8), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 8)]
+    ("qtype", "bits"), [(Q.Q2_K, 4), (Q.Q3_K, 6), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6)]
 )
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
