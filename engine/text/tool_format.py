@@ -11,7 +11,9 @@ chat template (`tool_format_of`):
   Ministral 8B) or `<|tool_call|>` (Granite 3.x), tags their tokenizers hold as special
   tokens;
 - `MISTRAL_ARGS`: `[TOOL_CALLS]name[ARGS]{...}` a call, the name outside the object
-  (Ministral 3, Devstral).
+  (Ministral 3, Devstral);
+- `MISTRAL_CALL_ID`: `[TOOL_CALLS]name[CALL_ID]a1b2c3d4e[ARGS]{...}`, the call's nine-character
+  id between them, written by the model (Mistral Small 3.2).
 
 How the tools reach the prompt is the template's own way too (`tool_prompt_of`):
 - `ARGUMENT`: templates that take `tools` get them and render the conversation themselves;
@@ -308,6 +310,10 @@ class ToolFormat:
     # Set: a call is `opener`, the function's name, this tag and the arguments' JSON object
     # (Ministral 3's `[TOOL_CALLS]get_weather[ARGS]{...}`), not one object holding both
     arguments_tag: str = ""
+    # Set (with `arguments_tag`): the call's id stands between its name and `arguments_tag`
+    # behind this tag, `call_id_length` letters and digits the model writes itself (Mistral
+    # Small 3.2's `[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{...}`)
+    id_tag: str = ""
 
     def starts_calls(self, text: str) -> bool | None:
         """Whether an answer that starts with `text` is calls; None while it cannot tell
@@ -323,7 +329,10 @@ class ToolFormat:
         objects = [
             self.opener
             + (
-                c["function"]["name"] + self.arguments_tag + json.dumps(_args(c))
+                c["function"]["name"]
+                + self._id_written(c)
+                + self.arguments_tag
+                + json.dumps(_args(c))
                 if self.arguments_tag
                 else json.dumps({"name": c["function"]["name"], self.arguments_key: _args(c)})
             )
@@ -331,6 +340,18 @@ class ToolFormat:
             for c in calls
         ]
         return self.list_opener + self.separator.join(objects) + self.list_closer
+
+    def _id_written(self, call: Mapping[str, Any]) -> str:
+        """The id part of a call in the `id_tag` shape ("" where there is none)."""
+        if not self.id_tag:
+            return ""
+        return self.id_tag + _call_id(str(call.get("id") or "call"), self.call_id_length)
+
+    @property
+    def _id_rule(self) -> str:
+        """What follows a name and `id_tag` in the grammar up to the arguments' object: an id
+        of the model's own, then the arguments' tag."""
+        return f"/[a-zA-Z0-9]{{{self.call_id_length}}}/ {self._lark(self.arguments_tag)}"
 
     def grammar(
         self,
@@ -385,7 +406,10 @@ class ToolFormat:
         for tool in tools:
             parameters = tool["function"].get("parameters") or {"type": "object"}
             arguments = json.dumps({**parameters, **_COMPACT})
-            name = self._lark(tool["function"]["name"] + self.arguments_tag)
+            if self.id_tag:
+                name = f"{self._lark(tool['function']['name'] + self.id_tag)} {self._id_rule}"
+            else:
+                name = self._lark(tool["function"]["name"] + self.arguments_tag)
             alternatives.append(f"{name} %json {arguments}")
         calls = "call+" if parallel else "call"
         call = _sequence(self._lark(self.opener), "named", self._lark(self.closer))
@@ -439,9 +463,11 @@ class ToolFormat:
         constrains a named call to its arguments alone): it is no decode step and no share
         of max_tokens, and the grammar reads it there (`SamplingParams`'
         `num_grammar_prompt_tokens`)."""
-        if self.arguments_tag:  # the tag, then the name and its own tag
+        if self.arguments_tag:  # the tag, then the name and its own tag (and an id: ours)
             start = self.list_opener + self.opener
-            return start if only is None else f"{start}{only}{self.arguments_tag}"
+            if only is None:
+                return start
+            return f"{start}{only}{self._id_written({'id': only})}{self.arguments_tag}"
         start = f'{self.list_opener}{self.opener}{{"name":"'
         if only is None:
             return start
@@ -459,7 +485,7 @@ class ToolFormat:
         # answer starts with "{" too)
         if is_cut and rest is not None and (self._tag or _starts_a_call(rest)):
             cut = (
-                _cut_tagged_call(rest, self.arguments_tag)
+                _cut_tagged_call(rest, self.arguments_tag, self.id_tag)
                 if self.arguments_tag
                 else _cut_call(rest, self.arguments_key)
             )
@@ -548,7 +574,11 @@ class ToolFormat:
             named = body.find(self.arguments_tag)
             if named == -1:
                 return calls, text[:opened], body
-            name = body[:named].strip()
+            name = (
+                body[:named].partition(self.id_tag)[0].strip()
+                if self.id_tag
+                else body[:named].strip()
+            )
             start = position + len(tag) + named + len(self.arguments_tag)
             start += len(text[start:]) - len(text[start:].lstrip())
             try:
@@ -632,6 +662,18 @@ MISTRAL_ARGS = ToolFormat(
     tags=("[TOOL_CALLS]", "[ARGS]"),
     arguments_tag="[ARGS]",
 )
+MISTRAL_CALL_ID = ToolFormat(
+    "mistral_call_id",
+    "[TOOL_CALLS]",
+    "",
+    "",
+    "arguments",
+    text_guard="[TOOL_CALLS]",
+    tags=("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"),
+    call_id_length=9,
+    arguments_tag="[ARGS]",
+    id_tag="[CALL_ID]",
+)
 GRANITE = ToolFormat(
     "granite",
     "",
@@ -652,10 +694,10 @@ def tool_format_of(
     with "parameters" and return results in an `ipython` turn; Mistral's (7B v0.3, Nemo,
     Ministral 8B) write past calls as one `[TOOL_CALLS][...]` list and their later ones
     (Ministral 3, Devstral) as `[TOOL_CALLS]name[ARGS]{...}`, Granite 3's ask for one
-    `<|tool_call|>[...]` list; a template that reads
+    `<|tool_call|>[...]` list; Mistral Small 3.2's put a `[CALL_ID]` and an id between a
+    call's name and its `[ARGS]`; a template that reads
     the system message's `tools` field is Phi-4-mini's; every other template (and our own
-    system prompt, for templates that take no tools) speaks Hermes. Mistral Small 3.2's
-    (`[CALL_ID]` between a call's name and arguments) is not read yet: Hermes for it too.
+    system prompt, for templates that take no tools) speaks Hermes.
     `added_tokens`: the tokenizer's added tokens and their ids, which tags are
     (`ToolFormat.token_tags`)."""
     chosen = _template_format(chat_template)
@@ -678,7 +720,7 @@ def _template_format(chat_template: str | None) -> ToolFormat:
     if "[TOOL_CALLS][" in chat_template and "[ARGS]" not in chat_template:
         return MISTRAL
     if "[TOOL_CALLS]" in chat_template and "[ARGS]" in chat_template:
-        return MISTRAL_ARGS if "[CALL_ID]" not in chat_template else HERMES
+        return MISTRAL_CALL_ID if "[CALL_ID]" in chat_template else MISTRAL_ARGS
     if "<|tool_call|>" in chat_template:
         return GRANITE
     return HERMES
@@ -761,11 +803,15 @@ def _cut_call(body: str, arguments_key: str) -> ParsedToolCall | None:
     return ParsedToolCall(name, json.dumps(value))
 
 
-def _cut_tagged_call(body: str, arguments_tag: str) -> ParsedToolCall | None:
+def _cut_tagged_call(body: str, arguments_tag: str, id_tag: str = "") -> ParsedToolCall | None:
     """The call a text cut at the length limit was writing, in the `arguments_tag` shape
     (`body`: what follows its opener): its name and the arguments written so far, or None
-    when its name was not whole (its tag not written yet)."""
-    name, tagged, arguments = body.partition(arguments_tag)
+    when its name was not whole (its tag, or `id_tag`, not written yet)."""
+    if id_tag:
+        name, tagged, rest = body.partition(id_tag)
+        arguments = rest.partition(arguments_tag)[2]
+    else:
+        name, tagged, arguments = body.partition(arguments_tag)
     if not tagged or not name.strip():
         return None
     arguments = arguments.strip()

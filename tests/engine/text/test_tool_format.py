@@ -24,6 +24,7 @@ from engine.text.tool_format import (
     LLAMA3_JSON,
     MISTRAL,
     MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
     PHI4_MINI,
     SYSTEM_FIELD,
     CallReader,
@@ -131,10 +132,11 @@ SMOLLM3 = (TEMPLATES / "smollm3.jinja").read_text()
 MISTRAL_NEMO = (TEMPLATES / "mistral-nemo-instruct.jinja").read_text()
 GRANITE3 = (TEMPLATES / "granite-3.3-instruct.jinja").read_text()
 MINISTRAL3 = (TEMPLATES / "ministral-3-reasoning.jinja").read_text()
+MISTRAL_SMALL = (TEMPLATES / "mistral-small-3.2-instruct.jinja").read_text()
 FORMATS = pytest.mark.parametrize(
     "tool_format",
-    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL, GRANITE, MISTRAL_ARGS],
-    ids=["hermes", "llama3", "phi4-mini", "mistral", "granite", "mistral-args"],
+    [HERMES, LLAMA3_JSON, PHI4_MINI, MISTRAL, GRANITE, MISTRAL_ARGS, MISTRAL_CALL_ID],
+    ids=["hermes", "llama3", "phi4-mini", "mistral", "granite", "mistral-args", "mistral-id"],
 )
 
 
@@ -148,8 +150,7 @@ FORMATS = pytest.mark.parametrize(
         (MISTRAL_NEMO, MISTRAL),
         (GRANITE3, GRANITE),
         (MINISTRAL3, MISTRAL_ARGS),
-        # Mistral Small 3.2's puts a `[CALL_ID]` between the name and the arguments
-        ("{{ tools }}{{ '[TOOL_CALLS]' }}{{ '[CALL_ID]' }}{{ '[ARGS]' }}", HERMES),
+        (MISTRAL_SMALL, MISTRAL_CALL_ID),  # a `[CALL_ID]` between the name and the arguments
         ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # takes no tools
         (None, HERMES),
     ],
@@ -161,7 +162,7 @@ FORMATS = pytest.mark.parametrize(
         "mistral-nemo",
         "granite-3.3",
         "ministral-3",
-        "mistral-call-id",
+        "mistral-small-3.2",
         "no-tools",
         "no-template",
     ],
@@ -593,9 +594,9 @@ def test_special_token_text_in_the_tools_field_is_text(
 def _name_end(tool_format: ToolFormat, text: str, name: str) -> int:
     """Where a written call's name is whole: after its quotes, or after the arguments' tag
     that follows it (`ToolFormat.arguments_tag`)."""
-    if tool_format.arguments_tag:
-        at = text.index(name + tool_format.arguments_tag)
-        return at + len(name) + len(tool_format.arguments_tag)
+    if tool_format.arguments_tag:  # (or the id's tag: Mistral Small's)
+        tag = tool_format.id_tag or tool_format.arguments_tag
+        return text.index(name + tag) + len(name) + len(tag)
     return text.index(f'"{name}"') + len(name) + 2
 
 
@@ -628,6 +629,79 @@ def test_the_ministral_grammar_writes_named_calls(tiny_tokenizer: PreTrainedToke
     auto = MISTRAL_ARGS.grammar(tools, only=None, is_required=False, parallel=False)
     assert accepts(auto, mend) and not accepts(auto, make + mend)
     assert accepts(auto, "It is sunny.") and accepts(auto, "[1, 2]")
+
+
+def test_mistral_small_calls_carry_an_id_between_the_name_and_the_arguments() -> None:
+    """Mistral Small 3.2 writes `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`: the name and the
+    arguments are read, the id is the model's own (the API gives its own ids)."""
+    one = '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+    assert MISTRAL_CALL_ID.parse(one) == (
+        None,
+        [ParsedToolCall("get_weather", '{"city": "Paris"}')],
+    )
+    two = (
+        'Checking. [TOOL_CALLS]f[CALL_ID]000000001[ARGS]{}[TOOL_CALLS]g[CALL_ID]x[ARGS]{"y": 2} ok'
+    )
+    expected = [ParsedToolCall("f", "{}"), ParsedToolCall("g", '{"y": 2}')]
+    assert MISTRAL_CALL_ID.parse(two) == ("Checking. ok", expected)
+    for text in ("[TOOL_CALLS]f[CALL_ID]abc[ARGS][1]", "[TOOL_CALLS][CALL_ID]abc[ARGS]{}"):
+        assert MISTRAL_CALL_ID.parse(text) == (text, [])
+    written = MISTRAL_CALL_ID.written([_call("f", '{"x": 1}', "call_0123456789abcdef")])
+    assert re.fullmatch(r'\[TOOL_CALLS\]f\[CALL_ID\][0-9a-f]{9}\[ARGS\]\{"x": 1\}', written)
+
+
+def test_the_mistral_small_grammar_has_the_model_write_a_nine_character_id(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Each call is the tag, a tool's name, `[CALL_ID]` and nine letters or digits, `[ARGS]`
+    and that tool's arguments."""
+    accepts = _accepter(tiny_tokenizer)
+    tools = [
+        {"type": "function", "function": {"name": "make", "parameters": PERSON}},
+        {"type": "function", "function": {"name": "mend", "parameters": PET}},
+    ]
+    make = '[TOOL_CALLS]make[CALL_ID]abc123XYZ[ARGS]{"pet":{"age":3}}'
+    mend = '[TOOL_CALLS]mend[CALL_ID]000000000[ARGS]{"age":4}'
+    required = MISTRAL_CALL_ID.grammar(tools, only=None, is_required=True, parallel=True)
+    assert accepts(required, make) and accepts(required, make + mend)
+    assert not accepts(required, '[TOOL_CALLS]make[ARGS]{"pet":{"age":3}}')  # no id
+    assert not accepts(required, '[TOOL_CALLS]mend[CALL_ID]abc12[ARGS]{"age":4}')  # 5 chars
+    assert not accepts(required, '[TOOL_CALLS]mend[CALL_ID]abc-12345[ARGS]{"age":4}')
+    assert not accepts(required, '[TOOL_CALLS]make[CALL_ID]abc123XYZ[ARGS]{"age":4}')
+    auto = MISTRAL_CALL_ID.grammar(tools, only=None, is_required=False, parallel=False)
+    assert accepts(auto, mend) and not accepts(auto, make + mend)
+    assert accepts(auto, "It is sunny.")
+    # a named call's opening is whole up to the arguments: the name, an id of ours, the tag
+    opening = MISTRAL_CALL_ID.opening("mend")
+    assert re.fullmatch(r"\[TOOL_CALLS\]mend\[CALL_ID\][0-9a-f]{9}\[ARGS\]", opening)
+    named = MISTRAL_CALL_ID.grammar(tools, only="mend", is_required=True, parallel=False)
+    assert accepts(named, opening + '{"age":4}') and not accepts(named, mend)
+
+
+def test_mistral_small_past_calls_and_results_render_with_the_same_nine_character_id(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Its template refuses ids that are not nine characters: an OpenAI id (`call_...`)
+    becomes one, the same for the call and its result."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = MISTRAL_SMALL
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [_call("get_weather", '{"city": "Paris"}', "call_0123456789abcdef")],
+        },
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "18 C"},
+        {"role": "assistant", "content": "It is 18 C."},
+        {"role": "user", "content": "And in Rome?"},
+    ]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, turns, tools=[tool]))
+    [call_id] = re.findall(r"\[CALL_ID\](\w+)\[ARGS\]", text)
+    assert len(call_id) == 9
+    assert f'[TOOL_CALLS]get_weather[CALL_ID]{call_id}[ARGS]{{"city": "Paris"}}' in text
+    assert f"[TOOL_RESULTS]{call_id}[TOOL_CONTENT]18 C[/TOOL_RESULTS]" in text
 
 
 @FORMATS
