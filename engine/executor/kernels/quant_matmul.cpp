@@ -50,8 +50,8 @@
 // invariant, and its bits do not depend on the instruction set either (the tests pin them).
 //
 // Registered as torch.ops.prefixgate.quant_matmul. A GEMM at prefill shapes: register blocks of
-// several activation rows times two tiles, rows in chunks that stay in L1 while the tiles pass
-// (see block_dot); parallel over tiles. AVX2 (with VNNI where the build has AVX512-VNNI; an
+// several activation rows times two tiles, rows in chunks that stay in L1 while a block of
+// tiles that stays in L2 passes (kWeightBlockBytes; see block_dot); parallel over tiles. AVX2 (with VNNI where the build has AVX512-VNNI; an
 // AVX-512 build takes pairs of tiles in 512-bit lanes, pair_dot) or a portable scalar loop;
 // where the CPU has AMX (Intel Xeon since Sapphire Rapids), blocks of 16 rows go to its tiles
 // instead (amx_rows). Every path gives the same bits. engine/quantization.py packs
@@ -115,6 +115,11 @@ constexpr int kTileBlock = 2;
 // task passes over them: with all 1000 rows of a prefill at once, each tile streamed ~576 KB
 // of activations from beyond L2 and the same loop ran at ~half speed.
 constexpr int64_t kChunkBytes = 16384;
+// ... and tiles in blocks of about this many bytes of weights, which stay in L2 (half of the
+// older EPYC's 512 KB) while every row chunk passes over them: with the whole task's tiles
+// per chunk, a 1B model's weights came from memory once per chunk of 5 rows, 16 times for
+// an 80-token prefill (~10 GB read for 844 MB of weights).
+constexpr int64_t kWeightBlockBytes = 256 * 1024;
 // Calls of at most this many rows fetch the next tile block's codes ahead (quant_matmul_impl).
 constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of a tile's stream
@@ -976,6 +981,8 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
   const TileSpan base{codes, scales, tile_code_bytes, tile_scales, form, factors};
   const int64_t scale_bytes = base.scale_bytes();
+  const int64_t unit_bytes = kTileBlock * (tile_code_bytes + tile_scales * scale_bytes);
+  const int64_t block_units = std::max<int64_t>(1, kWeightBlockBytes / unit_bytes);
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
 #if PREFIXGATE_QMM_AMX
     if (tile_rows > 0) {
@@ -987,34 +994,36 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
       _tile_release();
     }
 #endif
-    for (int64_t first = 0; first < rows; first += chunk) {
-      const int64_t last = std::min(rows, first + chunk);
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t t = u * kTileBlock;
-        if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
-        if (u + 1 < end) {  // the next block's scales: a separate, short stream
-          const TileSpan next = base.at(t + kTileBlock);
-          const char* next_scales = static_cast<const char*>(next.scales);
-          for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
-            __builtin_prefetch(next_scales + off);
-          if (next.factors != nullptr)
-            for (int64_t off = 0; off < tile_scales / 4 * kTileBlock; off += 64)
-              __builtin_prefetch(reinterpret_cast<const char*>(next.factors) + off);
-          // One or two rows read each block's codes once, and the hardware's prefetch does
-          // not run ahead of it across blocks: the next block's codes come into L2 while
-          // this one is computed (Gemma 3 270M's batch-1 decode step on Zen 4, most of it
-          // its Q8_0 head, in turns: 15.8-18.9 -> 14.7-14.8 ms; at 8 rows it did not help)
-          if (last - first <= kPrefetchRows)
-            for (int64_t off = 0; off < tile_code_bytes * kTileBlock; off += 64)
-              __builtin_prefetch(next.codes + off, 0, 2);
-        }
-        const TileSpan span = base.at(t);
-        OUT* block_out = out + t * kTile;
-        if (t + kTileBlock <= tiles) {
-          rows_dot<BITS, kTileBlock, HALVES, MINS>(span, act, std::max(first, tile_rows), last,
-                                                   k, block_out, n);
-        } else {
-          rows_dot<BITS, 1, HALVES, MINS>(span, act, first, last, k, block_out, n);
+    for (int64_t block = begin; block < end; block += block_units) {
+      for (int64_t first = 0; first < rows; first += chunk) {
+        const int64_t last = std::min(rows, first + chunk);
+        for (int64_t u = block; u < std::min(end, block + block_units); ++u) {
+          const int64_t t = u * kTileBlock;
+          if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
+          if (u + 1 < end) {  // the next block's scales: a separate, short stream
+            const TileSpan next = base.at(t + kTileBlock);
+            const char* next_scales = static_cast<const char*>(next.scales);
+            for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
+              __builtin_prefetch(next_scales + off);
+            if (next.factors != nullptr)
+              for (int64_t off = 0; off < tile_scales / 4 * kTileBlock; off += 64)
+                __builtin_prefetch(reinterpret_cast<const char*>(next.factors) + off);
+            // One or two rows read each block's codes once, and the hardware's prefetch does
+            // not run ahead of it across blocks: the next block's codes come into L2 while
+            // this one is computed (Gemma 3 270M's batch-1 decode step on Zen 4, most of it
+            // its Q8_0 head, in turns: 15.8-18.9 -> 14.7-14.8 ms; at 8 rows it did not help)
+            if (last - first <= kPrefetchRows)
+              for (int64_t off = 0; off < tile_code_bytes * kTileBlock; off += 64)
+                __builtin_prefetch(next.codes + off, 0, 2);
+          }
+          const TileSpan span = base.at(t);
+          OUT* block_out = out + t * kTile;
+          if (t + kTileBlock <= tiles) {
+            rows_dot<BITS, kTileBlock, HALVES, MINS>(span, act, std::max(first, tile_rows), last,
+                                                     k, block_out, n);
+          } else {
+            rows_dot<BITS, 1, HALVES, MINS>(span, act, first, last, k, block_out, n);
+          }
         }
       }
     }

@@ -402,6 +402,33 @@ def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
         assert torch.equal(got, whole[start:]), f"from row {start}"
 
 
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_weights_past_a_weight_block_give_each_row_its_bits_alone(kernels: None, bits: int) -> None:
+    """Tiles go in blocks of ~256 KB of weights that every row chunk passes before the next
+    block (kWeightBlockBytes): a weight of several blocks a thread (K = 4096: 2 or 3 pairs of
+    tiles a block) under rows that take several chunks, and the scheme's values, whatever
+    rows come together."""
+    n, k = 8 * 42, 4096
+    gen = torch.Generator().manual_seed(bits)
+    low, high = {4: (0, 16), 6: (-32, 32), 8: (-127, 128)}[bits]
+    codes = torch.randint(low, high, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen)
+    d = (torch.randint(1, 2000, (n, k // GROUP_SIZE), generator=gen).float() / 2**17).half()
+    m = (torch.randint(-3000, 3000, d.shape, generator=gen).float() / 2**16).half()
+    weight = pack_weight(codes, d, m, bits)
+    x = torch.randint(-4096, 4096, (37, k), generator=gen).float() / 1024
+    whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    q, a = _int8_activations(x)
+    dots = torch.einsum("ngj,mgj->mng", codes.double(), q.double())
+    want = (dots * d.double()[None] * a.double()[:, None]).sum(-1)
+    want += (m.double()[None] * (a.double() * q.double().sum(-1))[:, None]).sum(-1)
+    torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    for rows in (1, 2, 5, 8, 13, 36):
+        got = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
+        assert torch.equal(got, whole[:rows]), rows
+    alone = torch.ops.prefixgate.quant_matmul(x[30:31], weight.codes, weight.scales, bits)
+    assert torch.equal(alone, whole[30:31])
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(8, 32), (16, 32), (24, 64), (8, 1536), (40, 288)])
 def test_ragged_shapes_give_each_row_its_own_bits_and_the_schemes_value(
