@@ -125,6 +125,11 @@ def test_an_answer_schema_replaces_free_text(tiny_tokenizer: PreTrainedTokenizer
     assert matcher.try_consume_tokens(ids) == len(ids)
 
 
+# Two tools whose arguments differ: a call's name must come with its own tool's arguments
+MAKE_AND_MEND = [
+    {"type": "function", "function": {"name": "make", "parameters": PERSON}},
+    {"type": "function", "function": {"name": "mend", "parameters": PET}},
+]
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 PHI4 = (TEMPLATES / "phi-4-mini-instruct.jinja").read_text()
@@ -303,13 +308,13 @@ def test_granite_gets_its_tools_rendered_and_its_calls_back_as_one_tagged_list(
     assert GRANITE.parse(call) == (None, [ParsedToolCall("get_weather", '{"city": "Rome"}')])
 
 
-def test_mistral_past_calls_get_the_nine_character_ids_its_template_takes(
-    tiny_tokenizer: PreTrainedTokenizerFast,
-) -> None:
-    """Mistral's templates refuse call ids that are not nine alphanumeric characters;
-    OpenAI's (`call_...`) become such ids, the call's and its result's the same."""
+def _past_call_conversation(
+    tiny_tokenizer: PreTrainedTokenizerFast, template: str
+) -> tuple[PreTrainedTokenizerFast, list[dict[str, Any]], dict[str, Any]]:
+    """A tokenizer with `template`, a conversation holding a past call with an OpenAI id and
+    its result, and the tool: for the templates that insist on their own ids."""
     tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = MISTRAL_NEMO
+    tokenizer.chat_template = template
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     turns = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -322,6 +327,15 @@ def test_mistral_past_calls_get_the_nine_character_ids_its_template_takes(
         {"role": "assistant", "content": "It is 18 C."},
         {"role": "user", "content": "And in Rome?"},
     ]
+    return tokenizer, turns, tool
+
+
+def test_mistral_past_calls_get_the_nine_character_ids_its_template_takes(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Mistral's templates refuse call ids that are not nine alphanumeric characters;
+    OpenAI's (`call_...`) become such ids, the call's and its result's the same."""
+    tokenizer, turns, tool = _past_call_conversation(tiny_tokenizer, MISTRAL_NEMO)
     text = tokenizer.decode(chat_prompt_ids(tokenizer, turns, tools=[tool]))
     [call_id] = set(re.findall(r'"id": "(\w+)"', text))
     assert len(call_id) == 9 and f'"call_id": "{call_id}"' in text
@@ -367,10 +381,7 @@ def test_the_opening_is_what_the_grammar_forces_first(
     arguments of a named call, the name of a `required` one); one character more is
     refused where it is not what the grammar writes."""
     compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), frozenset({0}))
-    tools = [
-        {"type": "function", "function": {"name": "make", "parameters": PERSON}},
-        {"type": "function", "function": {"name": "mend", "parameters": PET}},
-    ]
+    tools = MAKE_AND_MEND
     grammar = compiler.compile(tool_format.grammar(tools, only, is_required=True, parallel=True))
     opening = tool_format.opening(only)
     ids = tiny_tokenizer.encode(opening, add_special_tokens=False)
@@ -611,22 +622,33 @@ def test_ministral_calls_are_a_tag_a_name_and_the_arguments() -> None:
         assert MISTRAL_ARGS.parse(text) == (text, [])
 
 
-def test_the_ministral_grammar_writes_named_calls(tiny_tokenizer: PreTrainedTokenizerFast) -> None:
-    """Each call is the tag, one tool's name and that tool's arguments; several where
-    parallel; a text answer may start with anything but the tag."""
+@pytest.mark.parametrize(
+    ("tool_format", "make", "mend"),
+    [
+        (
+            MISTRAL_ARGS,
+            '[TOOL_CALLS]make[ARGS]{"pet":{"age":3}}',
+            '[TOOL_CALLS]mend[ARGS]{"age":4}',
+        ),
+        (
+            MISTRAL_CALL_ID,
+            '[TOOL_CALLS]make[CALL_ID]abc123XYZ[ARGS]{"pet":{"age":3}}',
+            '[TOOL_CALLS]mend[CALL_ID]000000000[ARGS]{"age":4}',
+        ),
+    ],
+    ids=["ministral", "mistral-small"],
+)
+def test_the_tagged_grammars_write_named_calls(
+    tiny_tokenizer: PreTrainedTokenizerFast, tool_format: ToolFormat, make: str, mend: str
+) -> None:
+    """Each call is the tag, one tool's name (Mistral Small's: and an id) and that tool's
+    arguments; several where parallel; a text answer may start with anything but the tag."""
     accepts = _accepter(tiny_tokenizer)
-    tools = [
-        {"type": "function", "function": {"name": "make", "parameters": PERSON}},
-        {"type": "function", "function": {"name": "mend", "parameters": PET}},
-    ]
-    make = '[TOOL_CALLS]make[ARGS]{"pet":{"age":3}}'
-    mend = '[TOOL_CALLS]mend[ARGS]{"age":4}'
-
-    required = MISTRAL_ARGS.grammar(tools, only=None, is_required=True, parallel=True)
+    required = tool_format.grammar(MAKE_AND_MEND, only=None, is_required=True, parallel=True)
     assert accepts(required, make) and accepts(required, make + mend)
-    assert not accepts(required, '[TOOL_CALLS]make[ARGS]{"age":4}')  # mend's arguments
+    assert not accepts(required, make.replace('{"pet":{"age":3}}', '{"age":4}'))  # mend's
     assert not accepts(required, '[TOOL_CALLS][{"name":"make","arguments":{}}]')
-    auto = MISTRAL_ARGS.grammar(tools, only=None, is_required=False, parallel=False)
+    auto = tool_format.grammar(MAKE_AND_MEND, only=None, is_required=False, parallel=False)
     assert accepts(auto, mend) and not accepts(auto, make + mend)
     assert accepts(auto, "It is sunny.") and accepts(auto, "[1, 2]")
 
@@ -653,29 +675,18 @@ def test_mistral_small_calls_carry_an_id_between_the_name_and_the_arguments() ->
 def test_the_mistral_small_grammar_has_the_model_write_a_nine_character_id(
     tiny_tokenizer: PreTrainedTokenizerFast,
 ) -> None:
-    """Each call is the tag, a tool's name, `[CALL_ID]` and nine letters or digits, `[ARGS]`
-    and that tool's arguments."""
+    """After a name and `[CALL_ID]`, nine letters or digits, then `[ARGS]`; a named call's
+    opening is whole up to the arguments: the name, an id of ours, the tag."""
     accepts = _accepter(tiny_tokenizer)
-    tools = [
-        {"type": "function", "function": {"name": "make", "parameters": PERSON}},
-        {"type": "function", "function": {"name": "mend", "parameters": PET}},
-    ]
-    make = '[TOOL_CALLS]make[CALL_ID]abc123XYZ[ARGS]{"pet":{"age":3}}'
-    mend = '[TOOL_CALLS]mend[CALL_ID]000000000[ARGS]{"age":4}'
-    required = MISTRAL_CALL_ID.grammar(tools, only=None, is_required=True, parallel=True)
-    assert accepts(required, make) and accepts(required, make + mend)
+    required = MISTRAL_CALL_ID.grammar(MAKE_AND_MEND, only=None, is_required=True, parallel=True)
     assert not accepts(required, '[TOOL_CALLS]make[ARGS]{"pet":{"age":3}}')  # no id
     assert not accepts(required, '[TOOL_CALLS]mend[CALL_ID]abc12[ARGS]{"age":4}')  # 5 chars
     assert not accepts(required, '[TOOL_CALLS]mend[CALL_ID]abc-12345[ARGS]{"age":4}')
-    assert not accepts(required, '[TOOL_CALLS]make[CALL_ID]abc123XYZ[ARGS]{"age":4}')
-    auto = MISTRAL_CALL_ID.grammar(tools, only=None, is_required=False, parallel=False)
-    assert accepts(auto, mend) and not accepts(auto, make + mend)
-    assert accepts(auto, "It is sunny.")
-    # a named call's opening is whole up to the arguments: the name, an id of ours, the tag
     opening = MISTRAL_CALL_ID.opening("mend")
     assert re.fullmatch(r"\[TOOL_CALLS\]mend\[CALL_ID\][0-9a-f]{9}\[ARGS\]", opening)
-    named = MISTRAL_CALL_ID.grammar(tools, only="mend", is_required=True, parallel=False)
-    assert accepts(named, opening + '{"age":4}') and not accepts(named, mend)
+    named = MISTRAL_CALL_ID.grammar(MAKE_AND_MEND, only="mend", is_required=True, parallel=False)
+    assert accepts(named, opening + '{"age":4}')
+    assert not accepts(named, '[TOOL_CALLS]mend[CALL_ID]000000000[ARGS]{"age":4}')
 
 
 def test_mistral_small_past_calls_and_results_render_with_the_same_nine_character_id(
@@ -683,20 +694,7 @@ def test_mistral_small_past_calls_and_results_render_with_the_same_nine_characte
 ) -> None:
     """Its template refuses ids that are not nine characters: an OpenAI id (`call_...`)
     becomes one, the same for the call and its result."""
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = MISTRAL_SMALL
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
-    turns = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [_call("get_weather", '{"city": "Paris"}', "call_0123456789abcdef")],
-        },
-        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "18 C"},
-        {"role": "assistant", "content": "It is 18 C."},
-        {"role": "user", "content": "And in Rome?"},
-    ]
+    tokenizer, turns, tool = _past_call_conversation(tiny_tokenizer, MISTRAL_SMALL)
     text = tokenizer.decode(chat_prompt_ids(tokenizer, turns, tools=[tool]))
     [call_id] = re.findall(r"\[CALL_ID\](\w+)\[ARGS\]", text)
     assert len(call_id) == 9
