@@ -53,8 +53,8 @@ def wait_for_conversion(timeout: float = 600.0) -> None:
 
 
 def finish(timeout: float = 600.0) -> None:
-    """At the session's end: whatever is still running is waited for, not killed (a build
-    killed mid-way would leave torch's build lock behind); each ends within a minute or two."""
+    """At the session's end: whatever is still running is waited for, not killed, so that
+    its build or conversion is kept for the next session; each ends within a minute or two."""
     for process in _started:
         process.wait(timeout)
 

@@ -76,6 +76,12 @@ class QuantizedWeight:
         return scales * self.factors[tiles, :, :, rows].float().repeat_interleave(8, -1)
 
 
+def per_half(x: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """A d or m per group [N, K / 32] as two equal ones per 16-column half [N, K / 32, 2]
+    where `wanted` (one already per half stays)."""
+    return x[..., None].expand(*x.shape, 2) if wanted and x.dim() == 2 else x
+
+
 @dataclass(frozen=True)
 class ScaleFactors:
     """A K-quant's d and m in its own two levels: d = d_sub * d_super, m = m_sub * m_super,
@@ -91,12 +97,8 @@ class ScaleFactors:
 
     def per_half(self, d: bool, m: bool) -> ScaleFactors:
         """One sub-scale per group as two equal halves' (`d`, `m`: which)."""
-
-        def halves(x: torch.Tensor, wanted: bool) -> torch.Tensor:
-            return x[..., None].expand(*x.shape, 2) if wanted and x.dim() == 2 else x
-
         return ScaleFactors(
-            halves(self.d_sub, d), self.d_super, halves(self.m_sub, m), self.m_super
+            per_half(self.d_sub, d), self.d_super, per_half(self.m_sub, m), self.m_super
         )
 
     @staticmethod
@@ -164,10 +166,10 @@ def pack_weight(
     with_min: bool | None = None,
     factors: ScaleFactors | None = None,
 ) -> QuantizedWeight:
-    """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -32..31 for 6, -127..127 for 8, any
-    dtype) with
-    d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group as 8 steps of 4
-    columns with the 8 rows side by side in a step (engine/kernels/quant_matmul.cpp). The
+    """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -32..31 for 6, -127..127 for 8,
+    any dtype) with d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group
+    as 8 steps of 4 columns with the 8 rows side by side in a step
+    (engine/kernels/quant_matmul.cpp). The
     scales stay float32 where d or m is (a K-quant's exact products), else float16. `scale`
     [N, K / 32, 2] gives each group a d per 16-column half (Q6_K's sub-blocks), then the
     kernel's halves; `low` [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).

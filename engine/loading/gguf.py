@@ -42,6 +42,7 @@ from engine.executor.quantization import (
     ScaleFactors,
     WeightFormat,
     pack_weight,
+    per_half,
     quantizable_linears,
     quantize_int4,
     quantize_int8,
@@ -136,10 +137,6 @@ class GroupCodes:
         # one d (or m) for both halves is two equal ones; an m per half needs a d per half
         half_mins = any(p.m.dim() == 3 for p in parts)
         halves = half_mins or any(p.d.dim() == 3 for p in parts)
-
-        def per_half(x: torch.Tensor, wanted: bool) -> torch.Tensor:
-            return x[..., None].expand(*x.shape, 2) if wanted and x.dim() == 2 else x
-
         # the factors where every part has them (K-quants only), else the products alone
         factors = [p.factors for p in parts if p.factors is not None]
         return GroupCodes(
@@ -488,11 +485,11 @@ def _q6_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     high = (blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> shifts) & 0x03
     codes = low.reshape(*lead, 8, 32) | (high.reshape(*lead, 8, 32) << 4)
     codes = (codes.to(torch.int16) - 32).to(torch.int8)
-    sub_scale = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0].float()
-    halves = (d[..., None] * sub_scale).reshape(*lead, 8, 2)
-    sub = blocks[..., 192:208].contiguous().view(torch.int8).reshape(*lead, 8, 2)
-    return codes, halves, torch.full((*lead, 8), -0.0), _no_min_factors(sub, _half(blocks, 208))
+    sub_scale = blocks[..., 192:208].contiguous().view(torch.int8)
+    d = _half(blocks, 208)
+    halves = (d.float()[..., None] * sub_scale.float()).reshape(*lead, 8, 2)
+    factors = _no_min_factors(sub_scale.reshape(*lead, 8, 2), d)
+    return codes, halves, torch.full((*lead, 8), -0.0), factors
 
 
 def _q3_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:

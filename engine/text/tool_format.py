@@ -330,7 +330,7 @@ class ToolFormat:
             self.opener
             + (
                 c["function"]["name"]
-                + self._id_written(c)
+                + self._id_written(str(c.get("id") or "call"))
                 + self.arguments_tag
                 + json.dumps(_args(c))
                 if self.arguments_tag
@@ -341,11 +341,10 @@ class ToolFormat:
         ]
         return self.list_opener + self.separator.join(objects) + self.list_closer
 
-    def _id_written(self, call: Mapping[str, Any]) -> str:
-        """The id part of a call in the `id_tag` shape ("" where there is none)."""
-        if not self.id_tag:
-            return ""
-        return self.id_tag + _call_id(str(call.get("id") or "call"), self.call_id_length)
+    def _id_written(self, call_id: str) -> str:
+        """A call's id part in the `id_tag` shape, the id in the template's own form ("" in
+        the formats without one)."""
+        return self.id_tag + _call_id(call_id, self.call_id_length) if self.id_tag else ""
 
     @property
     def _id_rule(self) -> str:
@@ -467,7 +466,7 @@ class ToolFormat:
             start = self.list_opener + self.opener
             if only is None:
                 return start
-            return f"{start}{only}{self._id_written({'id': only})}{self.arguments_tag}"
+            return f"{start}{only}{self._id_written(only)}{self.arguments_tag}"
         start = f'{self.list_opener}{self.opener}{{"name":"'
         if only is None:
             return start

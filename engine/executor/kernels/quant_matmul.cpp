@@ -51,9 +51,9 @@
 //
 // Registered as torch.ops.prefixgate.quant_matmul. A GEMM at prefill shapes: register blocks of
 // several activation rows times two tiles, rows in chunks that stay in L1 while a block of
-// tiles that stays in L2 passes (kWeightBlockBytes; see block_dot); parallel over tiles. AVX2 (with VNNI where the build has AVX512-VNNI; an
-// AVX-512 build takes pairs of tiles in 512-bit lanes, pair_dot) or a portable scalar loop;
-// where the CPU has AMX (Intel Xeon since Sapphire Rapids), blocks of 16 rows go to its tiles
+// tiles that stays in L2 passes (kWeightBlockBytes; see block_dot); parallel over tiles.
+// AVX2 (with VNNI where the build has AVX512-VNNI; an AVX-512 build takes pairs of tiles in
+// 512-bit lanes, pair_dot) or a portable scalar loop; where the CPU has AMX (Intel Xeon since Sapphire Rapids), blocks of 16 rows go to its tiles
 // instead (amx_rows). Every path gives the same bits. engine/quantization.py packs
 // the layout.
 
