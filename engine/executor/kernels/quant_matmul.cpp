@@ -973,8 +973,17 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
   const int64_t tile_scales = ((HALVES ? 2 : 1) + MINS) * groups * kTile;
   const int64_t tiles = n / kTile;
-  const int64_t chunk = std::max<int64_t>(kRowBlock<BITS>, kChunkBytes / k / kRowBlock<BITS> *
-                                                               kRowBlock<BITS>);
+  // A chunk is whole register blocks of the path that computes it, at least one: chunks of
+  // kRowBlock rows cut the 512-bit path's blocks of 8 short where K is large (at K = 8192,
+  // 2 rows for 6- and 8-bit codes: a Llama 3.2 1B's Q6_K ffn_down at 80 rows ran at ~85 G
+  // multiply-adds/s on Zen 4, ~180 in blocks of 8; its activations then come from L2).
+#if PREFIXGATE_QMM_WIDE
+  constexpr int64_t kChunkBlock = kWideRows;
+#else
+  constexpr int64_t kChunkBlock = kRowBlock<BITS>;
+#endif
+  const int64_t chunk =
+      std::max<int64_t>(kChunkBlock, kChunkBytes / k / kChunkBlock * kChunkBlock);
   // parallel over blocks of kTileBlock tiles (the last may be short)
   const int64_t units = (tiles + kTileBlock - 1) / kTileBlock;
   // Rows [0, tile_rows) of every full pair of tiles go to the AMX tiles where they serve.
