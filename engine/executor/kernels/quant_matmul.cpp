@@ -130,19 +130,21 @@ struct QuantizedActivations {
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> scale;   // [M, G]
   std::vector<float> sum;     // [M, G]: scale * sum(codes)
-  std::vector<int32_t> code_sum;  // [M, G]: sum(codes), for 8-bit weights taken unsigned
-  std::vector<int32_t> half_code_sum;  // [M, G] or empty: the sum of codes 0-15 (halves, VNNI)
+  // [M, G] or [M, G, 2] (per half) or empty: where each group's (half's) integer sum starts,
+  // -c * sum(codes) for weight codes stored as w + c (8 bits under VNNI: c = 128; 6 bits: 32),
+  // so that the sum comes out as the signed codes' (see block_dot)
+  std::vector<int32_t> offset;
   std::vector<float> half_sum;  // [M, G, 2] or empty: scale * sum(codes 0-15), of 16-31
 };
 
 // Rows from `first_row` of quantized activations: where their codes and per-group numbers
-// start (half_code_sum null where there are none), for the register blocks.
+// start (offset null where there are none), for the register blocks.
 struct ActivationRows {
   const int8_t* codes;
   const float* scale;
   const float* sum;
-  const int32_t* code_sum;
-  const int32_t* half_code_sum;
+  const int32_t* offset;
+  int64_t offset_parts;  // 1, or 2 (an offset per half)
   const float* half_sum;
 
   ActivationRows(const QuantizedActivations& act, int64_t first_row, int64_t k) {
@@ -150,8 +152,9 @@ struct ActivationRows {
     codes = act.codes.data() + first_row * k;
     scale = act.scale.data() + at;
     sum = act.sum.data() + at;
-    code_sum = act.code_sum.data() + at;
-    half_code_sum = act.half_code_sum.empty() ? nullptr : act.half_code_sum.data() + at;
+    const int64_t entries = act.scale.size();
+    offset_parts = act.offset.empty() ? 1 : act.offset.size() / entries;
+    offset = act.offset.empty() ? nullptr : act.offset.data() + offset_parts * at;
     half_sum = act.half_sum.empty() ? nullptr : act.half_sum.data() + 2 * at;
   }
 
@@ -161,9 +164,10 @@ struct ActivationRows {
     return part == 0 ? sum[i] : half_sum[2 * i + part - 1];
   }
 
-  // Entry i's activation codes summed over `part` of its group: 0 all, 1 codes 0-15, 2 16-31.
-  int32_t codes_summed(int64_t i, int part) const {
-    return part == 0 ? code_sum[i] : part == 1 ? half_code_sum[i] : code_sum[i] - half_code_sum[i];
+  // Where entry i's integer sum over `part` of its group starts: 0 all, 1 codes 0-15, 2 16-31
+  // (those two where the offsets are per half).
+  const int32_t* offset_of(int64_t i, int part) const {
+    return offset + offset_parts * i + (part == 0 ? 0 : part - 1);
   }
 };
 
@@ -173,7 +177,8 @@ struct ActivationRows {
 // linear at prefill sizes.
 template <typename T>
 inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum,
-                           int32_t* code_sum, int32_t* half_code_sum, float* half_sum) {
+                           int32_t code_offset, int32_t* offset, bool half_offsets,
+                           float* half_sum) {
   using prefixgate::f8;
   using prefixgate::i8;
   typedef int8_t c8 __attribute__((vector_size(8)));
@@ -206,31 +211,41 @@ inline void quantize_group(const T* src, int8_t* codes, float* scale, float* sum
     total += totals[lane];
     half += first_half[lane];
   }
-  if (half_code_sum != nullptr) *half_code_sum = half;
+  if (offset != nullptr) {
+    if (half_offsets) {
+      offset[0] = -code_offset * half;
+      offset[1] = -code_offset * (total - half);
+    } else {
+      offset[0] = -code_offset * total;
+    }
+  }
   if (half_sum != nullptr) {
     half_sum[0] = a * static_cast<float>(half);
     half_sum[1] = a * static_cast<float>(total - half);
   }
   *scale = a;
   *sum = a * static_cast<float>(total);
-  *code_sum = total;
 }
 
-// `half_code_sums`: also each group's first half's code sum (weights with a d per half, under
-// VNNI); `half_sums`: each half's scaled sum (weights with an m per half).
+// `code_offset`: the c of weight codes stored as w + c (0: none, no offsets); `halves`: an
+// offset per half (weights with a d per half); `half_sums`: each half's scaled sum (weights
+// with an m per half).
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k,
-                                          bool half_code_sums, bool half_sums) {
+                                          int32_t code_offset, bool halves, bool half_sums) {
   const int64_t groups = k / kGroup;
-  QuantizedActivations out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
-                           std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups),
-                           std::vector<int32_t>(half_code_sums ? rows * groups : 0),
-                           std::vector<float>(half_sums ? 2 * rows * groups : 0)};
+  const int64_t offset_parts = halves ? 2 : 1;
+  QuantizedActivations out{
+      std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
+      std::vector<float>(rows * groups),
+      std::vector<int32_t>(code_offset != 0 ? offset_parts * rows * groups : 0),
+      std::vector<float>(half_sums ? 2 * rows * groups : 0)};
   // In parallel: a 1000-token prefill quantizes ~10^8 activations over a forward.
   at::parallel_for(0, rows * groups, kGroupsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)  // rows are contiguous: group i of the flat [M * G]
       quantize_group(x + i * kGroup, out.codes.data() + i * kGroup, &out.scale[i], &out.sum[i],
-                     &out.code_sum[i], half_code_sums ? &out.half_code_sum[i] : nullptr,
+                     code_offset,
+                     code_offset != 0 ? &out.offset[offset_parts * i] : nullptr, halves,
                      half_sums ? &out.half_sum[2 * i] : nullptr);
   });
   return out;
@@ -340,7 +355,8 @@ inline float add_group(float acc, int32_t sum, float d, float a, float m, float 
 
 // A group in a register block: its integer sums, then their scaling (the d, then the min
 // term), whole, or half by half with HALVES (steps 0-3 are columns 0-15, each half its own
-// d; `scale_sums(d_row, part, with_min)`, part 0 all codes, 1 codes 0-15, 2 codes 16-31).
+// d; `clear(part)` starts a part's sums, `scale_sums(d_row, part, with_min)` scales them; part
+// 0 all codes, 1 codes 0-15, 2 codes 16-31).
 // MINS: 0 no min term, 1 one m a group (after the last part), 2 an m per half (after each).
 // The same order in every block and every width.
 template <bool HALVES, int MINS, typename Clear, typename Accumulate, typename Scale>
@@ -348,14 +364,15 @@ __attribute__((always_inline)) inline void one_group(const Clear& clear,
                                                      const Accumulate& accumulate,
                                                      const Scale& scale_sums) {
   static_assert(MINS < 2 || HALVES, "an m per half needs the halves");
-  clear();
   if constexpr (!HALVES) {
+    clear(0);
     accumulate(0, kSteps / 2);
     scale_sums(0, 0, MINS > 0);
   } else {
+    clear(1);
     accumulate(0, kSteps / 4);
     scale_sums(0, 1, MINS == 2);
-    clear();
+    clear(2);
     accumulate(kSteps / 4, kSteps / 2);
     scale_sums(1, 2, MINS > 0);
   }
@@ -402,10 +419,18 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
     __m256i sums[kChains][MB][T];
-    const auto clear = [&]() __attribute__((always_inline)) {
+    // Codes stored as w + c (8 bits under VNNI: the multiply-add takes them unsigned; 6 bits)
+    // add c * sum(activation codes) to the integer sum: each row's first chain starts from
+    // minus that (its offset), so the sum comes out as the signed codes', the same integer.
+    constexpr bool kOffset = (BITS == 8 && kVnni) || BITS == 6;
+    const auto clear = [&](int part) __attribute__((always_inline)) {
       for (int c = 0; c < kChains; ++c)
-        for (int mb = 0; mb < MB; ++mb)
-          for (int t = 0; t < T; ++t) sums[c][mb][t] = _mm256_setzero_si256();
+        for (int mb = 0; mb < MB; ++mb) {
+          const __m256i start = kOffset && c == 0
+                                    ? _mm256_set1_epi32(*rows.offset_of(mb * groups + g, part))
+                                    : _mm256_setzero_si256();
+          for (int t = 0; t < T; ++t) sums[c][mb][t] = start;
+        }
     };
     // The integer sums of steps [2 * first_pair, 2 * last_pair) into `sums`.
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
@@ -506,13 +531,6 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           __m256i total = sums[0][mb][t];
           for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
           if constexpr (kPairs) total = _mm256_madd_epi16(total, _mm256_set1_epi16(1));
-          if constexpr (BITS == 8 && kVnni) {  // the codes were taken as w + 128
-            const int32_t codes = rows.codes_summed(mb * groups + g, part);
-            total = _mm256_sub_epi32(total, _mm256_set1_epi32(128 * codes));
-          } else if constexpr (BITS == 6) {  // 6-bit codes are stored as w + 32
-            const int32_t codes = rows.codes_summed(mb * groups + g, part);
-            total = _mm256_sub_epi32(total, _mm256_set1_epi32(32 * codes));
-          }
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(rows.scale[mb * groups + g]));
           acc[mb][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[mb][t]);
           if (with_min)
@@ -655,9 +673,12 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes(codes0, codes1, kNibbleBytes);
     if constexpr (BITS == 6) sixths = pair_bytes(codes0, codes1, kNibbleBytes + 32);
     __m512i sums[kChains][MB];
-    const auto clear = [&]() __attribute__((always_inline)) {
+    const auto clear = [&](int part) __attribute__((always_inline)) {  // as block_dot's
       for (int c = 0; c < kChains; ++c)
-        for (int mb = 0; mb < MB; ++mb) sums[c][mb] = _mm512_setzero_si512();
+        for (int mb = 0; mb < MB; ++mb)
+          sums[c][mb] = (BITS == 8 || BITS == 6) && c == 0
+                            ? _mm512_set1_epi32(*rows.offset_of(mb * groups + g, part))
+                            : _mm512_setzero_si512();
     };
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
       for (int pair = first_pair; pair < last_pair; ++pair) {
@@ -689,10 +710,6 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
-        if constexpr (BITS == 8 || BITS == 6) {  // stored as w + 128 (w + 32)
-          const int32_t codes = rows.codes_summed(mb * groups + g, part);
-          total = _mm512_sub_epi32(total, _mm512_set1_epi32((BITS == 8 ? 128 : 32) * codes));
-        }
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[mb * groups + g]));
         acc[mb] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[mb]);
         if (with_min)
@@ -1081,10 +1098,9 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const at::Half* factor_ptr = factored ? factors->data_ptr<at::Half>() : nullptr;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
+    const int32_t code_offset = bits == 6 ? 32 : bits == 8 && kVnniBuild ? 128 : 0;
     const QuantizedActivations act =
-        quantize_activations(x.data_ptr<T>(), rows, k,
-                             halves && (bits == 6 || (bits == 8 && kVnniBuild)),
-                             half_mins);
+        quantize_activations(x.data_ptr<T>(), rows, k, code_offset, halves, half_mins);
     const auto impl = [&](auto bits_tag) {
       constexpr int kBits = decltype(bits_tag)::value;
       T* y = out.data_ptr<T>();
