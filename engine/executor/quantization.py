@@ -169,10 +169,10 @@ def pack_weight(
     """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -32..31 for 6, -127..127 for 8,
     any dtype) with d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group
     as 8 steps of 4 columns with the 8 rows side by side in a step
-    (engine/kernels/quant_matmul.cpp). The
-    scales stay float32 where d or m is (a K-quant's exact products), else float16. `scale`
-    [N, K / 32, 2] gives each group a d per 16-column half (Q6_K's sub-blocks), then the
-    kernel's halves; `low` [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).
+    (engine/kernels/quant_matmul.cpp). The scales stay float32 where d or m is (a K-quant's
+    exact products), else float16. `scale` [N, K / 32, 2] gives each group a d per 16-column
+    half (Q6_K's sub-blocks), then the kernel's halves; `low` [N, K / 32, 2] (with such a
+    `scale`) an m per half too (Q2_K's).
     Where every m is 0 (and d is one per group), the scales are d alone, unless `with_min`
     says (True: a min row whatever its values; False: m must be 0). With `factors` (d and m's
     own two levels) the scales are their int8 sub-scales, and the factors a tensor of their

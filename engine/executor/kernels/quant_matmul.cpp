@@ -53,9 +53,9 @@
 // several activation rows times two tiles, rows in chunks that stay in L1 while a block of
 // tiles that stays in L2 passes (kWeightBlockBytes; see block_dot); parallel over tiles.
 // AVX2 (with VNNI where the build has AVX512-VNNI; an AVX-512 build takes pairs of tiles in
-// 512-bit lanes, pair_dot) or a portable scalar loop; where the CPU has AMX (Intel Xeon since Sapphire Rapids), blocks of 16 rows go to its tiles
-// instead (amx_rows). Every path gives the same bits. engine/quantization.py packs
-// the layout.
+// 512-bit lanes, pair_dot) or a portable scalar loop; where the CPU has AMX (Intel Xeon since
+// Sapphire Rapids), blocks of 16 rows go to its tiles instead (amx_rows). Every path gives
+// the same bits. engine/quantization.py packs the layout.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -95,6 +95,18 @@ constexpr bool kVnniBuild = false;
 #include <vector>
 
 namespace {
+
+// The c of weight codes that the vector paths take as w + c: 6-bit codes are stored so, and
+// VNNI's multiply-add takes 8-bit ones unsigned; each such integer sum starts from -c times
+// its activation codes' sum (QuantizedActivations::offset). 0 for the other widths and in the
+// portable loop, which reads signed codes.
+constexpr int32_t code_offset([[maybe_unused]] int bits) {
+#if PREFIXGATE_QMM_AVX2
+  return bits == 6 ? 32 : bits == 8 && kVnniBuild ? 128 : 0;
+#else
+  return 0;
+#endif
+}
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;      // weight rows per tile: one float lane each
@@ -419,10 +431,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
     __m256i sums[kChains][MB][T];
-    // Codes stored as w + c (8 bits under VNNI: the multiply-add takes them unsigned; 6 bits)
-    // add c * sum(activation codes) to the integer sum: each row's first chain starts from
-    // minus that (its offset), so the sum comes out as the signed codes', the same integer.
-    constexpr bool kOffset = (BITS == 8 && kVnni) || BITS == 6;
+    // Codes taken as w + c add c * sum(activation codes) to the integer sum: each row's first
+    // chain starts from minus that (its offset), so the sum comes out as the signed codes'.
+    constexpr bool kOffset = code_offset(BITS) != 0;
     const auto clear = [&](int part) __attribute__((always_inline)) {
       for (int c = 0; c < kChains; ++c)
         for (int mb = 0; mb < MB; ++mb) {
@@ -676,7 +687,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     const auto clear = [&](int part) __attribute__((always_inline)) {  // as block_dot's
       for (int c = 0; c < kChains; ++c)
         for (int mb = 0; mb < MB; ++mb)
-          sums[c][mb] = (BITS == 8 || BITS == 6) && c == 0
+          sums[c][mb] = code_offset(BITS) != 0 && c == 0
                             ? _mm512_set1_epi32(*rows.offset_of(mb * groups + g, part))
                             : _mm512_setzero_si512();
     };
@@ -1098,9 +1109,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const at::Half* factor_ptr = factored ? factors->data_ptr<at::Half>() : nullptr;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const int32_t code_offset = bits == 6 ? 32 : bits == 8 && kVnniBuild ? 128 : 0;
     const QuantizedActivations act =
-        quantize_activations(x.data_ptr<T>(), rows, k, code_offset, halves, half_mins);
+        quantize_activations(x.data_ptr<T>(), rows, k, code_offset(bits), halves, half_mins);
     const auto impl = [&](auto bits_tag) {
       constexpr int kBits = decltype(bits_tag)::value;
       T* y = out.data_ptr<T>();
