@@ -94,7 +94,7 @@ def linears(ops: list[object], rows: int, rounds: int) -> dict[str, object]:
     for n, k in LINEARS:
         weight, _ = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, 4)
         x = torch.randn(rows, k, generator=gen)
-        calls = [partial(op.quant_matmul, x, weight.codes, weight.scales, 4) for op in ops]  # type: ignore[attr-defined]
+        calls = [partial(op.quant_matmul, x, weight.codes, weight.scales, 4, n) for op in ops]  # type: ignore[attr-defined]
         best, equal = in_turns(calls, rounds)
         seconds = [total + b for total, b in zip(seconds, best, strict=True)]
         same = same and equal

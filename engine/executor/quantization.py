@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
 TILE_ROWS = 8  # the kernel's tile: weight rows interleaved 4 columns at a time
+UNIT_TILES = 2  # tiles stored together, group by group: one stream per thread
 BITS = {"int4": 4, "int8": 8}
 # A GGUF's own blocks, linear by linear: each in the narrowest of the kernel's code widths that
 # holds its file type exactly (engine.loading.gguf), so one model mixes 4- and 8-bit linears.
@@ -47,15 +48,20 @@ QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
 class QuantizedWeight:
     """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
 
-    codes: torch.Tensor  # [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 rows, group by group
-    # (bits 4, 5, 6 or 8: 5 and 6 are 4's nibbles then a plane per higher bit; 6 holds w + 32)
-    # [N / 8, 2, K / 32, 8] float16 (float32 where the groups' d, m need it: K-quants): per
-    # tile, d then m; [N / 8, 1, K / 32, 8] d alone where every m is 0 (Q8_0, int8: 1/18 of
-    # the bytes a step reads); [N / 8, 3, K / 32, 8] with a d per 16-column half (Q6_K)
-    # (or int8 sub-scales where `factors` is set: the K-quants' two levels, see ScaleFactors)
+    # [ceil(N / 16), K / 32, 64 * bits] uint8: units of two tiles of 8 rows (an odd last tile
+    # alone, its partner's slot zeros), group by group, each group's 32-byte chunks of tile 0
+    # and tile 1 side by side (bits 4, 5, 6 or 8: 5 and 6 are 4's nibbles then a plane per
+    # higher bit; 6 holds w + 32)
+    codes: torch.Tensor
+    # [ceil(N / 16), K / 32, 2, 16] float16 (float32 where the groups' d, m need it: K-quants):
+    # per unit and group, d then m of its 16 rows; [.., 1, 16] d alone where every m is 0
+    # (Q8_0, int8: 1/18 of the bytes a step reads); [.., 3, 16] with a d per 16-column half
+    # (Q6_K) (or int8 sub-scales where `factors` is set: the K-quants' two levels, see
+    # ScaleFactors)
     scales: torch.Tensor
     bits: int
-    # [N / 8, scale rows, K / 256, 8] float16: each int8 scale's factor, one per 8 groups
+    out_features: int  # N
+    # [ceil(N / 16), K / 256, scale rows, 16] float16: each int8 scale's factor, per 8 groups
     factors: torch.Tensor | None = None
 
     @property
@@ -67,13 +73,21 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return self.codes.shape[1] * GROUP_SIZE
 
-    def float_scales(self, tiles: torch.Tensor | slice, rows: torch.Tensor | slice) -> torch.Tensor:
-        """Scales of `tiles`' rows `rows` as float32 [.., scale rows, K / 32] (the products,
-        exact, where they are factored)."""
-        scales = self.scales[tiles, :, :, rows].float()
-        if self.factors is None:
-            return scales
-        return scales * self.factors[tiles, :, :, rows].float().repeat_interleave(8, -1)
+    def float_scales(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scales of weight rows `rows` as float32 [len(rows), scale rows, K / 32] (the
+        products, exact, where they are factored)."""
+        unit, lane = rows // (UNIT_TILES * TILE_ROWS), rows % (UNIT_TILES * TILE_ROWS)
+        scales = self.scales[unit, :, :, lane].float()  # [n, G, scale rows]
+        if self.factors is not None:
+            scales = scales * self.factors[unit, :, :, lane].float().repeat_interleave(8, 1)
+        return scales.transpose(1, 2)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (float32 or bf16, contiguous) times this weight: [M, N], on the kernel."""
+        out: torch.Tensor = torch.ops.prefixgate.quant_matmul(
+            x, self.codes, self.scales, self.bits, self.out_features, self.factors
+        )
+        return out
 
 
 def per_half(x: torch.Tensor, wanted: bool) -> torch.Tensor:
@@ -155,7 +169,7 @@ def quantize_weight(
         packed = pack_weight(q, scale, low, bits, with_min=bits != 8)
         codes.append(packed.codes)
         scales.append(packed.scales)
-    return QuantizedWeight(torch.cat(codes), torch.cat(scales), bits), weight
+    return QuantizedWeight(torch.cat(codes), torch.cat(scales), bits, w.shape[0]), weight
 
 
 def pack_weight(
@@ -168,11 +182,11 @@ def pack_weight(
 ) -> QuantizedWeight:
     """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -32..31 for 6, -127..127 for 8,
     any dtype) with d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group
-    as 8 steps of 4 columns with the 8 rows side by side in a step
-    (engine/kernels/quant_matmul.cpp). The scales stay float32 where d or m is (a K-quant's
-    exact products), else float16. `scale` [N, K / 32, 2] gives each group a d per 16-column
-    half (Q6_K's sub-blocks), then the kernel's halves; `low` [N, K / 32, 2] (with such a
-    `scale`) an m per half too (Q2_K's).
+    as 8 steps of 4 columns with the 8 rows side by side in a step, two tiles to a unit
+    stored group by group (engine/kernels/quant_matmul.cpp). The scales stay float32 where d
+    or m is (a K-quant's exact products), else float16. `scale` [N, K / 32, 2] gives each
+    group a d per 16-column half (Q6_K's sub-blocks), then the kernel's halves; `low`
+    [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).
     Where every m is 0 (and d is one per group), the scales are d alone, unless `with_min`
     says (True: a min row whatever its values; False: m must be 0). With `factors` (d and m's
     own two levels) the scales are their int8 sub-scales, and the factors a tensor of their
@@ -211,20 +225,31 @@ def pack_weight(
         x = d if row[0] == "d" else m
         return x[..., int(row[1])] if len(row) == 2 else x
 
-    def tiled(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """[N, parts, G'] -> [N / 8, parts, G', 8]: the 8 rows of a tile side by side."""
-        stacked = torch.stack([p.to(dtype) for p in parts], 1)
-        return stacked.reshape(tiles, TILE_ROWS, len(parts), -1).permute(0, 2, 3, 1).contiguous()
+    def units(x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [ceil(T / 2), 2, ...]: tiles in pairs, an odd last one with zeros."""
+        pad = -tiles % UNIT_TILES
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+        return x.reshape(-1, UNIT_TILES, *x.shape[1:])
 
-    codes_out = packed.reshape(tiles, groups, -1).contiguous()
+    def tiled(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """[N, parts, G'] -> [N / 16, G', parts, 16]: a unit's 16 rows side by side."""
+        stacked = torch.stack([p.to(dtype) for p in parts], 1)
+        by_tile = stacked.reshape(tiles, TILE_ROWS, len(parts), -1)  # [T, r, parts, G']
+        paired = units(by_tile).permute(0, 4, 3, 1, 2)  # [U, G', parts, tile, r]
+        return paired.reshape(*paired.shape[:3], -1).contiguous()
+
+    # [T, G, chunks, 32] -> [U, G, chunks, tile, 32]: chunk c of both tiles side by side
+    by_chunk = units(packed.reshape(tiles, groups, -1, 32)).permute(0, 2, 3, 1, 4)
+    codes_out = by_chunk.reshape(by_chunk.shape[0], groups, -1).contiguous()
     if factors is not None:
         subs = [pick(factors.d_sub, factors.m_sub, row) for row in rows_of]
         supers = [factors.d_super if row[0] == "d" else factors.m_super for row in rows_of]
         return QuantizedWeight(
-            codes_out, tiled(subs, torch.int8), bits, tiled(supers, torch.float16)
+            codes_out, tiled(subs, torch.int8), bits, rows, tiled(supers, torch.float16)
         )
     parts = [pick(scale, low, row).to(torch.float32) for row in rows_of]
-    return QuantizedWeight(codes_out, tiled(parts, torch.float32 if wide else torch.float16), bits)
+    scales_out = tiled(parts, torch.float32 if wide else torch.float16)
+    return QuantizedWeight(codes_out, scales_out, bits, rows)
 
 
 @dataclass(frozen=True)
@@ -326,11 +351,12 @@ def restore_linears(
         if f"{full}.quantized.codes" not in state:
             raise ValueError(f"no quantized weight for {full} in the quantized state")
         codes = state.pop(f"{full}.quantized.codes")
-        bits = codes.shape[-1] // (TILE_ROWS * 4)  # [N / 8, K / 32, 8 * bits * 4]
+        bits = codes.shape[-1] // 64  # [ceil(N / 16), K / 32, 64 * bits]
         quantized = QuantizedWeight(
             codes,
             state.pop(f"{full}.quantized.scales"),
             bits,
+            child.out_features,
             state.pop(f"{full}.quantized.factors", None),
         )
         dense = None
@@ -366,10 +392,7 @@ class QuantizedLinear(nn.Module):
         if self.dense is not None:
             out: torch.Tensor = self.dense(x)
             return out
-        q = self.quantized
-        y: torch.Tensor = torch.ops.prefixgate.quant_matmul(
-            x.contiguous(), q.codes, q.scales, q.bits, q.factors
-        )
+        y = self.quantized.matmul(x.contiguous())
         return y if self.bias is None else y + self.bias
 
     @property
@@ -381,11 +404,16 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     """Rows `rows` of the weight as float32 [len(rows), K], `pack_weight` undone and
     w = code * d + m computed as `engine.loading.gguf.GroupCodes.dequantize` computes it (so
     the values are the same floats, bit for bit)."""
-    tiles, groups = weight.codes.shape[:2]
-    tile, row = rows // TILE_ROWS, rows % TILE_ROWS
+    groups, n = weight.codes.shape[1], len(rows)
+    unit, slot, row = (
+        rows // (UNIT_TILES * TILE_ROWS),
+        rows // TILE_ROWS % UNIT_TILES,
+        rows % TILE_ROWS,
+    )
+    by_chunk = weight.codes[unit].view(n, groups, weight.bits, UNIT_TILES, 32)
+    mine = by_chunk[torch.arange(n), :, :, slot].reshape(n, groups, -1)  # the rows' tiles' codes
     if weight.bits in (4, 5, 6):  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
-        n, nibble_bytes = len(rows), TILE_ROWS * GROUP_SIZE // 2
-        mine = weight.codes[tile]  # [n, G, 8 * bits * 4]: the rows' tiles only
+        nibble_bytes = TILE_ROWS * GROUP_SIZE // 2
         packed = mine[:, :, :nibble_bytes].reshape(n, groups, 4, TILE_ROWS, 4)
         packed = packed[torch.arange(n), :, :, row]  # [n, G, 4, 4]
         steps = torch.stack((packed & 15, packed >> 4), 3)  # [n, G, 4, 2, 4]
@@ -398,9 +426,9 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
             codes = codes | (high.reshape(n, groups, GROUP_SIZE) << bit)  # [n, G, s, i]
         codes = codes.float() - (32 if weight.bits == 6 else 0)  # 6 bits: stored as w + 32
     else:
-        packed = weight.codes.view(torch.int8).view(tiles, groups, 8, TILE_ROWS, 4)
-        codes = packed[tile, :, :, row].reshape(len(rows), groups, GROUP_SIZE).float()
-    scales = weight.float_scales(tile, row)  # [n, parts, G]
+        packed = mine.view(torch.int8).view(n, groups, 8, TILE_ROWS, 4)
+        codes = packed[torch.arange(n), :, :, row].reshape(n, groups, GROUP_SIZE).float()
+    scales = weight.float_scales(rows)  # [n, parts, G]
 
     def per_half(pair: torch.Tensor) -> torch.Tensor:  # [n, 2, G] -> [n, G, 32]
         return pair.transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)

@@ -7,13 +7,17 @@
 // activations in integer multiply-adds (maddubs on AVX2, dpbusd with AVX512-VNNI), and each
 // group's scales are applied once to its integer sum.
 //
-//   quant_matmul(x [M, K] float32 | bf16, codes, scales, bits, factors?) -> [M, N], x's dtype
+//   quant_matmul(x [M, K] float32 | bf16, codes, scales, bits, N, factors?) -> [M, N], x's dtype
 //     weight[n, 32g + j] = d * code + m, per group g of 32 (Q4_1's form; m = 0 for Q8_0)
-//     codes  [N / 8, K / 32, 8 * bits * 4] uint8: tiles of 8 weight rows. A group of a tile is
-//            8 steps of 4 columns; step s is 32 bytes, row r's codes for columns 4s..4s+3 at
-//            bytes 4r..4r+3, so one integer multiply-add against the activations' 4 bytes
-//            broadcast gives every row its partial sum in its own lane (the layout of
-//            llama.cpp's repacked x86 GEMMs). bits 8: the 8 steps, int8 codes -127..127.
+//     codes  [ceil(N / 16), K / 32, 64 * bits] uint8: units of two tiles of 8 weight rows
+//            (an odd last tile alone, its partner's slot zeros), group by group; a group of a
+//            unit is `bits` chunks of 32 bytes for each tile, chunk c of tile 0 then of tile 1
+//            ([chunk][tile][32]): a thread's units are then one sequential stream, and a
+//            chunk of both tiles one 64-byte load. A tile's group is 8 steps of 4 columns;
+//            step s is 32 bytes, row r's codes for columns 4s..4s+3 at bytes 4r..4r+3, so
+//            one integer multiply-add against the activations' 4 bytes broadcast gives every
+//            row its partial sum in its own lane (the layout of llama.cpp's repacked x86
+//            GEMMs). bits 8: the 8 steps, int8 codes -127..127.
 //            bits 4: 4 x 32 bytes, byte i of vector j holding step 2j's code i in its low
 //            nibble and step 2j + 1's in its high one; codes 0..15.
 //            bits 5: bits 4's 128 bytes for the codes' low 4 bits, then 32 bytes, bit s of
@@ -23,23 +27,26 @@
 //            -32..31 stored as w + 32, the 32 * sum(activation codes) taken off each integer
 //            sum (Q6_K as its file holds it, 6 bits and not 8: the same integers, so the
 //            same bits as its codes in 8-bit lanes).
-//     scales [N / 8, 2, K / 32, 8] float16 or float32: a tile's d then its m, 8 rows per
-//            group. float16 is what Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the
-//            K-quants' per-group products (super-block d times a 6-bit sub-scale) exactly.
-//            [N / 8, 1, K / 32, 8]: d alone, m = 0 (Q8_0's signed codes, int8 weights): the
+//     scales [ceil(N / 16), K / 32, 2, 16] float16 or float32: per unit and group, the d
+//            then the m of its 16 rows (tile 0's 8, then tile 1's). float16 is what
+//            Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the K-quants' per-group
+//            products (super-block d times a 6-bit sub-scale) exactly.
+//            [.., 1, 16]: d alone, m = 0 (Q8_0's signed codes, int8 weights): the
 //            min term is not read, and skipping it changes no bit (m * s = 0 adds nothing).
-//            [N / 8, 3, K / 32, 8] ("halves"): a d for columns 0-15 of each group, one for
+//            [.., 3, 16] ("halves"): a d for columns 0-15 of each group, one for
 //            16-31, then m: Q6_K's 16-weight sub-blocks, two per group, each with its own d
 //            (the integer sum then taken per half, each half scaled alone).
-//            [N / 8, 4, K / 32, 8] ("half mins"): a d per half, then an m per half: Q2_K's
+//            [.., 4, 16] ("half mins"): a d per half, then an m per half: Q2_K's
 //            sub-blocks, each with its own min (the min term then taken per half too, from
 //            the activations' sum over that half).
-//            int8, with `factors` [N / 8, scale rows, K / 256, 8] float16: each scale is its
+//            int8, with `factors` [ceil(N / 16), K / 256, scale rows, 16] float16: each is its
 //            int8 times the factor of its 8 groups, the K-quants' own two levels (sub-scale
 //            times the super-block's d or -dmin); exact in float32, so the same numbers as
 //            the float32 form, from 1.25 bits a weight of scales instead of 2 (ScaleForm).
-//   A tile is a sequential stream, and a group's 8 row results come out in one vector: one
-//   conversion and one scale multiply serve 8 rows.
+//   A group's 8 (16) row results come out in one vector: one conversion and one scale
+//   multiply serve 8 (16) rows. No software prefetch: with one stream of codes and one of
+//   scales per thread, the hardware's runs ahead of the loop (Zen 4, a 1B's batch-1 linears,
+//   two streams per tile pair and prefetches: 21-25 GB/s; this layout without: 31-35).
 //
 // Activations, per row and group of 32: a = absmax / 127, q = round(x / a) (ties away from
 // zero) in -127..127, s = a * sum(q); then y = sum over groups of d * a * (code . q) + m * s.
@@ -132,9 +139,6 @@ constexpr int64_t kChunkBytes = 16384;
 // per chunk, a 1B model's weights came from memory once per chunk of 5 rows, 16 times for
 // an 80-token prefill (~10 GB read for 844 MB of weights).
 constexpr int64_t kWeightBlockBytes = 256 * 1024;
-// Calls of at most this many rows fetch the next tile block's codes ahead (quant_matmul_impl).
-constexpr int64_t kPrefetchRows = 2;
-constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of a tile's stream
 constexpr int64_t kGroupsPerTask = 512;   // activation groups quantized per parallel task
 
 // Activation rows quantized per group of 32.
@@ -270,26 +274,41 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k,
 // holds: the same bits, at 1.25 bits a weight of scales instead of 2.
 enum class ScaleForm { kHalf, kFloat, kFactored };
 
-// Where a block's tiles are: tile t's codes at codes + t * code_stride, its scales at
-// scales + t * scale_stride.
+// A unit: two tiles of 8 weight rows, stored group by group (see the layout at the top), so
+// that one thread's units are one sequential stream of codes and one of scales. Tile t of
+// the unit is 0 or 1; an odd last tile is alone in its unit, its second slot padding.
 struct TileSpan {
-  const uint8_t* codes;
-  const void* scales;  // at::Half, float or int8, by `form`
-  int64_t code_stride;
-  int64_t scale_stride;  // in scales
+  const uint8_t* codes;  // [G, chunks, 2, 32]: group g's chunk c of tile t, 32 bytes
+  const void* scales;    // [G, scale rows, 16]: at::Half, float or int8, by `form`
   ScaleForm form;
-  // kFactored: [scale rows, K / 256, 8] float16 a tile, the factor of scales 64i..64i + 63
-  // (8 groups of 8 rows) at 8i..8i + 7 (scale_stride is a multiple of 64)
-  const at::Half* factors = nullptr;
+  const at::Half* factors;  // kFactored: [G / 8, scale rows, 16] float16
+  int64_t scale_rows;
+  int64_t chunks;  // 32-byte chunks of a tile's group: its code bits
 
-  // Tile t's span, counted from this one's first tile.
-  TileSpan at(int64_t t) const {
-    return {codes + t * code_stride,
-            static_cast<const char*>(scales) + t * scale_stride * scale_bytes(),
-            code_stride,
-            scale_stride,
+  // Tile t's chunk c of group g.
+  const uint8_t* chunk(int t, int64_t g, int64_t c) const {
+    return codes + ((g * chunks + c) * 2 + t) * 32;
+  }
+
+  // Where tile t's 8 scales of scale row `row` in group g start (tile 1's follow tile 0's).
+  int64_t scale_index(int t, int64_t row, int64_t g) const {
+    return ((g * scale_rows + row) * 2 + t) * kTile;
+  }
+
+  // Where the factors of those scales start (kFactored): their super-block's.
+  int64_t factor_index(int t, int64_t row, int64_t g) const {
+    return (((g >> 3) * scale_rows + row) * 2 + t) * kTile;
+  }
+
+  // Unit u's span, counted from this one.
+  TileSpan unit(int64_t u, int64_t groups) const {
+    const int64_t unit_scales = groups * scale_rows * 16;
+    return {codes + u * groups * chunks * 64,
+            static_cast<const char*>(scales) + u * unit_scales * scale_bytes(),
             form,
-            factors == nullptr ? nullptr : factors + t * scale_stride / 8};
+            factors == nullptr ? nullptr : factors + u * unit_scales / 8,
+            scale_rows,
+            chunks};
   }
 
   int64_t scale_bytes() const {
@@ -297,12 +316,10 @@ struct TileSpan {
   }
 };
 
-// Where scale i's factor is (ScaleForm::kFactored).
-inline int64_t factor_index(int64_t i) { return (i >> 6 << 3) + (i & 7); }
-
-// Scale i of a tile's scales as float (exact in every form: float16 widens exactly, and a
-// factored scale's product is exact).
-inline float scale_at(const TileSpan& span, int64_t i) {
+// Lane r of tile t's scales of scale row `row` in group g, as float (exact in every form:
+// float16 widens exactly, and a factored scale's product is exact).
+inline float scale_at(const TileSpan& span, int t, int64_t row, int64_t g, int64_t r) {
+  const int64_t i = span.scale_index(t, row, g) + r;
   switch (span.form) {
     case ScaleForm::kFloat:
       return static_cast<const float*>(span.scales)[i];
@@ -310,13 +327,14 @@ inline float scale_at(const TileSpan& span, int64_t i) {
       return static_cast<float>(static_cast<const at::Half*>(span.scales)[i]);
     default:
       return static_cast<float>(static_cast<const int8_t*>(span.scales)[i]) *
-             static_cast<float>(span.factors[factor_index(i)]);
+             static_cast<float>(span.factors[span.factor_index(t, row, g) + r]);
   }
 }
 
 #if PREFIXGATE_QMM_AVX2
 // Eight consecutive scales from index i (a multiple of 8), as floats.
-inline __m256 load_scales(const TileSpan& span, int64_t i) {
+inline __m256 load_scales(const TileSpan& span, int t, int64_t row, int64_t g) {
+  const int64_t i = span.scale_index(t, row, g);
   switch (span.form) {
     case ScaleForm::kFloat:
       return _mm256_loadu_ps(static_cast<const float*>(span.scales) + i);
@@ -326,8 +344,8 @@ inline __m256 load_scales(const TileSpan& span, int64_t i) {
     default: {
       const __m256 subs = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
           reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(span.scales) + i))));
-      const __m256 factors = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(span.factors + factor_index(i))));
+      const __m256 factors = _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(span.factors + span.factor_index(t, row, g))));
       return _mm256_mul_ps(subs, factors);
     }
   }
@@ -404,9 +422,8 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
                int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
-  constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
-  // 5, 6 bits: the 5th bits' plane at kNibbleBytes, the 6th bits' 32 bytes after it
-  [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
+  // a tile's group: 4 bits, chunks 0-3 (steps 2c, 2c + 1); 5, 6 bits: the 5th bits' plane in
+  // chunk 4, the 6th bits' in 5; 8 bits, chunk j step j
 #if PREFIXGATE_QMM_AVX2
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   constexpr bool kVnni = true;
@@ -419,14 +436,6 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) acc[mb][t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group_codes[T];
-    for (int t = 0; t < T; ++t) {
-      group_codes[t] = span.codes + t * span.code_stride + g * kGroupBytes;
-      __builtin_prefetch(group_codes[t] + kPrefetchBytes);
-      __builtin_prefetch(group_codes[t] + kPrefetchBytes + 64);
-      if constexpr (BITS >= 5) __builtin_prefetch(group_codes[t] + kPrefetchBytes + 128);
-      if constexpr (BITS == 8) __builtin_prefetch(group_codes[t] + kPrefetchBytes + 192);
-    }
     // With VNNI one dpbusd waits ~5 cycles on the one before it into the same register:
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
@@ -458,18 +467,15 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
       [[maybe_unused]] __m256i sixths[T];  // 6 bits: its 6th
       if constexpr (BITS == 5 || BITS == 6) {
         for (int t = 0; t < T; ++t)
-          fifths[t] = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(group_codes[t] + kNibbleBytes));
+          fifths[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, 4)));
       }
       if constexpr (BITS == 6) {
         for (int t = 0; t < T; ++t)
-          sixths[t] = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(group_codes[t] + kNibbleBytes + 32));
+          sixths[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, 5)));
       }
       if constexpr (BITS != 8) {
         for (int t = 0; t < T; ++t)
-          packed[t] =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes[t] + pair * 32));
+          packed[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, pair)));
       }
       for (int half = 0; half < 2; ++half) {
         const int j = 2 * pair + half;
@@ -485,7 +491,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
             // adds taken off the integer sum after; without, |w|, w's sign moved onto the
             // activation (llama.cpp's trick: maddubs' pair sums of 127 * 127 stay in int16).
             const __m256i codes8 =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_codes[t] + j * 32));
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, j)));
             if constexpr (kVnni) {
               u[t] = _mm256_xor_si256(codes8, _mm256_set1_epi8(static_cast<char>(0x80)));
             } else {
@@ -533,11 +539,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
     const auto scale_sums = [&](int64_t d_row, int part,
                                 bool with_min) __attribute__((always_inline)) {
       for (int t = 0; t < T; ++t) {
-        const int64_t tile_scales = t * span.scale_stride;
-        const __m256 d = load_scales(span, tile_scales + (d_row * groups + g) * kTile);
+        const __m256 d = load_scales(span, t, d_row, g);
         [[maybe_unused]] __m256 m;
-        if (with_min)
-          m = load_scales(span, tile_scales + (m_row<HALVES, MINS>(part) * groups + g) * kTile);
+        if (with_min) m = load_scales(span, t, m_row<HALVES, MINS>(part), g);
         for (int mb = 0; mb < MB; ++mb) {
           __m256i total = sums[0][mb][t];
           for (int c = 1; c < kChains; ++c) total = _mm256_add_epi32(total, sums[c][mb][t]);
@@ -563,11 +567,9 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 #else
   for (int mb = 0; mb < MB; ++mb) {
     for (int t = 0; t < T; ++t) {
-      const uint8_t* tile_codes = span.codes + t * span.code_stride;
-      const int64_t tile_scales = t * span.scale_stride;
       float total[kTile] = {};
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* group_codes = tile_codes + g * kGroupBytes;
+        const auto code_byte = [&](int64_t c, int64_t i) { return span.chunk(t, g, c)[i]; };
         const int8_t* a = rows.codes + mb * k + g * kGroup;
         for (int64_t r = 0; r < kTile; ++r) {
           int32_t sums[2] = {};  // steps 0-3 (columns 0-15) and 4-7
@@ -575,15 +577,14 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
             for (int64_t i = 0; i < 4; ++i) {
               int32_t code;
               if constexpr (BITS != 8) {
-                const uint8_t byte = group_codes[j / 2 * 32 + 4 * r + i];
+                const uint8_t byte = code_byte(j / 2, 4 * r + i);
                 code = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
                 if constexpr (BITS >= 5)
-                  code |= ((group_codes[kNibbleBytes + 4 * r + i] >> j) & 1) << 4;
+                  code |= ((code_byte(4, 4 * r + i) >> j) & 1) << 4;
                 if constexpr (BITS == 6)
-                  code = (code | ((group_codes[kNibbleBytes + 32 + 4 * r + i] >> j) & 1) << 5) -
-                         32;
+                  code = (code | ((code_byte(5, 4 * r + i) >> j) & 1) << 5) - 32;
               } else {
-                code = static_cast<int8_t>(group_codes[j * 32 + 4 * r + i]);
+                code = static_cast<int8_t>(code_byte(j, 4 * r + i));
               }
               sums[j / (kSteps / 2)] += code * a[4 * j + i];
             }
@@ -591,19 +592,19 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
           const float ga = rows.scale[mb * groups + g];
           const auto m = [&](int part) {
             const int64_t row = m_row<HALVES, MINS>(part);
-            return scale_at(span, tile_scales + (row * groups + g) * kTile + r);
+            return scale_at(span, t, row, g, r);
           };
-          const float d = scale_at(span, tile_scales + g * kTile + r);
+          const float d = scale_at(span, t, 0, g, r);
           const int64_t i = mb * groups + g;
           if constexpr (!HALVES) {  // without a min row m = 0: its fma adds nothing
             total[r] =
                 add_group(total[r], sums[0] + sums[1], d, ga, MINS ? m(0) : 0.f, rows.sum[i]);
           } else if constexpr (MINS == 2) {
-            const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
+            const float d_high = scale_at(span, t, 1, g, r);
             total[r] = add_group(total[r], sums[0], d, ga, m(1), rows.summed(i, 1));
             total[r] = add_group(total[r], sums[1], d_high, ga, m(2), rows.summed(i, 2));
           } else {
-            const float d_high = scale_at(span, tile_scales + (groups + g) * kTile + r);
+            const float d_high = scale_at(span, t, 1, g, r);
             total[r] = std::fma(static_cast<float>(sums[0]), d * ga, total[r]);
             total[r] = add_group(total[r], sums[1], d_high, ga, MINS ? m(2) : 0.f, rows.sum[i]);
           }
@@ -624,17 +625,32 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 // (family 6 model 207), SmolLM2's linears at 8 rows: 129 G multiply-adds/s in 256-bit lanes.
 constexpr int kWideRows = 8;
 
-// A pair's 32 bytes at `offset` of each tile's group, tile 0's in the low half.
-inline __m512i pair_bytes(const uint8_t* tile0, const uint8_t* tile1, int64_t offset) {
-  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile0 + offset));
-  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile1 + offset));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+// Chunk c of group g of both tiles, tile 0's in the low half: one load (BITS: the chunks of
+// a tile's group, known at compile time).
+template <int BITS>
+inline __m512i pair_bytes(const TileSpan& span, int64_t g, int64_t c) {
+  return _mm512_loadu_si512(span.codes + (g * BITS + c) * 64);
 }
 
-// Eight scales of each tile from index i, tile 0's in the low half.
-inline __m512 pair_scales(const TileSpan& span, int64_t i) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(load_scales(span, i)),
-                            load_scales(span, span.scale_stride + i), 1);
+// The 16 scales of scale row `row` in group g, tile 0's in the low half: one load (ROWS: the
+// span's scale rows, known at compile time).
+template <int ROWS>
+inline __m512 pair_scales(const TileSpan& span, int64_t row, int64_t g) {
+  const int64_t i = (g * ROWS + row) * 16;
+  switch (span.form) {
+    case ScaleForm::kFloat:
+      return _mm512_loadu_ps(static_cast<const float*>(span.scales) + i);
+    case ScaleForm::kHalf:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(span.scales) + i)));
+    default: {
+      const __m512 subs = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(span.scales) + i))));
+      const __m512 factors = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(span.factors + ((g >> 3) * ROWS + row) * 16)));
+      return _mm512_mul_ps(subs, factors);
+    }
+  }
 }
 
 // step_codes in 512-bit lanes: the same bytes, tile by tile.
@@ -664,25 +680,32 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
               int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
-  constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
-  [[maybe_unused]] constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
   // A multiply-add waits several cycles on the one before it into the same register: at
   // least eight chains in flight (integer sums: any order gives the same total).
   constexpr int kChains = (8 + MB - 1) / MB;
   __m512 acc[MB];
   for (int mb = 0; mb < MB; ++mb) acc[mb] = _mm512_setzero_ps();
+  constexpr int kScaleRows = (HALVES ? 2 : 1) + MINS;
+  // Factored scales: each scale row's factors widened once per super-block of 8 groups.
+  const bool factored = span.form == ScaleForm::kFactored;
+  __m512 factors[kScaleRows];
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* codes0 = span.codes + g * kGroupBytes;
-    const uint8_t* codes1 = codes0 + span.code_stride;
-    for (const uint8_t* codes : {codes0, codes1}) {
-      __builtin_prefetch(codes + kPrefetchBytes);
-      __builtin_prefetch(codes + kPrefetchBytes + 64);
-      if constexpr (BITS >= 5) __builtin_prefetch(codes + kPrefetchBytes + 128);
-      if constexpr (BITS == 8) __builtin_prefetch(codes + kPrefetchBytes + 192);
-    }
-    [[maybe_unused]] __m512i fifths{}, sixths{};
-    if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes(codes0, codes1, kNibbleBytes);
-    if constexpr (BITS == 6) sixths = pair_bytes(codes0, codes1, kNibbleBytes + 32);
+    if (factored && g % 8 == 0)
+      for (int r = 0; r < kScaleRows; ++r)
+        factors[r] = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(span.factors + ((g >> 3) * kScaleRows + r) * 16)));
+    const auto group_scales = [&](int64_t row) __attribute__((always_inline)) {
+      if (!factored) return pair_scales<kScaleRows>(span, row, g);
+      const __m512i subs = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+          static_cast<const int8_t*>(span.scales) + (g * kScaleRows + row) * 16)));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(subs), factors[row]);
+    };
+    // the group's chunks in address order (4-6 bits: the nibbles' four, then the planes)
+    [[maybe_unused]] __m512i packed[4], fifths{}, sixths{};
+    if constexpr (BITS != 8)
+      for (int c = 0; c < 4; ++c) packed[c] = pair_bytes<BITS>(span, g, c);
+    if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes<BITS>(span, g, 4);
+    if constexpr (BITS == 6) sixths = pair_bytes<BITS>(span, g, 5);
     __m512i sums[kChains][MB];
     const auto clear = [&](int part) __attribute__((always_inline)) {  // as block_dot's
       for (int c = 0; c < kChains; ++c)
@@ -693,16 +716,14 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     };
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
       for (int pair = first_pair; pair < last_pair; ++pair) {
-        [[maybe_unused]] __m512i packed{};
-        if constexpr (BITS != 8) packed = pair_bytes(codes0, codes1, pair * 32);
         for (int half = 0; half < 2; ++half) {
           const int j = 2 * pair + half;
           __m512i u;
           if constexpr (BITS == 8) {  // w + 128, as block_dot's VNNI loop
-            u = _mm512_xor_si512(pair_bytes(codes0, codes1, j * 32),
+            u = _mm512_xor_si512(pair_bytes<BITS>(span, g, j),
                                  _mm512_set1_epi8(static_cast<char>(0x80)));
           } else {
-            u = pair_step_codes<BITS>(packed, fifths, sixths, j);
+            u = pair_step_codes<BITS>(packed[pair], fifths, sixths, j);
           }
           for (int mb = 0; mb < MB; ++mb) {
             int32_t four;
@@ -715,9 +736,9 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     };
     const auto scale_sums = [&](int64_t d_row, int part,
                                 bool with_min) __attribute__((always_inline)) {
-      const __m512 d = pair_scales(span, (d_row * groups + g) * kTile);
+      const __m512 d = group_scales(d_row);
       [[maybe_unused]] __m512 m;
-      if (with_min) m = pair_scales(span, (m_row<HALVES, MINS>(part) * groups + g) * kTile);
+      if (with_min) m = group_scales(m_row<HALVES, MINS>(part));
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
@@ -811,26 +832,22 @@ struct PairWeights {
 
 template <int BITS, bool HALVES, int MINS>
 void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
-  constexpr int64_t kGroupBytes = kTile * kGroup * BITS / 8;
-  constexpr int64_t kNibbleBytes = kTile * kGroup / 2;
   constexpr int kParts = (HALVES ? 2 : 1) + MINS;  // the scale rows, in their order
   pair.steps.resize(groups * kSteps * 64);
   pair.scales.resize(groups * kParts * 16);
   for (int64_t g = 0; g < groups; ++g) {
     int8_t* steps = pair.steps.data() + g * kSteps * 64;
     for (int t = 0; t < 2; ++t) {
-      const uint8_t* codes = span.codes + t * span.code_stride + g * kGroupBytes;
       const __m256i fifths =
           BITS == 5 || BITS == 6
-              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes))
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, 4)))
               : __m256i{};
       const __m256i sixths =
-          BITS == 6
-              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kNibbleBytes + 32))
-              : __m256i{};
+          BITS == 6 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, 5)))
+                    : __m256i{};
       for (int j = 0; j < kSteps; ++j) {
         __m256i step = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(codes + (BITS == 8 ? j : j / 2) * 32));
+            reinterpret_cast<const __m256i*>(span.chunk(t, g, BITS == 8 ? j : j / 2)));
         if constexpr (BITS != 8) step = step_codes<BITS>(step, fifths, sixths, j);
         // 6-bit codes are stored as w + 32: the tiles multiply signed bytes, w itself
         if constexpr (BITS == 6) step = _mm256_sub_epi8(step, _mm256_set1_epi8(32));
@@ -841,7 +858,7 @@ void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
     for (int part = 0; part < kParts; ++part) {
       for (int t = 0; t < 2; ++t)
         _mm256_storeu_ps(scales + part * 16 + t * 8,
-                         load_scales(span, t * span.scale_stride + (part * groups + g) * kTile));
+                         load_scales(span, t, part, g));
     }
   }
 }
@@ -948,8 +965,8 @@ void amx_rows(const TileSpan& base, int64_t tiles, int64_t begin, int64_t end,
     const int64_t t = u * kTileBlock;
     if (t + kTileBlock > tiles) break;  // the odd last tile: block_dot's
     const bool two = u + 1 < end && t + 2 * kTileBlock <= tiles;
-    prepare_pair<BITS, HALVES, MINS>(base.at(t), groups, pairs[0]);
-    if (two) prepare_pair<BITS, HALVES, MINS>(base.at(t + kTileBlock), groups, pairs[1]);
+    prepare_pair<BITS, HALVES, MINS>(base.unit(u, groups), groups, pairs[0]);
+    if (two) prepare_pair<BITS, HALVES, MINS>(base.unit(u + 1, groups), groups, pairs[1]);
     OUT* block_out = out + t * kTile;
     for (int64_t row = first; row < last;) {
       const bool tall = row + 2 * kAmxRows <= last;
@@ -998,8 +1015,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, ScaleForm form, const at::Half* factors,
                        int64_t rows, int64_t n, int64_t k, OUT* out) {
   const int64_t groups = k / kGroup;
-  const int64_t tile_code_bytes = groups * kTile * kGroup * BITS / 8;
-  const int64_t tile_scales = ((HALVES ? 2 : 1) + MINS) * groups * kTile;
+  const int64_t scale_rows = (HALVES ? 2 : 1) + MINS;
   const int64_t tiles = n / kTile;
   // A chunk is whole register blocks of the path that computes it, at least one: chunks of
   // kRowBlock rows cut the 512-bit path's blocks of 8 short where K is large (at K = 8192,
@@ -1016,9 +1032,9 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t units = (tiles + kTileBlock - 1) / kTileBlock;
   // Rows [0, tile_rows) of every full pair of tiles go to the AMX tiles where they serve.
   const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
-  const TileSpan base{codes, scales, tile_code_bytes, tile_scales, form, factors};
-  const int64_t scale_bytes = base.scale_bytes();
-  const int64_t unit_bytes = kTileBlock * (tile_code_bytes + tile_scales * scale_bytes);
+  const TileSpan base{codes, scales, form, factors, scale_rows, BITS};
+  const int64_t unit_bytes =
+      kTileBlock * groups * (kTile * kGroup * BITS / 8 + scale_rows * kTile * base.scale_bytes());
   const int64_t block_units = std::max<int64_t>(1, kWeightBlockBytes / unit_bytes);
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
 #if PREFIXGATE_QMM_AMX
@@ -1037,23 +1053,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         for (int64_t u = block; u < std::min(end, block + block_units); ++u) {
           const int64_t t = u * kTileBlock;
           if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
-          if (u + 1 < end) {  // the next block's scales: a separate, short stream
-            const TileSpan next = base.at(t + kTileBlock);
-            const char* next_scales = static_cast<const char*>(next.scales);
-            for (int64_t off = 0; off < tile_scales * scale_bytes * kTileBlock; off += 64)
-              __builtin_prefetch(next_scales + off);
-            if (next.factors != nullptr)
-              for (int64_t off = 0; off < tile_scales / 4 * kTileBlock; off += 64)
-                __builtin_prefetch(reinterpret_cast<const char*>(next.factors) + off);
-            // One or two rows read each block's codes once, and the hardware's prefetch does
-            // not run ahead of it across blocks: the next block's codes come into L2 while
-            // this one is computed (Gemma 3 270M's batch-1 decode step on Zen 4, most of it
-            // its Q8_0 head, in turns: 15.8-18.9 -> 14.7-14.8 ms; at 8 rows it did not help)
-            if (last - first <= kPrefetchRows)
-              for (int64_t off = 0; off < tile_code_bytes * kTileBlock; off += 64)
-                __builtin_prefetch(next.codes + off, 0, 2);
-          }
-          const TileSpan span = base.at(t);
+          const TileSpan span = base.unit(u, groups);
           OUT* block_out = out + t * kTile;
           if (t + kTileBlock <= tiles) {
             rows_dot<BITS, kTileBlock, HALVES, MINS>(span, act, std::max(first, tile_rows), last,
@@ -1068,37 +1068,38 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
 }
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        int64_t bits, const std::optional<at::Tensor>& factors) {
+                        int64_t bits, int64_t n, const std::optional<at::Tensor>& factors) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
               "quant_matmul: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_matmul: x must be float32 or bfloat16");
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
-  const int64_t n = codes.size(0) * kTile;
+  const int64_t units = (n + 2 * kTile - 1) / (2 * kTile);
   // Literal messages only: on the lent device's image (g++ 13.3, torch 2.11) a TORCH_CHECK
   // that formats a number into its message segfaults instead of raising, in any extension
   // (a one-line probe showed it; docs/benchmarks.md), where a literal one raises.
   TORCH_CHECK(k % kGroup == 0, "quant_matmul: K must be a multiple of 32 (x's second size)");
+  TORCH_CHECK(n >= 0 && n % kTile == 0, "quant_matmul: N must be a multiple of 8");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.sizes() == at::IntArrayRef({n / kTile, groups, kTile * bits * 4}),
-              "quant_matmul: codes must be a contiguous uint8 [N / 8, K / 32, 8 * bits * 4]");
+                  codes.sizes() == at::IntArrayRef({units, groups, 64 * bits}),
+              "quant_matmul: codes must be a contiguous uint8 [ceil(N / 16), K / 32, 64 * bits]");
   // scale rows: 1 d alone (m = 0), 2 d and m, 3 a d per half and m, 4 a d and an m per half
-  const int64_t parts = scales.dim() == 4 ? scales.size(1) : 0;
+  const int64_t parts = scales.dim() == 4 ? scales.size(2) : 0;
   const bool halves = parts >= 3, with_min = parts != 1, half_mins = parts == 4;
   const bool factored = factors.has_value();
   TORCH_CHECK((factored ? scales.scalar_type() == at::kChar
                         : scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
                   scales.is_contiguous() && parts >= 1 && parts <= 4 &&
-                  scales.sizes() == at::IntArrayRef({n / kTile, parts, groups, kTile}),
+                  scales.sizes() == at::IntArrayRef({units, groups, parts, 2 * kTile}),
               "quant_matmul: scales must be a contiguous float16 or float32 (int8 with factors) "
-              "[N / 8, 1 to 4, K / 32, 8]");
+              "[ceil(N / 16), K / 32, 1 to 4, 16]");
   TORCH_CHECK(!factored || (groups % 8 == 0 && factors->scalar_type() == at::kHalf &&
                             factors->is_contiguous() &&
                             factors->sizes() ==
-                                at::IntArrayRef({n / kTile, parts, groups / 8, kTile})),
-              "quant_matmul: factors must be a contiguous float16 [N / 8, scale rows, K / 256, "
-              "8] (K a multiple of 256)");
+                                at::IntArrayRef({units, groups / 8, parts, 2 * kTile})),
+              "quant_matmul: factors must be a contiguous float16 [ceil(N / 16), K / 256, scale "
+              "rows, 16] (K a multiple of 256)");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
@@ -1150,7 +1151,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 
 TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
   m.def(
-      "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, Tensor? factors=None) -> "
+      "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, int n, Tensor? factors=None) "
+      "-> "
       "Tensor");
   m.def("quant_matmul_path() -> str", &quant_matmul_path);
 }

@@ -109,7 +109,7 @@ def test_the_kernel_computes_the_integer_dot_products_of_llama_cpp(
         m = torch.zeros_like(m)
     x = (torch.randn(rows, k, generator=gen) * 2).to(dtype)
     weight = pack_weight(codes, d, m, bits)
-    got = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    got = weight.matmul(x)
     assert got.dtype == dtype and got.shape == (rows, n)
     want = _reference(x, codes, d.float(), m.float())
     rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16 output: one rounding
@@ -124,15 +124,15 @@ def test_float32_scales_take_the_same_arithmetic(kernels: None, bits: int) -> No
     x, weight, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 128 + 64, 9, seed=bits)
     wide = pack_weight(codes, d.float(), m.float(), bits)
     assert wide.scales.dtype == torch.float32 and weight.scales.dtype == torch.float16
-    narrow_out = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
-    wide_out = torch.ops.prefixgate.quant_matmul(x, wide.codes, wide.scales, bits)
+    narrow_out = weight.matmul(x)
+    wide_out = wide.matmul(x)
     assert torch.equal(wide_out.view(torch.int32), narrow_out.view(torch.int32))
     gen = torch.Generator().manual_seed(7)
     sub_scale = torch.randint(1, 64, d.shape, generator=gen).float()
     d_products, m_products = d.float() * sub_scale, -(m.float().abs() * sub_scale)
     assert not torch.equal(d_products.half().float(), d_products)  # beyond float16
     products = pack_weight(codes, d_products, m_products, bits)
-    got = torch.ops.prefixgate.quant_matmul(x, products.codes, products.scales, bits)
+    got = products.matmul(x)
     want = _reference(x, codes, d_products, m_products)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
@@ -149,9 +149,9 @@ def test_a_d_per_half_group_scales_each_half_alone(
     gen = torch.Generator().manual_seed(8)
     halves = d.float()[..., None] * torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
     weight = pack_weight(codes, halves, m.float(), bits)
-    assert weight.scales.shape == (5, 3, 14, 8) and weight.scales.dtype == torch.float32
+    assert weight.scales.shape == (3, 14, 3, 16) and weight.scales.dtype == torch.float32
     x = x.to(dtype)
-    got = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    got = weight.matmul(x)
     q, a = _int8_activations(x)
     dots = torch.einsum("nghj,mghj->mngh", codes.double().unflatten(-1, (2, 16)),
                         q.double().unflatten(-1, (2, 16)))  # fmt: skip
@@ -171,9 +171,9 @@ def test_an_m_per_half_group_takes_each_half_s_min_term_alone(
     x, _, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 128 + 64, 23, seed=bits + 60)
     halves, mins = _half_scales(d, m, seed=bits)
     weight = pack_weight(codes, halves, mins, bits)
-    assert weight.scales.shape == (5, 4, 14, 8) and weight.scales.dtype == torch.float32
+    assert weight.scales.shape == (3, 14, 4, 16) and weight.scales.dtype == torch.float32
     x = x.to(dtype)
-    got = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    got = weight.matmul(x)
     q, a = _int8_activations(x)
     q_halves = q.double().unflatten(-1, (2, 16))  # [M, G, 2, 16]
     dots = torch.einsum("nghj,mghj->mngh", codes.double().unflatten(-1, (2, 16)), q_halves)
@@ -194,9 +194,9 @@ def _assert_scheme_and_rows_alone(
     rtol = 1e-5 if x.dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
     for rows in (1, 2, 5, 7, 23):
-        part = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, weight.bits)
+        part = weight.matmul(x[:rows])
         assert torch.equal(part, got[:rows]), rows
-    alone = torch.ops.prefixgate.quant_matmul(x[17:18], weight.codes, weight.scales, weight.bits)
+    alone = weight.matmul(x[17:18])
     assert torch.equal(alone, got[17:18])
 
 
@@ -277,7 +277,7 @@ def test_every_build_gives_the_pinned_bits(
         weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
     if layout == "half-mins":
         weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
-    out = torch.ops.prefixgate.quant_matmul(x.to(dtype), weight.codes, weight.scales, bits)
+    out = weight.matmul(x.to(dtype))
     assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
 
 
@@ -312,18 +312,16 @@ def test_six_bit_codes_give_the_bits_of_the_same_codes_in_8_bit_lanes(
     d, m = product(factors.d_sub, d_super), product(factors.m_sub, m_super)
     x = (torch.randint(-4096, 4096, (40, k), generator=gen).float() / 1024).to(dtype)
     wide = pack_weight(codes, d, m, 8)
-    want = torch.ops.prefixgate.quant_matmul(x, wide.codes, wide.scales, 8)
+    want = wide.matmul(x)
     six = pack_weight(codes, d, m, 6)
     six_factored = pack_weight(codes, d, m, 6, factors=factors)
-    assert six.codes.shape[-1] == 6 * 32 and six_factored.scales.dtype == torch.int8
+    assert six.codes.shape[-1] == 6 * 64 and six_factored.scales.dtype == torch.int8
     every = torch.arange(n)
     assert torch.equal(dequantize_rows(six, every), dequantize_rows(wide, every))
     assert torch.equal(dequantize_rows(six_factored, every), dequantize_rows(wide, every))
     for rows in range(1, 41):
         for weight in (six, six_factored):
-            got = torch.ops.prefixgate.quant_matmul(
-                x[:rows], weight.codes, weight.scales, 6, weight.factors
-            )
+            got = weight.matmul(x[:rows])
             assert torch.equal(got, want[:rows]), (rows, weight.factors is None)
 
 
@@ -353,12 +351,15 @@ def test_scales_without_a_min_row_give_the_bits_of_a_zero_min(kernels: None, bit
     weight."""
     x, _, (codes, d, m) = _integer_problem(bits, 8 * 5, 6 * 32, 40, seed=40 + bits)
     without = pack_weight(codes, d, torch.zeros_like(m), bits)
-    assert without.scales.shape[1] == 1
+    assert without.scales.shape[2] == 1
     with_zeros = QuantizedWeight(
-        without.codes, torch.cat([without.scales, torch.zeros_like(without.scales)], 1), bits
+        without.codes,
+        torch.cat([without.scales, torch.zeros_like(without.scales)], 2),
+        bits,
+        without.out_features,
     )
-    got = torch.ops.prefixgate.quant_matmul(x, without.codes, without.scales, bits)
-    want = torch.ops.prefixgate.quant_matmul(x, with_zeros.codes, with_zeros.scales, bits)
+    got = without.matmul(x)
+    want = with_zeros.matmul(x)
     assert got.view(torch.int32).equal(want.view(torch.int32))
     rows = torch.tensor([0, 9, 39, 17])
     assert (
@@ -366,7 +367,7 @@ def test_scales_without_a_min_row_give_the_bits_of_a_zero_min(kernels: None, bit
         .view(torch.int32)
         .equal(dequantize_rows(with_zeros, rows).view(torch.int32))
     )
-    assert pack_weight(codes, d, m, bits).scales.shape[1] == (1 if bits == 8 else 2)
+    assert pack_weight(codes, d, m, bits).scales.shape[2] == (1 if bits == 8 else 2)
 
 
 @pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
@@ -386,19 +387,14 @@ def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
         weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
     if layout == "half-mins":
         weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
-    whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
-    alone = torch.cat(
-        [
-            torch.ops.prefixgate.quant_matmul(x[i : i + 1], weight.codes, weight.scales, bits)
-            for i in range(len(x))
-        ]
-    )
+    whole = weight.matmul(x)
+    alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(whole, alone)
     for rows in range(1, len(x) + 1):
-        got = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
+        got = weight.matmul(x[:rows])
         assert torch.equal(got, whole[:rows]), f"{rows} rows"
     for start in (1, 3, 7, 167, 169, 171):  # blocks that begin off a block or chunk boundary
-        got = torch.ops.prefixgate.quant_matmul(x[start:], weight.codes, weight.scales, bits)
+        got = weight.matmul(x[start:])
         assert torch.equal(got, whole[start:]), f"from row {start}"
 
 
@@ -416,16 +412,16 @@ def test_weights_past_a_weight_block_give_each_row_its_bits_alone(kernels: None,
     m = (torch.randint(-3000, 3000, d.shape, generator=gen).float() / 2**16).half()
     weight = pack_weight(codes, d, m, bits)
     x = torch.randint(-4096, 4096, (37, k), generator=gen).float() / 1024
-    whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    whole = weight.matmul(x)
     q, a = _int8_activations(x)
     dots = torch.einsum("ngj,mgj->mng", codes.double(), q.double())
     want = (dots * d.double()[None] * a.double()[:, None]).sum(-1)
     want += (m.double()[None] * (a.double() * q.double().sum(-1))[:, None]).sum(-1)
     torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
     for rows in (1, 2, 5, 8, 13, 36):
-        got = torch.ops.prefixgate.quant_matmul(x[:rows], weight.codes, weight.scales, bits)
+        got = weight.matmul(x[:rows])
         assert torch.equal(got, whole[:rows]), rows
-    alone = torch.ops.prefixgate.quant_matmul(x[30:31], weight.codes, weight.scales, bits)
+    alone = weight.matmul(x[30:31])
     assert torch.equal(alone, whole[30:31])
 
 
@@ -436,9 +432,9 @@ def test_ragged_shapes_give_each_row_its_own_bits_and_the_schemes_value(
 ) -> None:
     """One tile, one block of two, a block and an odd tile, one group, a long K."""
     x, weight, (codes, d, m) = _integer_problem(bits, n, k, 13, seed=n + k + bits)
-    whole = torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, bits)
+    whole = weight.matmul(x)
     for i in range(len(x)):
-        row = torch.ops.prefixgate.quant_matmul(x[i : i + 1], weight.codes, weight.scales, bits)
+        row = weight.matmul(x[i : i + 1])
         assert torch.equal(row, whole[i : i + 1])
     want = _reference(x, codes, d.float(), m.float())
     torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
@@ -491,7 +487,7 @@ def test_an_int4_chunk_whose_mins_are_all_zero_keeps_the_weights_layout(
     weight = torch.randn(3 * 128, K, generator=torch.Generator().manual_seed(9)) * 0.05
     weight[128:256] = 0
     quantized, _ = quantize_weight(weight, 4)
-    assert quantized.scales.shape == (3 * 128 // TILE_ROWS, 2, K // GROUP_SIZE, TILE_ROWS)
+    assert quantized.scales.shape == (3 * 128 // 16, K // GROUP_SIZE, 2, 16)
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(10))
     out = QuantizedLinear(quantized, None, None)(x)
     assert torch.equal(out[:, 128:256], torch.zeros(2, 128))
@@ -535,9 +531,13 @@ def test_the_kernel_rejects_a_layout_it_does_not_know(kernels: None) -> None:
     weight, _ = quantize_weight(torch.randn(N, K), 4)
     x = torch.randn(1, K)
     with pytest.raises(RuntimeError, match="codes must be"):
-        torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 8)
+        torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 8, N)
+    with pytest.raises(RuntimeError, match="codes must be"):  # N beyond the codes' units
+        torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 4, N + 16)
+    with pytest.raises(RuntimeError, match="N must be a multiple of 8"):
+        torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 4, N - 4)
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
-        torch.ops.prefixgate.quant_matmul(torch.randn(1, 40), weight.codes, weight.scales, 4)
+        weight.matmul(torch.randn(1, 40))
 
 
 def test_linears_the_kernel_cannot_take_stay_dense() -> None:

@@ -391,7 +391,7 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     assert torch.equal(unpacked.view(torch.int32), dense[order].view(torch.int32))
     assert load_cpu_kernels(default_cache_dir())
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
-    out = torch.ops.prefixgate.quant_matmul(x, packed.codes, packed.scales, bits)
+    out = packed.matmul(x)
     reference = x @ dense.T
     torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
@@ -402,20 +402,16 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     # a byte per scale and 2 a factor per 8 of them: 5/16 of float32's 4 bytes a scale
     assert factored.scales.nbytes + factored.factors.nbytes == packed.scales.nbytes * 5 // 16
     every = torch.arange(rows)
-    products = factored.float_scales(every // 8, every % 8)
-    assert torch.equal(
-        products.view(torch.int32), packed.float_scales(every // 8, every % 8).view(torch.int32)
-    )
+    products = factored.float_scales(every)
+    assert torch.equal(products.view(torch.int32), packed.float_scales(every).view(torch.int32))
     assert torch.equal(
         dequantize_rows(factored, order).view(torch.int32), dense[order].view(torch.int32)
     )
     for batch in (1, 3, 17):  # the register blocks of every width, and row chunks
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
         for dtype in (torch.float32, torch.bfloat16):
-            want = torch.ops.prefixgate.quant_matmul(x.to(dtype), packed.codes, packed.scales, bits)
-            got = torch.ops.prefixgate.quant_matmul(
-                x.to(dtype), factored.codes, factored.scales, bits, factored.factors
-            )
+            want = packed.matmul(x.to(dtype))
+            got = factored.matmul(x.to(dtype))
             assert torch.equal(got, want), (batch, dtype)
 
 
@@ -460,7 +456,7 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
         "layers.1.mlp.down_proj": 8, "lm_head": 8,
     }  # fmt: skip
     for linear, bits in widths.items():
-        assert state[f"{linear}.quantized.codes"].shape[-1] == 32 * bits, linear
+        assert state[f"{linear}.quantized.codes"].shape[-1] == 64 * bits, linear
     exact = {
         "layers.0.self_attn.qkv_proj": [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"],
         "layers.0.mlp.gate_up_proj": ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
@@ -475,8 +471,9 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     for linear in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj", "lm_head"):
         codes, scales = state[f"{linear}.quantized.codes"], state[f"{linear}.quantized.scales"]
-        out = torch.ops.prefixgate.quant_matmul(x, codes, scales, codes.shape[-1] // 32)
-        reference = x @ state[f"{linear}.dense.weight"].T
+        dense = state[f"{linear}.dense.weight"]
+        out = torch.ops.prefixgate.quant_matmul(x, codes, scales, codes.shape[-1] // 64, len(dense))
+        reference = x @ dense.T
         torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
 
