@@ -44,9 +44,10 @@
 //            times the super-block's d or -dmin); exact in float32, so the same numbers as
 //            the float32 form, from 1.25 bits a weight of scales instead of 2 (ScaleForm).
 //   A group's 8 (16) row results come out in one vector: one conversion and one scale
-//   multiply serve 8 (16) rows. No software prefetch: with one stream of codes and one of
-//   scales per thread, the hardware's runs ahead of the loop (Zen 4, a 1B's batch-1 linears,
-//   two streams per tile pair and prefetches: 21-25 GB/s; this layout without: 31-35).
+//   multiply serve 8 (16) rows. A thread reads one stream of codes and one of scales,
+//   prefetching its codes a fixed distance ahead (Zen 4, a 1B's batch-1 linears: two code
+//   streams per tile pair, four scale streams and block-wise prefetches read 21-25 GB/s;
+//   this layout 28-35).
 //
 // Activations, per row and group of 32: a = absmax / 127, q = round(x / a) (ties away from
 // zero) in -127..127, s = a * sum(q); then y = sum over groups of d * a * (code . q) + m * s.
@@ -140,6 +141,14 @@ constexpr int64_t kChunkBytes = 16384;
 // an 80-token prefill (~10 GB read for 844 MB of weights).
 constexpr int64_t kWeightBlockBytes = 256 * 1024;
 constexpr int64_t kGroupsPerTask = 512;   // activation groups quantized per parallel task
+// How many groups ahead of the one computed its unit's codes are prefetched (past the unit's
+// end: the next unit's, the same stream). The hardware's prefetcher alone kept a 6-bit
+// weight at ~20 GB/s on Zen 4 (its decode is the most work a byte); 16 groups ahead (6 KB
+// of 6-bit codes), 28-31, and the 4- and 8-bit ones no slower. Only register blocks of at
+// most kPrefetchRows rows (decode) prefetch: a prefill's blocks do 8 times the work a byte
+// and pass each block of weights many times (1B, 1,000 tokens: 250 -> 224 tokens/s with).
+constexpr int64_t kPrefetchGroups = 16;
+constexpr int kPrefetchRows = 2;
 
 // Activation rows quantized per group of 32.
 struct QuantizedActivations {
@@ -316,6 +325,13 @@ struct TileSpan {
   }
 };
 
+// Group g + kPrefetchGroups's codes of the span's unit into L1 (see kPrefetchGroups).
+template <int BITS>
+inline void prefetch_ahead(const TileSpan& span, int64_t g) {
+  const uint8_t* ahead = span.codes + (g + kPrefetchGroups) * BITS * 64;
+  for (int c = 0; c < BITS; ++c) __builtin_prefetch(ahead + 64 * c);
+}
+
 // Lane r of tile t's scales of scale row `row` in group g, as float (exact in every form:
 // float16 widens exactly, and a factored scale's product is exact).
 inline float scale_at(const TileSpan& span, int t, int64_t row, int64_t g, int64_t r) {
@@ -436,6 +452,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) acc[mb][t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (MB <= kPrefetchRows) prefetch_ahead<BITS>(span, g);
     // With VNNI one dpbusd waits ~5 cycles on the one before it into the same register:
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
@@ -700,6 +717,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
           static_cast<const int8_t*>(span.scales) + (g * kScaleRows + row) * 16)));
       return _mm512_mul_ps(_mm512_cvtepi32_ps(subs), factors[row]);
     };
+    if constexpr (MB <= kPrefetchRows) prefetch_ahead<BITS>(span, g);
     // the group's chunks in address order (4-6 bits: the nibbles' four, then the planes)
     [[maybe_unused]] __m512i packed[4], fifths{}, sixths{};
     if constexpr (BITS != 8)
