@@ -649,10 +649,11 @@ inline __m512i pair_bytes(const TileSpan& span, int64_t g, int64_t c) {
   return _mm512_loadu_si512(span.codes + (g * BITS + c) * 64);
 }
 
-// The 16 scales of scale row `row` in group g, tile 0's in the low half: one load (ROWS: the
-// span's scale rows, known at compile time).
+// The 16 scales of scale row `row` in group g, tile 0's in the low half, from one load (ROWS:
+// the span's scale rows, known at compile time); a factored scale's int8 times `factor`,
+// the row's factors of g's super-block, which the caller widens once per super-block.
 template <int ROWS>
-inline __m512 pair_scales(const TileSpan& span, int64_t row, int64_t g) {
+inline __m512 pair_scales(const TileSpan& span, int64_t row, int64_t g, __m512 factor) {
   const int64_t i = (g * ROWS + row) * 16;
   switch (span.form) {
     case ScaleForm::kFloat:
@@ -660,13 +661,11 @@ inline __m512 pair_scales(const TileSpan& span, int64_t row, int64_t g) {
     case ScaleForm::kHalf:
       return _mm512_cvtph_ps(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(span.scales) + i)));
-    default: {
-      const __m512 subs = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(span.scales) + i))));
-      const __m512 factors = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(span.factors + ((g >> 3) * ROWS + row) * 16)));
-      return _mm512_mul_ps(subs, factors);
-    }
+    default:
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                               reinterpret_cast<const __m128i*>(
+                                   static_cast<const int8_t*>(span.scales) + i)))),
+                           factor);
   }
 }
 
@@ -705,18 +704,12 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
   constexpr int kScaleRows = (HALVES ? 2 : 1) + MINS;
   // Factored scales: each scale row's factors widened once per super-block of 8 groups.
   const bool factored = span.form == ScaleForm::kFactored;
-  __m512 factors[kScaleRows];
+  __m512 factors[kScaleRows] = {};
   for (int64_t g = 0; g < groups; ++g) {
     if (factored && g % 8 == 0)
       for (int r = 0; r < kScaleRows; ++r)
         factors[r] = _mm512_cvtph_ps(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(span.factors + ((g >> 3) * kScaleRows + r) * 16)));
-    const auto group_scales = [&](int64_t row) __attribute__((always_inline)) {
-      if (!factored) return pair_scales<kScaleRows>(span, row, g);
-      const __m512i subs = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-          static_cast<const int8_t*>(span.scales) + (g * kScaleRows + row) * 16)));
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(subs), factors[row]);
-    };
     if constexpr (MB <= kPrefetchRows) prefetch_ahead<BITS>(span, g);
     // the group's chunks in address order (4-6 bits: the nibbles' four, then the planes)
     [[maybe_unused]] __m512i packed[4], fifths{}, sixths{};
@@ -754,9 +747,12 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     };
     const auto scale_sums = [&](int64_t d_row, int part,
                                 bool with_min) __attribute__((always_inline)) {
-      const __m512 d = group_scales(d_row);
+      const __m512 d = pair_scales<kScaleRows>(span, d_row, g, factors[d_row]);
       [[maybe_unused]] __m512 m;
-      if (with_min) m = group_scales(m_row<HALVES, MINS>(part));
+      if (with_min) {
+        const int64_t m_at = m_row<HALVES, MINS>(part);
+        m = pair_scales<kScaleRows>(span, m_at, g, factors[m_at]);
+      }
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
         for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][mb]);
