@@ -283,41 +283,42 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t k,
 // holds: the same bits, at 1.25 bits a weight of scales instead of 2.
 enum class ScaleForm { kHalf, kFloat, kFactored };
 
+// The scale rows of a layout: d (one, or one per half with HALVES), then MINS rows of m.
+constexpr int scale_rows(bool halves, int mins) { return (halves ? 2 : 1) + mins; }
+
 // A unit: two tiles of 8 weight rows, stored group by group (see the layout at the top), so
 // that one thread's units are one sequential stream of codes and one of scales. Tile t of
-// the unit is 0 or 1; an odd last tile is alone in its unit, its second slot padding.
+// the unit is 0 or 1; an odd last tile is alone in its unit, its second slot padding. BITS
+// (a tile's group is that many 32-byte chunks) and ROWS (its scale rows) are the layout's,
+// known at compile time: the hot loops' addresses are then constant strides.
+template <int BITS, int ROWS>
 struct TileSpan {
-  const uint8_t* codes;  // [G, chunks, 2, 32]: group g's chunk c of tile t, 32 bytes
-  const void* scales;    // [G, scale rows, 16]: at::Half, float or int8, by `form`
+  const uint8_t* codes;  // [G, BITS, 2, 32]: group g's chunk c of tile t, 32 bytes
+  const void* scales;    // [G, ROWS, 16]: at::Half, float or int8, by `form`
   ScaleForm form;
-  const at::Half* factors;  // kFactored: [G / 8, scale rows, 16] float16
-  int64_t scale_rows;
-  int64_t chunks;  // 32-byte chunks of a tile's group: its code bits
+  const at::Half* factors;  // kFactored: [G / 8, ROWS, 16] float16
 
-  // Tile t's chunk c of group g.
+  // Tile t's chunk c of group g (tile 1's follows tile 0's).
   const uint8_t* chunk(int t, int64_t g, int64_t c) const {
-    return codes + ((g * chunks + c) * 2 + t) * 32;
+    return codes + ((g * BITS + c) * 2 + t) * 32;
   }
 
   // Where tile t's 8 scales of scale row `row` in group g start (tile 1's follow tile 0's).
-  int64_t scale_index(int t, int64_t row, int64_t g) const {
-    return ((g * scale_rows + row) * 2 + t) * kTile;
+  static int64_t scale_index(int t, int64_t row, int64_t g) {
+    return ((g * ROWS + row) * 2 + t) * kTile;
   }
 
   // Where the factors of those scales start (kFactored): their super-block's.
-  int64_t factor_index(int t, int64_t row, int64_t g) const {
-    return (((g >> 3) * scale_rows + row) * 2 + t) * kTile;
+  static int64_t factor_index(int t, int64_t row, int64_t g) {
+    return (((g >> 3) * ROWS + row) * 2 + t) * kTile;
   }
 
   // Unit u's span, counted from this one.
   TileSpan unit(int64_t u, int64_t groups) const {
-    const int64_t unit_scales = groups * scale_rows * 16;
-    return {codes + u * groups * chunks * 64,
-            static_cast<const char*>(scales) + u * unit_scales * scale_bytes(),
-            form,
-            factors == nullptr ? nullptr : factors + u * unit_scales / 8,
-            scale_rows,
-            chunks};
+    const int64_t unit_scales = groups * ROWS * 16;
+    return {codes + u * groups * BITS * 64,
+            static_cast<const char*>(scales) + u * unit_scales * scale_bytes(), form,
+            factors == nullptr ? nullptr : factors + u * unit_scales / 8};
   }
 
   int64_t scale_bytes() const {
@@ -325,16 +326,22 @@ struct TileSpan {
   }
 };
 
+// The span of a layout by its code bits and scale rows' kind.
+template <int BITS, bool HALVES, int MINS>
+using LayoutSpan = TileSpan<BITS, scale_rows(HALVES, MINS)>;
+
 // Group g + kPrefetchGroups's codes of the span's unit into L1 (see kPrefetchGroups).
-template <int BITS>
-inline void prefetch_ahead(const TileSpan& span, int64_t g) {
-  const uint8_t* ahead = span.codes + (g + kPrefetchGroups) * BITS * 64;
+template <int BITS, int ROWS>
+inline void prefetch_ahead(const TileSpan<BITS, ROWS>& span, int64_t g) {
+  const uint8_t* ahead = span.chunk(0, g + kPrefetchGroups, 0);
   for (int c = 0; c < BITS; ++c) __builtin_prefetch(ahead + 64 * c);
 }
 
 // Lane r of tile t's scales of scale row `row` in group g, as float (exact in every form:
 // float16 widens exactly, and a factored scale's product is exact).
-inline float scale_at(const TileSpan& span, int t, int64_t row, int64_t g, int64_t r) {
+template <int BITS, int ROWS>
+inline float scale_at(const TileSpan<BITS, ROWS>& span, int t, int64_t row, int64_t g,
+                      int64_t r) {
   const int64_t i = span.scale_index(t, row, g) + r;
   switch (span.form) {
     case ScaleForm::kFloat:
@@ -349,7 +356,8 @@ inline float scale_at(const TileSpan& span, int t, int64_t row, int64_t g, int64
 
 #if PREFIXGATE_QMM_AVX2
 // Eight consecutive scales from index i (a multiple of 8), as floats.
-inline __m256 load_scales(const TileSpan& span, int t, int64_t row, int64_t g) {
+template <int BITS, int ROWS>
+inline __m256 load_scales(const TileSpan<BITS, ROWS>& span, int t, int64_t row, int64_t g) {
   const int64_t i = span.scale_index(t, row, g);
   switch (span.form) {
     case ScaleForm::kFloat:
@@ -434,8 +442,8 @@ constexpr int64_t m_row(int part) {
 // MB activation rows from `first_row` times the T tiles of `span`; writes
 // out[mb * n + 8 * t + r], rounded once to T (the activations' dtype).
 template <int BITS, int MB, int T, bool HALVES, int MINS, typename OUT>
-void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
-               int64_t k, OUT* out, int64_t n) {
+void block_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivations& act,
+               int64_t first_row, int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
   // a tile's group: 4 bits, chunks 0-3 (steps 2c, 2c + 1); 5, 6 bits: the 5th bits' plane in
@@ -452,7 +460,7 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) acc[mb][t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (MB <= kPrefetchRows) prefetch_ahead<BITS>(span, g);
+    if constexpr (MB <= kPrefetchRows) prefetch_ahead(span, g);
     // With VNNI one dpbusd waits ~5 cycles on the one before it into the same register:
     // fewer than 4 accumulators (decode's 1 x 2) get steps spread over chains, summed after.
     constexpr int kChains = kVnni && MB * T < 4 ? 4 / (MB * T) : 1;
@@ -642,19 +650,19 @@ void block_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fi
 // (family 6 model 207), SmolLM2's linears at 8 rows: 129 G multiply-adds/s in 256-bit lanes.
 constexpr int kWideRows = 8;
 
-// Chunk c of group g of both tiles, tile 0's in the low half: one load (BITS: the chunks of
-// a tile's group, known at compile time).
-template <int BITS>
-inline __m512i pair_bytes(const TileSpan& span, int64_t g, int64_t c) {
-  return _mm512_loadu_si512(span.codes + (g * BITS + c) * 64);
+// Chunk c of group g of both tiles, tile 0's in the low half: one load.
+template <int BITS, int ROWS>
+inline __m512i pair_bytes(const TileSpan<BITS, ROWS>& span, int64_t g, int64_t c) {
+  return _mm512_loadu_si512(span.chunk(0, g, c));
 }
 
-// The 16 scales of scale row `row` in group g, tile 0's in the low half, from one load (ROWS:
-// the span's scale rows, known at compile time); a factored scale's int8 times `factor`,
-// the row's factors of g's super-block, which the caller widens once per super-block.
-template <int ROWS>
-inline __m512 pair_scales(const TileSpan& span, int64_t row, int64_t g, __m512 factor) {
-  const int64_t i = (g * ROWS + row) * 16;
+// The 16 scales of scale row `row` in group g, tile 0's in the low half, from one load; a
+// factored scale's int8 times `factor`, the row's factors of g's super-block, which the
+// caller widens once per super-block.
+template <int BITS, int ROWS>
+inline __m512 pair_scales(const TileSpan<BITS, ROWS>& span, int64_t row, int64_t g,
+                          __m512 factor) {
+  const int64_t i = span.scale_index(0, row, g);
   switch (span.form) {
     case ScaleForm::kFloat:
       return _mm512_loadu_ps(static_cast<const float*>(span.scales) + i);
@@ -692,8 +700,8 @@ inline __m512i pair_step_codes(__m512i packed, [[maybe_unused]] __m512i fifths,
 // MB activation rows from `first_row` times the two tiles of `span`; writes
 // out[mb * n + lane], lanes 0-15.
 template <int BITS, int MB, bool HALVES, int MINS, typename OUT>
-void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t first_row,
-              int64_t k, OUT* out, int64_t n) {
+void pair_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivations& act,
+              int64_t first_row, int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   const ActivationRows rows(act, first_row, k);
   // A multiply-add waits several cycles on the one before it into the same register: at
@@ -701,7 +709,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
   constexpr int kChains = (8 + MB - 1) / MB;
   __m512 acc[MB];
   for (int mb = 0; mb < MB; ++mb) acc[mb] = _mm512_setzero_ps();
-  constexpr int kScaleRows = (HALVES ? 2 : 1) + MINS;
+  constexpr int kScaleRows = scale_rows(HALVES, MINS);
   // Factored scales: each scale row's factors widened once per super-block of 8 groups.
   const bool factored = span.form == ScaleForm::kFactored;
   __m512 factors[kScaleRows] = {};
@@ -709,14 +717,14 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     if (factored && g % 8 == 0)
       for (int r = 0; r < kScaleRows; ++r)
         factors[r] = _mm512_cvtph_ps(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(span.factors + ((g >> 3) * kScaleRows + r) * 16)));
-    if constexpr (MB <= kPrefetchRows) prefetch_ahead<BITS>(span, g);
+            reinterpret_cast<const __m256i*>(span.factors + span.factor_index(0, r, g))));
+    if constexpr (MB <= kPrefetchRows) prefetch_ahead(span, g);
     // the group's chunks in address order (4-6 bits: the nibbles' four, then the planes)
     [[maybe_unused]] __m512i packed[4], fifths{}, sixths{};
     if constexpr (BITS != 8)
-      for (int c = 0; c < 4; ++c) packed[c] = pair_bytes<BITS>(span, g, c);
-    if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes<BITS>(span, g, 4);
-    if constexpr (BITS == 6) sixths = pair_bytes<BITS>(span, g, 5);
+      for (int c = 0; c < 4; ++c) packed[c] = pair_bytes(span, g, c);
+    if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes(span, g, 4);
+    if constexpr (BITS == 6) sixths = pair_bytes(span, g, 5);
     __m512i sums[kChains][MB];
     const auto clear = [&](int part) __attribute__((always_inline)) {  // as block_dot's
       for (int c = 0; c < kChains; ++c)
@@ -731,7 +739,7 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
           const int j = 2 * pair + half;
           __m512i u;
           if constexpr (BITS == 8) {  // w + 128, as block_dot's VNNI loop
-            u = _mm512_xor_si512(pair_bytes<BITS>(span, g, j),
+            u = _mm512_xor_si512(pair_bytes(span, g, j),
                                  _mm512_set1_epi8(static_cast<char>(0x80)));
           } else {
             u = pair_step_codes<BITS>(packed[pair], fifths, sixths, j);
@@ -747,11 +755,11 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
     };
     const auto scale_sums = [&](int64_t d_row, int part,
                                 bool with_min) __attribute__((always_inline)) {
-      const __m512 d = pair_scales<kScaleRows>(span, d_row, g, factors[d_row]);
+      const __m512 d = pair_scales(span, d_row, g, factors[d_row]);
       [[maybe_unused]] __m512 m;
       if (with_min) {
         const int64_t m_at = m_row<HALVES, MINS>(part);
-        m = pair_scales<kScaleRows>(span, m_at, g, factors[m_at]);
+        m = pair_scales(span, m_at, g, factors[m_at]);
       }
       for (int mb = 0; mb < MB; ++mb) {
         __m512i total = sums[0][mb];
@@ -778,8 +786,8 @@ void pair_dot(const TileSpan& span, const QuantizedActivations& act, int64_t fir
 // Rows [begin, end) times the T tiles of `span`: blocks of kRowBlock rows, then the rest in
 // one smaller block.
 template <int BITS, int T, bool HALVES, int MINS, typename OUT>
-void rows_dot(const TileSpan& span, const QuantizedActivations& act, int64_t begin,
-              int64_t end, int64_t k, OUT* out, int64_t n) {
+void rows_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivations& act,
+              int64_t begin, int64_t end, int64_t k, OUT* out, int64_t n) {
 #if PREFIXGATE_QMM_WIDE
   if constexpr (T == 2) {  // a pair of tiles: 512-bit lanes, the same bits
     int64_t row = begin;
@@ -845,8 +853,9 @@ struct PairWeights {
 };
 
 template <int BITS, bool HALVES, int MINS>
-void prepare_pair(const TileSpan& span, int64_t groups, PairWeights& pair) {
-  constexpr int kParts = (HALVES ? 2 : 1) + MINS;  // the scale rows, in their order
+void prepare_pair(const LayoutSpan<BITS, HALVES, MINS>& span, int64_t groups,
+                  PairWeights& pair) {
+  constexpr int kParts = scale_rows(HALVES, MINS);  // the scale rows, in their order
   pair.steps.resize(groups * kSteps * 64);
   pair.scales.resize(groups * kParts * 16);
   for (int64_t g = 0; g < groups; ++g) {
@@ -903,7 +912,7 @@ template <int RB, int PB, bool HALVES, int MINS, typename OUT>
 void amx_block(const PairWeights* pairs, const QuantizedActivations& act, int64_t row, int64_t k,
                OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
-  constexpr int kParts = (HALVES ? 2 : 1) + MINS;
+  constexpr int kParts = scale_rows(HALVES, MINS);
   constexpr int kPartCols = HALVES ? 16 : 32;
   alignas(64) int32_t sums[4][kAmxRows * 16];
   alignas(64) float acc[RB][PB][kAmxRows * 16];
@@ -970,9 +979,9 @@ void amx_block(const PairWeights* pairs, const QuantizedActivations& act, int64_
 // Rows [first, last) (a multiple of 16) times the pairs of tiles of units [begin, end) that
 // are whole pairs: two pairs and two row blocks at a time, what is left one by one.
 template <int BITS, bool HALVES, int MINS, typename OUT>
-void amx_rows(const TileSpan& base, int64_t tiles, int64_t begin, int64_t end,
-              const QuantizedActivations& act, int64_t first, int64_t last, int64_t k, OUT* out,
-              int64_t n) {
+void amx_rows(const LayoutSpan<BITS, HALVES, MINS>& base, int64_t tiles, int64_t begin,
+              int64_t end, const QuantizedActivations& act, int64_t first, int64_t last,
+              int64_t k, OUT* out, int64_t n) {
   const int64_t groups = k / kGroup;
   PairWeights pairs[2];
   for (int64_t u = begin; u < end;) {
@@ -1029,7 +1038,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, ScaleForm form, const at::Half* factors,
                        int64_t rows, int64_t n, int64_t k, OUT* out) {
   const int64_t groups = k / kGroup;
-  const int64_t scale_rows = (HALVES ? 2 : 1) + MINS;
+  constexpr int kScaleRows = scale_rows(HALVES, MINS);
   const int64_t tiles = n / kTile;
   // A chunk is whole register blocks of the path that computes it, at least one: chunks of
   // kRowBlock rows cut the 512-bit path's blocks of 8 short where K is large (at K = 8192,
@@ -1046,9 +1055,9 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t units = (tiles + kTileBlock - 1) / kTileBlock;
   // Rows [0, tile_rows) of every full pair of tiles go to the AMX tiles where they serve.
   const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
-  const TileSpan base{codes, scales, form, factors, scale_rows, BITS};
+  const TileSpan<BITS, kScaleRows> base{codes, scales, form, factors};
   const int64_t unit_bytes =
-      kTileBlock * groups * (kTile * kGroup * BITS / 8 + scale_rows * kTile * base.scale_bytes());
+      kTileBlock * groups * (kTile * kGroup * BITS / 8 + kScaleRows * kTile * base.scale_bytes());
   const int64_t block_units = std::max<int64_t>(1, kWeightBlockBytes / unit_bytes);
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
 #if PREFIXGATE_QMM_AMX
@@ -1067,7 +1076,7 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
         for (int64_t u = block; u < std::min(end, block + block_units); ++u) {
           const int64_t t = u * kTileBlock;
           if (t + kTileBlock <= tiles && last <= tile_rows) continue;  // the tiles did these
-          const TileSpan span = base.unit(u, groups);
+          const auto span = base.unit(u, groups);
           OUT* block_out = out + t * kTile;
           if (t + kTileBlock <= tiles) {
             rows_dot<BITS, kTileBlock, HALVES, MINS>(span, act, std::max(first, tile_rows), last,
