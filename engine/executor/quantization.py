@@ -410,8 +410,8 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
         rows // TILE_ROWS % UNIT_TILES,
         rows % TILE_ROWS,
     )
-    by_chunk = weight.codes[unit].view(n, groups, weight.bits, UNIT_TILES, 32)
-    mine = by_chunk[torch.arange(n), :, :, slot].reshape(n, groups, -1)  # the rows' tiles' codes
+    by_chunk = weight.codes.view(-1, groups, weight.bits, UNIT_TILES, 32)
+    mine = by_chunk[unit, :, :, slot].reshape(n, groups, -1)  # the rows' tiles' codes only
     if weight.bits in (4, 5, 6):  # byte j of a (tile row, column): steps 2j (low nibble), 2j + 1
         nibble_bytes = TILE_ROWS * GROUP_SIZE // 2
         packed = mine[:, :, :nibble_bytes].reshape(n, groups, 4, TILE_ROWS, 4)
