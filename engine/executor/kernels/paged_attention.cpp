@@ -638,6 +638,27 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           laid_keys = longest;
           laid_blocks.assign(first_block, first_block + num_blocks);
         }
+        // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time, every KV head of
+        // those 8 keys before the next 8 (past the last key: it again, as on the vector path;
+        // those scores are never read). Key rows in the order they lie in memory: one KV
+        // head's slice of each row (a 1 KB stride for the 1B) crosses a page every few rows,
+        // where the hardware's stride prefetcher stops, and read chunk by chunk that way the
+        // cache gave ~9 GB/s; whole rows in order stream.
+        for (int64_t k0 = 0; k0 < (laid_out ? 0 : key_tiles * 16); k0 += 8) {
+          const c10::BFloat16* key_rows[8];
+          for (int64_t j = 0; j < 8; ++j)
+            key_rows[j] = k_ptr + cache_offset(std::min(k0 + j, longest - 1));
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
+            for (int64_t pair = 0; pair < HEAD_DIM / 2; pair += 8) {
+              const float* src[8];
+              for (int j = 0; j < 8; ++j)
+                src[j] = reinterpret_cast<const float*>(key_rows[j] + h * HEAD_DIM) + pair;
+              prefixgate::transpose8(src, reinterpret_cast<float*>(kb + pair * kChunkTokens + k0),
+                                     kChunkTokens);
+            }
+          }
+        }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           // A: the members' query heads of this KV head (then, for the tiles, zero rows to a
           // whole tile)
@@ -648,21 +669,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                           HEAD_DIM * 2);
           if (tiles)  // the vector pairs read the rows there are
             std::fill(qa + rows_per_head * HEAD_DIM, qa + padded_rows * HEAD_DIM, uint16_t{0});
-          // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time (past the last
-          // key: it again, as on the vector path; those scores are never read)
-          uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
-          for (int64_t k0 = 0; k0 < (laid_out ? 0 : key_tiles * 16); k0 += 8) {
-            const c10::BFloat16* key_rows[8];
-            for (int64_t j = 0; j < 8; ++j)
-              key_rows[j] = k_ptr + cache_offset(std::min(k0 + j, longest - 1)) + h * HEAD_DIM;
-            for (int64_t pair = 0; pair < HEAD_DIM / 2; pair += 8) {
-              const float* src[8];
-              for (int j = 0; j < 8; ++j)
-                src[j] = reinterpret_cast<const float*>(key_rows[j]) + pair;
-              prefixgate::transpose8(src, reinterpret_cast<float*>(kb + pair * kChunkTokens + k0),
-                                     kChunkTokens);
-            }
-          }
+          const uint32_t* kb = tkeys + h * HEAD_DIM / 2 * kChunkTokens;
           for (int64_t rb = 0; rb < padded_rows; rb += kTileRows) {
 #if PREFIXGATE_ATTN_AMX
             if (tiles) {
@@ -787,23 +794,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       if constexpr (pairs) {
         const int64_t key_steps = (longest + 31) / 32, rows_per_head = count * group;
         const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word); past the
-          // chunk's last key, zeros
-          uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
-          // (the tiles read whole steps of 32 keys, the vector pairs the keys there are)
-          const int64_t value_pairs = tiles ? key_steps * 16 : (longest + 1) / 2;
-          for (int64_t pair = 0; pair < (laid_out ? 0 : value_pairs); ++pair) {
-            const int64_t k = 2 * pair;
-            const c10::BFloat16* even = k < longest ? v_ptr + cache_offset(k) + h * HEAD_DIM : nullptr;
-            const c10::BFloat16* odd =
-                k + 1 < longest ? v_ptr + cache_offset(k + 1) + h * HEAD_DIM : nullptr;
+        // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word), every KV
+        // head of a key pair before the next (rows in memory order, as the keys); past the
+        // chunk's last key, zeros (the tiles read whole steps of 32 keys, the vector pairs
+        // the keys there are)
+        const int64_t value_pairs = tiles ? key_steps * 16 : (longest + 1) / 2;
+        for (int64_t pair = 0; pair < (laid_out ? 0 : value_pairs); ++pair) {
+          const int64_t k = 2 * pair;
+          const c10::BFloat16* even = k < longest ? v_ptr + cache_offset(k) : nullptr;
+          const c10::BFloat16* odd = k + 1 < longest ? v_ptr + cache_offset(k + 1) : nullptr;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
             for (int64_t d = 0; d < HEAD_DIM; d += 16) {
-              const __m512i lo = even ? widen16(even + d, false) : _mm512_setzero_si512();
-              const __m512i hi = odd ? widen16(odd + d, true) : _mm512_setzero_si512();
+              const __m512i lo =
+                  even ? widen16(even + h * HEAD_DIM + d, false) : _mm512_setzero_si512();
+              const __m512i hi =
+                  odd ? widen16(odd + h * HEAD_DIM + d, true) : _mm512_setzero_si512();
               _mm512_storeu_si512(vb + pair * HEAD_DIM + d, _mm512_or_si512(lo, hi));
             }
           }
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const uint32_t* vb = tvalues + h * (kChunkTokens / 2) * HEAD_DIM;
           // A: each row's numerators in bf16, zero past its keys
           for (int64_t i = 0, r = 0; i < count; ++i) {
             for (int64_t g = 0; g < group; ++g, ++r) {
