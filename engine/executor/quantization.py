@@ -55,14 +55,16 @@ class QuantizedWeight:
     codes: torch.Tensor
     # [ceil(N / 16), K / 32, 2, 16] float16 (float32 where the groups' d, m need it: K-quants):
     # per unit and group, d then m of its 16 rows; [.., 1, 16] d alone where every m is 0
-    # (Q8_0, int8: 1/18 of the bytes a step reads); [.., 3, 16] with a d per 16-column half
-    # (Q6_K) (or int8 sub-scales where `factors` is set: the K-quants' two levels, see
+    # (Q8_0, int8: 1/18 of the bytes a step reads); with `halves`, a d per 16-column half
+    # first: [.., 2, 16] alone (Q6_K, Q3_K), [.., 3, 16] then m, [.., 4, 16] then an m per half
+    # (Q2_K) (or int8 sub-scales where `factors` is set: the K-quants' two levels, see
     # ScaleFactors)
     scales: torch.Tensor
     bits: int
     out_features: int  # N
     # [ceil(N / 16), K / 256, scale rows, 16] float16: each int8 scale's factor, per 8 groups
     factors: torch.Tensor | None = None
+    halves: bool = False  # scale rows 0 and 1 are a d per 16-column half
 
     @property
     def num_bytes(self) -> int:
@@ -82,12 +84,40 @@ class QuantizedWeight:
             scales = scales * self.factors[unit, :, :, lane].float().repeat_interleave(8, 1)
         return scales.transpose(1, 2)
 
+    @property
+    def num_mins(self) -> int:
+        """Scale rows of m after the d: 0 (m = 0), 1, or 2 (one a half)."""
+        return self.scales.shape[2] - (2 if self.halves else 1)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (float32 or bf16, contiguous) times this weight: [M, N], on the kernel."""
         out: torch.Tensor = torch.ops.prefixgate.quant_matmul(
-            x, self.codes, self.scales, self.bits, self.out_features, self.factors
+            x, self.codes, self.scales, self.bits, self.out_features, self.factors, self.halves
         )
         return out
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        """This weight as named tensors, for a state dict (`from_state` reads them back)."""
+        state = {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales}
+        if self.factors is not None:
+            state[f"{prefix}.factors"] = self.factors
+        state[f"{prefix}.halves"] = torch.tensor(self.halves)
+        return state
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, torch.Tensor], prefix: str, out_features: int
+    ) -> QuantizedWeight:
+        """The weight `state` holds under `prefix` (popped): its code width is its codes'."""
+        codes = state.pop(f"{prefix}.codes")
+        return cls(
+            codes,
+            state.pop(f"{prefix}.scales"),
+            codes.shape[-1] // 64,  # [ceil(N / 16), K / 32, 64 * bits]
+            out_features,
+            state.pop(f"{prefix}.factors", None),
+            bool(state.pop(f"{prefix}.halves")),
+        )
 
 
 def per_half(x: torch.Tensor, wanted: bool) -> torch.Tensor:
@@ -187,8 +217,9 @@ def pack_weight(
     or m is (a K-quant's exact products), else float16. `scale` [N, K / 32, 2] gives each
     group a d per 16-column half (Q6_K's sub-blocks), then the kernel's halves; `low`
     [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).
-    Where every m is 0 (and d is one per group), the scales are d alone, unless `with_min`
-    says (True: a min row whatever its values; False: m must be 0). With `factors` (d and m's
+    Where every m is 0 (and m is one per group), the scales are the d alone (Q6_K's two:
+    its min row of -0.0 was ~4% of the bytes a step reads), unless `with_min` says (True: a
+    min row whatever its values; False: m must be 0). With `factors` (d and m's
     own two levels) the scales are their int8 sub-scales, and the factors a tensor of their
     own."""
     rows, groups = scale.shape[:2]
@@ -210,16 +241,16 @@ def pack_weight(
     else:
         packed = steps.to(torch.int8).view(torch.uint8)
     wide = torch.float32 in (scale.dtype, low.dtype)
+    halves = scale.dim() == 3
     if low.dim() == 3:  # an m per half too (Q2_K's sub-blocks): two d, then two m
         rows_of = ["d0", "d1", "m0", "m1"]
-    elif scale.dim() == 3:
-        rows_of = ["d0", "d1", "m"]
     else:  # no min row where every m is 0: the kernel then skips the min term (same bits)
         if with_min is None:
             with_min = bool(low.any())
         if not with_min and bool(low.any()):
             raise ValueError("pack_weight: with_min=False, but some m is not 0")
-        rows_of = ["d", "m"] if with_min else ["d"]
+        rows_of = ["d0", "d1"] if scale.dim() == 3 else ["d"]
+        rows_of += ["m"] if with_min else []
 
     def pick(d: torch.Tensor, m: torch.Tensor, row: str) -> torch.Tensor:
         x = d if row[0] == "d" else m
@@ -245,11 +276,11 @@ def pack_weight(
         subs = [pick(factors.d_sub, factors.m_sub, row) for row in rows_of]
         supers = [factors.d_super if row[0] == "d" else factors.m_super for row in rows_of]
         return QuantizedWeight(
-            codes_out, tiled(subs, torch.int8), bits, rows, tiled(supers, torch.float16)
+            codes_out, tiled(subs, torch.int8), bits, rows, tiled(supers, torch.float16), halves
         )
     parts = [pick(scale, low, row).to(torch.float32) for row in rows_of]
     scales_out = tiled(parts, torch.float32 if wide else torch.float16)
-    return QuantizedWeight(codes_out, scales_out, bits, rows)
+    return QuantizedWeight(codes_out, scales_out, bits, rows, halves=halves)
 
 
 @dataclass(frozen=True)
@@ -329,10 +360,7 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
-            state[f"{name}.quantized.codes"] = module.quantized.codes
-            state[f"{name}.quantized.scales"] = module.quantized.scales
-            if module.quantized.factors is not None:
-                state[f"{name}.quantized.factors"] = module.quantized.factors
+            state.update(module.quantized.state(f"{name}.quantized"))
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() not in seen:
@@ -350,15 +378,7 @@ def restore_linears(
     for full, parent, name, child, _kind in quantizable_linears(model, weights):
         if f"{full}.quantized.codes" not in state:
             raise ValueError(f"no quantized weight for {full} in the quantized state")
-        codes = state.pop(f"{full}.quantized.codes")
-        bits = codes.shape[-1] // 64  # [ceil(N / 16), K / 32, 64 * bits]
-        quantized = QuantizedWeight(
-            codes,
-            state.pop(f"{full}.quantized.scales"),
-            bits,
-            child.out_features,
-            state.pop(f"{full}.quantized.factors", None),
-        )
+        quantized = QuantizedWeight.from_state(state, f"{full}.quantized", child.out_features)
         dense = None
         if weights.dense_copies:
             dense = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
@@ -433,14 +453,14 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     def per_half(pair: torch.Tensor) -> torch.Tensor:  # [n, 2, G] -> [n, G, 32]
         return pair.transpose(1, 2).repeat_interleave(GROUP_SIZE // 2, -1)
 
-    # a d per 16-column half where there are 3 or 4 rows, then m (one, or one per half)
-    d = per_half(scales[:, :2]) if scales.shape[1] >= 3 else scales[:, 0, :, None]
+    # a d (one per 16-column half with `halves`), then m (none, one, or one per half)
+    d = per_half(scales[:, :2]) if weight.halves else scales[:, 0, :, None]
     # d alone: m is -0.0, the symmetric GGML types' (engine.loading.gguf._block_codes), which
     # adds nothing, as GGML's code * d adds nothing
-    if scales.shape[1] == 4:
+    if weight.num_mins == 2:
         m = per_half(scales[:, 2:])
     else:
-        m = scales[:, -1, :, None] if scales.shape[1] > 1 else torch.full_like(d, -0.0)
+        m = scales[:, -1, :, None] if weight.num_mins else torch.full_like(d, -0.0)
     return codes.mul_(d).add_(m).flatten(1)
 
 

@@ -645,10 +645,7 @@ def blocks_quantized_state(
             # (`HeadRowsEmbedding`), with no float copy of the table
             del sources["embed_tokens.weight"]
         packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
-        state[f"{full}.quantized.codes"] = packed.codes
-        state[f"{full}.quantized.scales"] = packed.scales
-        if packed.factors is not None:
-            state[f"{full}.quantized.factors"] = packed.factors
+        state.update(packed.state(f"{full}.quantized"))
         if weights.dense_copies:
             state[f"{full}.dense.weight"] = codes.dequantize(dtype)
     for key, names in sources.items():

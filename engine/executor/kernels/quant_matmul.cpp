@@ -33,10 +33,13 @@
 //            products (super-block d times a 6-bit sub-scale) exactly.
 //            [.., 1, 16]: d alone, m = 0 (Q8_0's signed codes, int8 weights): the
 //            min term is not read, and skipping it changes no bit (m * s = 0 adds nothing).
-//            [.., 3, 16] ("halves"): a d for columns 0-15 of each group, one for
-//            16-31, then m: Q6_K's 16-weight sub-blocks, two per group, each with its own d
-//            (the integer sum then taken per half, each half scaled alone).
-//            [.., 4, 16] ("half mins"): a d per half, then an m per half: Q2_K's
+//            With `halves` (an argument: the row count alone is ambiguous), a d for
+//            columns 0-15 of each group, one for 16-31 (the integer sum then taken per
+//            half, each half scaled alone): [.., 2, 16] the two alone (Q6_K's and Q3_K's
+//            16-weight sub-blocks, each with its own d and no min: a min row of -0.0 was
+//            ~4% of a Q6_K weight's bytes), [.., 3, 16] then m (a fused linear that joins
+//            such a weight with one that has mins), [.., 4, 16] ("half mins") then an m
+//            per half: Q2_K's
 //            sub-blocks, each with its own min (the min term then taken per half too, from
 //            the activations' sum over that half).
 //            int8, with `factors` [ceil(N / 16), K / 256, scale rows, 16] float16: each is its
@@ -1091,7 +1094,8 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
 }
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        int64_t bits, int64_t n, const std::optional<at::Tensor>& factors) {
+                        int64_t bits, int64_t n, const std::optional<at::Tensor>& factors,
+                        bool halves) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
               "quant_matmul: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
@@ -1107,9 +1111,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({units, groups, 64 * bits}),
               "quant_matmul: codes must be a contiguous uint8 [ceil(N / 16), K / 32, 64 * bits]");
-  // scale rows: 1 d alone (m = 0), 2 d and m, 3 a d per half and m, 4 a d and an m per half
+  // scale rows: the d (one a group, or with `halves` one a 16-column half), then the mins:
+  // 1 d alone (m = 0), 2 d and m, or with halves 2 the two d alone (Q6_K's, Q3_K's), 3 and m,
+  // 4 and an m per half (Q2_K's)
   const int64_t parts = scales.dim() == 4 ? scales.size(2) : 0;
-  const bool halves = parts >= 3, with_min = parts != 1, half_mins = parts == 4;
+  const int64_t mins = parts - (halves ? 2 : 1);
+  const bool with_min = mins > 0, half_mins = mins == 2;
   const bool factored = factors.has_value();
   TORCH_CHECK((factored ? scales.scalar_type() == at::kChar
                         : scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
@@ -1117,6 +1124,9 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                   scales.sizes() == at::IntArrayRef({units, groups, parts, 2 * kTile}),
               "quant_matmul: scales must be a contiguous float16 or float32 (int8 with factors) "
               "[ceil(N / 16), K / 32, 1 to 4, 16]");
+  TORCH_CHECK(mins >= 0 && mins <= (halves ? 2 : 1),
+              "quant_matmul: scale rows must be 1 or 2 (d, m), or with halves 2 to 4 (two d, "
+              "then no m, one, or one a half)");
   TORCH_CHECK(!factored || (groups % 8 == 0 && factors->scalar_type() == at::kHalf &&
                             factors->is_contiguous() &&
                             factors->sizes() ==
@@ -1141,8 +1151,11 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
       if (half_mins) {
         quant_matmul_impl<kBits, true, 2>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
                                                    k, y);
-      } else if (halves) {
+      } else if (halves && with_min) {
         quant_matmul_impl<kBits, true, 1>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
+                                                   k, y);
+      } else if (halves) {
+        quant_matmul_impl<kBits, true, 0>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
                                                    k, y);
       } else if (with_min) {
         quant_matmul_impl<kBits, false, 1>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
@@ -1174,9 +1187,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 
 TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
   m.def(
-      "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, int n, Tensor? factors=None) "
-      "-> "
-      "Tensor");
+      "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, int n, Tensor? factors=None, "
+      "bool halves=False) -> Tensor");
   m.def("quant_matmul_path() -> str", &quant_matmul_path);
 }
 

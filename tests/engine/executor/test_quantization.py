@@ -137,19 +137,22 @@ def test_float32_scales_take_the_same_arithmetic(kernels: None, bits: int) -> No
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_d_per_half_group_scales_each_half_alone(
     kernels: None, bits: int, dtype: torch.dtype
 ) -> None:
     """Q6_K's 16-weight sub-blocks: each group's columns 0-15 and 16-31 scaled by their own
     d (float32), against the scheme written out in torch; every row count's rows give the
-    bits they get alone (the halves keep the kernel batch invariant)."""
+    bits they get alone (the halves keep the kernel batch invariant). Signed codes have no
+    min (Q6_K's): the two d alone, no min row."""
     x, _, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 128 + 64, 23, seed=bits + 40)
     gen = torch.Generator().manual_seed(8)
     halves = d.float()[..., None] * torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
     weight = pack_weight(codes, halves, m.float(), bits)
-    assert weight.scales.shape == (3, 14, 3, 16) and weight.scales.dtype == torch.float32
+    rows = 2 if bits in (6, 8) else 3
+    assert weight.halves and weight.num_mins == rows - 2
+    assert weight.scales.shape == (3, 14, rows, 16) and weight.scales.dtype == torch.float32
     x = x.to(dtype)
     got = weight.matmul(x)
     q, a = _int8_activations(x)
@@ -216,11 +219,11 @@ def _integer_problem(
     values on every build of torch (its normal sampler has per-instruction-set paths). Returns
     the activations, the packed weight and its (codes, d, m)."""
     gen = torch.Generator().manual_seed(seed)
-    low, high = {4: (0, 16), 5: (0, 32), 8: (-127, 128)}[bits]
+    low, high = {4: (0, 16), 5: (0, 32), 6: (-32, 32), 8: (-127, 128)}[bits]
     codes = torch.randint(low, high, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen)
     d = (torch.randint(1, 2000, (n, k // GROUP_SIZE), generator=gen).float() / 2**17).half()
     m = (torch.randint(-3000, 3000, (n, k // GROUP_SIZE), generator=gen).float() / 2**16).half()
-    if bits == 8:
+    if bits in (6, 8):  # signed codes: symmetric, as Q6_K and Q8_0
         m = torch.zeros_like(m)
     x = torch.randint(-4096, 4096, (rows, k), generator=gen).float() / 1024
     return x, pack_weight(codes, d, m, bits), (codes, d, m)
@@ -538,6 +541,15 @@ def test_the_kernel_rejects_a_layout_it_does_not_know(kernels: None) -> None:
         torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 4, N - 4)
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
         weight.matmul(torch.randn(1, 40))
+    # the scale rows a layout has: halves need two d, three rows need the halves
+    d_alone, _ = quantize_weight(torch.randn(N, K), 8)
+    with pytest.raises(RuntimeError, match="scale rows must be"):
+        torch.ops.prefixgate.quant_matmul(x, d_alone.codes, d_alone.scales, 8, N, None, True)
+    _, _, (codes, d, m) = _integer_problem(4, N, K, 1, seed=3)
+    with_halves = pack_weight(codes, torch.stack((d, d), -1).float(), m.float(), 4)
+    assert with_halves.scales.shape[2] == 3
+    with pytest.raises(RuntimeError, match="scale rows must be"):
+        torch.ops.prefixgate.quant_matmul(x, with_halves.codes, with_halves.scales, 4, N)
 
 
 def test_linears_the_kernel_cannot_take_stay_dense() -> None:

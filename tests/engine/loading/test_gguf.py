@@ -29,6 +29,7 @@ from engine.executor.kernels import load_cpu_kernels
 from engine.executor.quantization import (
     FILE_BLOCKS,
     HeadRowsEmbedding,
+    QuantizedWeight,
     WeightFormat,
     dequantize_rows,
     pack_weight,
@@ -470,9 +471,8 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
     assert load_cpu_kernels(default_cache_dir())
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     for linear in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj", "lm_head"):
-        codes, scales = state[f"{linear}.quantized.codes"], state[f"{linear}.quantized.scales"]
         dense = state[f"{linear}.dense.weight"]
-        out = torch.ops.prefixgate.quant_matmul(x, codes, scales, codes.shape[-1] // 64, len(dense))
+        out = QuantizedWeight.from_state(dict(state), f"{linear}.quantized", len(dense)).matmul(x)
         reference = x @ dense.T
         torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
