@@ -96,6 +96,15 @@ class QuantizedWeight:
         )
         return out
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids` as float32 [len(ids), K], on the kernel: `dequantize_rows`'s
+        values bit for bit, in one op instead of ~100 small torch ops (0.24 ms for one row
+        of a 1B's head, a decode step's embedding)."""
+        out: torch.Tensor = torch.ops.prefixgate.dequantize_rows(
+            self.codes, self.scales, self.bits, self.out_features, ids, self.factors, self.halves
+        )
+        return out
+
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
         """This weight as named tensors, for a state dict (`from_state` reads them back)."""
         state = {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales}
@@ -469,12 +478,17 @@ class HeadRowsEmbedding(nn.Module):
     embedding's values (a GGUF's own blocks): no float copy of a vocabulary-sized table
     (Gemma 3's 262,144 x 640 in float32 is 671 MB)."""
 
-    def __init__(self, head: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, head: QuantizedWeight, dtype: torch.dtype, use_kernel: bool) -> None:
+        """`use_kernel`: the C++ op reads the rows (where the kernels are built: the head has
+        no dense copy), else `dequantize_rows` in torch; the same values."""
         super().__init__()
         self.head = head  # not a submodule: the head's module owns it
         self.dtype = dtype
+        self.use_kernel = use_kernel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return self.head.rows(input_ids).to(self.dtype)
         return dequantize_rows(self.head, input_ids).to(self.dtype)
 
 

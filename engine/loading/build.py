@@ -58,7 +58,8 @@ def restore_quantized_model(
     restore_linears(model, state, weights)
     tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
     if tied and "embed_tokens.weight" not in state and isinstance(model.lm_head, QuantizedLinear):
-        model.embed_tokens = HeadRowsEmbedding(model.lm_head.quantized, dtype)
+        head = model.lm_head
+        model.embed_tokens = HeadRowsEmbedding(head.quantized, dtype, head.dense is None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     state.clear()
     if set(missing) - tied or unexpected:

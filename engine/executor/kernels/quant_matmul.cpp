@@ -357,6 +357,23 @@ inline float scale_at(const TileSpan<BITS, ROWS>& span, int t, int64_t row, int6
   }
 }
 
+// Weight row r of tile t's code of column `col` (0-31) in group g, as the signed integer the
+// sums take (6 bits: the stored w + 32, less 32). The portable loop's and dequantize_rows'
+// one reading of the layout.
+template <int BITS, int ROWS>
+inline int32_t code_at(const TileSpan<BITS, ROWS>& span, int t, int64_t g, int64_t r, int col) {
+  const int j = col / 4, i = static_cast<int>(4 * r + col % 4);  // step j, byte i of a chunk
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(span.chunk(t, g, j)[i]);
+  } else {
+    const uint8_t byte = span.chunk(t, g, j / 2)[i];
+    int32_t code = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+    if constexpr (BITS >= 5) code |= ((span.chunk(t, g, 4)[i] >> j) & 1) << 4;
+    if constexpr (BITS == 6) code = (code | ((span.chunk(t, g, 5)[i] >> j) & 1) << 5) - 32;
+    return code;
+  }
+}
+
 #if PREFIXGATE_QMM_AVX2
 // Eight consecutive scales from index i (a multiple of 8), as floats.
 template <int BITS, int ROWS>
@@ -597,26 +614,11 @@ void block_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActiva
     for (int t = 0; t < T; ++t) {
       float total[kTile] = {};
       for (int64_t g = 0; g < groups; ++g) {
-        const auto code_byte = [&](int64_t c, int64_t i) { return span.chunk(t, g, c)[i]; };
         const int8_t* a = rows.codes + mb * k + g * kGroup;
         for (int64_t r = 0; r < kTile; ++r) {
-          int32_t sums[2] = {};  // steps 0-3 (columns 0-15) and 4-7
-          for (int64_t j = 0; j < kSteps; ++j) {
-            for (int64_t i = 0; i < 4; ++i) {
-              int32_t code;
-              if constexpr (BITS != 8) {
-                const uint8_t byte = code_byte(j / 2, 4 * r + i);
-                code = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
-                if constexpr (BITS >= 5)
-                  code |= ((code_byte(4, 4 * r + i) >> j) & 1) << 4;
-                if constexpr (BITS == 6)
-                  code = (code | ((code_byte(5, 4 * r + i) >> j) & 1) << 5) - 32;
-              } else {
-                code = static_cast<int8_t>(code_byte(j, 4 * r + i));
-              }
-              sums[j / (kSteps / 2)] += code * a[4 * j + i];
-            }
-          }
+          int32_t sums[2] = {};  // columns 0-15 and 16-31
+          for (int col = 0; col < kGroup; ++col)
+            sums[col / 16] += code_at(span, t, g, r, col) * a[col];
           const float ga = rows.scale[mb * groups + g];
           const auto m = [&](int part) {
             const int64_t row = m_row<HALVES, MINS>(part);
@@ -1093,6 +1095,101 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   });
 }
 
+// Rows `ids` of the weight as float32 [len(ids), K]: w = code * d + m rounded as GGML's
+// dequantizers round it (the product, then the sum; m = -0.0 where the layout has none), so a
+// tied embedding read from the head's blocks holds the file's values bit for bit.
+template <int BITS, bool HALVES, int MINS>
+void dequantize_impl(const LayoutSpan<BITS, HALVES, MINS>& base, int64_t groups,
+                     const int64_t* ids, int64_t count, float* out) {
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t id = ids[i], t = id / kTile % kTileBlock, r = id % kTile;
+      const auto span = base.unit(id / (kTile * kTileBlock), groups);
+      for (int64_t g = 0; g < groups; ++g) {
+        float d[2], m[2] = {-0.f, -0.f};
+        for (int half = 0; half < 2; ++half) {
+          d[half] = scale_at(span, t, HALVES ? half : 0, g, r);
+          if constexpr (MINS > 0) m[half] = scale_at(span, t, m_row<HALVES, MINS>(1 + half), g, r);
+        }
+        float* row = out + i * groups * kGroup + g * kGroup;
+        for (int col = 0; col < kGroup; ++col) {
+          const float w = static_cast<float>(code_at(span, t, g, r, col)) * d[col / 16];
+          row[col] = w + m[col / 16];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                           int64_t n, const at::Tensor& ids,
+                           const std::optional<at::Tensor>& factors, bool halves) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "dequantize_rows: bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
+                  codes.size(0) * 2 * kTile >= n && codes.size(2) == 64 * bits,
+              "dequantize_rows: codes must be a contiguous uint8 [ceil(N / 16), K / 32, 64 * bits]");
+  const int64_t groups = codes.size(1), parts = scales.dim() == 4 ? scales.size(2) : 0;
+  const int64_t mins = parts - (halves ? 2 : 1);
+  const bool factored = factors.has_value();
+  TORCH_CHECK((factored ? scales.scalar_type() == at::kChar
+                        : scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+                  scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({codes.size(0), groups, parts, 2 * kTile}) &&
+                  mins >= 0 && mins <= (halves ? 2 : 1),
+              "dequantize_rows: scales do not fit the codes (see quant_matmul)");
+  TORCH_CHECK(!factored || (groups % 8 == 0 && factors->scalar_type() == at::kHalf &&
+                            factors->is_contiguous() &&
+                            factors->sizes() ==
+                                at::IntArrayRef({codes.size(0), groups / 8, parts, 2 * kTile})),
+              "dequantize_rows: factors do not fit the scales (see quant_matmul)");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1,
+              "dequantize_rows: rows must be a 1-D int64 tensor");
+  const at::Tensor rows = ids.contiguous();
+  const int64_t count = rows.size(0);
+  const int64_t* id_ptr = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(id_ptr[i] >= 0 && id_ptr[i] < n, "dequantize_rows: a row is out of range");
+  at::Tensor out = at::empty({count, groups * kGroup}, codes.options().dtype(at::kFloat));
+  const ScaleForm form = factored                             ? ScaleForm::kFactored
+                         : scales.scalar_type() == at::kFloat ? ScaleForm::kFloat
+                                                              : ScaleForm::kHalf;
+  const at::Half* factor_ptr = factored ? factors->data_ptr<at::Half>() : nullptr;
+  const auto run = [&](auto bits_tag) {
+    constexpr int kBits = decltype(bits_tag)::value;
+    const auto go = [&](auto halves_tag, auto mins_tag) {
+      constexpr bool kHalves = decltype(halves_tag)::value;
+      constexpr int kMins = decltype(mins_tag)::value;
+      const LayoutSpan<kBits, kHalves, kMins> base{codes.data_ptr<uint8_t>(), scales.data_ptr(),
+                                                  form, factor_ptr};
+      dequantize_impl<kBits, kHalves, kMins>(base, groups, id_ptr, count,
+                                             out.data_ptr<float>());
+    };
+    using std::integral_constant;
+    if (halves && mins == 2) {
+      go(std::true_type{}, integral_constant<int, 2>{});
+    } else if (halves && mins == 1) {
+      go(std::true_type{}, integral_constant<int, 1>{});
+    } else if (halves) {
+      go(std::true_type{}, integral_constant<int, 0>{});
+    } else if (mins == 1) {
+      go(std::false_type{}, integral_constant<int, 1>{});
+    } else {
+      go(std::false_type{}, integral_constant<int, 0>{});
+    }
+  };
+  if (bits == 4) {
+    run(std::integral_constant<int, 4>{});
+  } else if (bits == 5) {
+    run(std::integral_constant<int, 5>{});
+  } else if (bits == 6) {
+    run(std::integral_constant<int, 6>{});
+  } else {
+    run(std::integral_constant<int, 8>{});
+  }
+  return out;
+}
+
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         int64_t bits, int64_t n, const std::optional<at::Tensor>& factors,
                         bool halves) {
@@ -1189,7 +1286,13 @@ TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
   m.def(
       "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, int n, Tensor? factors=None, "
       "bool halves=False) -> Tensor");
+  m.def(
+      "dequantize_rows(Tensor codes, Tensor scales, int bits, int n, Tensor rows, "
+      "Tensor? factors=None, bool halves=False) -> Tensor");
   m.def("quant_matmul_path() -> str", &quant_matmul_path);
 }
 
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("quant_matmul", &quant_matmul); }
+TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
+  m.impl("quant_matmul", &quant_matmul);
+  m.impl("dequantize_rows", &dequantize_rows);
+}

@@ -541,6 +541,10 @@ def test_the_kernel_rejects_a_layout_it_does_not_know(kernels: None) -> None:
         torch.ops.prefixgate.quant_matmul(x, weight.codes, weight.scales, 4, N - 4)
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
         weight.matmul(torch.randn(1, 40))
+    with pytest.raises(RuntimeError, match="a row is out of range"):  # N: past the last row
+        weight.rows(torch.tensor([0, N]))
+    with pytest.raises(RuntimeError, match="a row is out of range"):
+        weight.rows(torch.tensor([-1]))
     # the scale rows a layout has: halves need two d, three rows need the halves
     d_alone, _ = quantize_weight(torch.randn(N, K), 8)
     with pytest.raises(RuntimeError, match="scale rows must be"):

@@ -347,6 +347,13 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
         assert torch.equal(ours, ggml)  # -0 == +0
     else:
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
+    # read back out of the kernel's layout (a tied embedding's rows), in torch and on the
+    # kernel: the same floats, edge values included
+    packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(3))
+    assert load_cpu_kernels(default_cache_dir())
+    for rows in (dequantize_rows(packed, order), packed.rows(order)):
+        assert torch.equal(rows.view(torch.int32), ours[order].view(torch.int32))
 
 
 @pytest.mark.parametrize(
@@ -391,6 +398,8 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     unpacked = dequantize_rows(packed, order)  # the rows back out of the kernel's layout
     assert torch.equal(unpacked.view(torch.int32), dense[order].view(torch.int32))
     assert load_cpu_kernels(default_cache_dir())
+    # the op reads the same values (a tied embedding's rows, on the kernel)
+    assert torch.equal(packed.rows(order).view(torch.int32), dense[order].view(torch.int32))
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
     out = packed.matmul(x)
     reference = x @ dense.T
@@ -408,6 +417,7 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     assert torch.equal(
         dequantize_rows(factored, order).view(torch.int32), dense[order].view(torch.int32)
     )
+    assert torch.equal(factored.rows(order).view(torch.int32), dense[order].view(torch.int32))
     for batch in (1, 3, 17):  # the register blocks of every width, and row chunks
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
         for dtype in (torch.float32, torch.bfloat16):
