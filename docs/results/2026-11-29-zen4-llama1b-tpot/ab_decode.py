@@ -1,0 +1,25 @@
+"""Decode at a 976-token context, prefixgate's engine step against llama-bench's tg32 at
+depth 976, alternated round by round in one window (the engine stays loaded)."""
+import json, os, statistics, subprocess, sys, time
+sys.path.insert(0, os.environ.get("REPO", str(__import__("pathlib").Path(__file__).resolve().parents[3])))
+from engine import EngineConfig, LLMEngine, SamplingParams
+M = "/root/.cache/prefixgate-bench/llama-3.2-1b-shape-random-q4_k_m.gguf"
+BENCH = "/work/peers/llama.cpp-build/bin/llama-bench"
+eng = LLMEngine(EngineConfig(model=M, max_model_len=2048, max_num_batched_tokens=1024))
+V = eng.vocab_size
+prompt = [(i * 7919) % (V - 100) + 100 for i in range(976)]
+ours, theirs = [], []
+for r in range(int(os.environ.get("ROUNDS", 8))):
+    time.sleep(0.3)
+    out = subprocess.run([BENCH, "-m", M, "-p", "0", "-n", "32", "-d", "976", "-t", "2", "-r", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    ts = json.loads(out)[0]["avg_ts"]
+    theirs.append(1e3 / ts)
+    eng.add_request(f"r{r}", prompt, SamplingParams(temperature=0, max_tokens=34, ignore_eos=True))
+    eng.step(); eng.step()  # prefill (cached prefix) and a first decode
+    steps = []
+    while eng.has_unfinished_requests() if hasattr(eng, "has_unfinished_requests") else len(steps) < 32:
+        t = time.perf_counter(); eng.step(); steps.append(time.perf_counter() - t)
+    ours.append(statistics.median(steps) * 1e3)
+    print(f"round {r}: llama.cpp {theirs[-1]:.1f} ms/token, prefixgate step p50 {ours[-1]:.1f} ms ({len(steps)} steps), ratio {ours[-1]/theirs[-1]:.3f}", flush=True)
+print(f"median: llama.cpp {statistics.median(theirs):.1f}, prefixgate {statistics.median(ours):.1f}, ratio of medians {statistics.median(ours)/statistics.median(theirs):.3f}, median ratio {statistics.median(o/t for o, t in zip(ours, theirs)):.3f}")
