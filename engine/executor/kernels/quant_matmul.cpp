@@ -1121,28 +1121,87 @@ void dequantize_impl(const LayoutSpan<BITS, HALVES, MINS>& base, int64_t groups,
   });
 }
 
-at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
-                           int64_t n, const at::Tensor& ids,
-                           const std::optional<at::Tensor>& factors, bool halves) {
+// A weight's layout, checked against its tensors: the op's one reading of them.
+struct WeightLayout {
+  int64_t groups;  // K / 32
+  int64_t mins;    // scale rows of m after the d (see quant_matmul)
+  ScaleForm form;
+  const at::Half* factors;  // kFactored only
+};
+
+// Literal messages only: on the lent device's image (g++ 13.3, torch 2.11) a TORCH_CHECK
+// that formats a number into its message segfaults instead of raising, in any extension
+// (a one-line probe showed it; docs/benchmarks.md), where a literal one raises.
+WeightLayout check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                          int64_t n, const std::optional<at::Tensor>& factors, bool halves) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
-              "dequantize_rows: bits must be 4, 5, 6 or 8");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-                  codes.size(0) * 2 * kTile >= n && codes.size(2) == 64 * bits,
-              "dequantize_rows: codes must be a contiguous uint8 [ceil(N / 16), K / 32, 64 * bits]");
-  const int64_t groups = codes.size(1), parts = scales.dim() == 4 ? scales.size(2) : 0;
+              "quantized weight: bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(n >= 0 && n % kTile == 0, "quantized weight: N must be a multiple of 8");
+  const int64_t units = (n + 2 * kTile - 1) / (2 * kTile);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(0) == units && codes.size(2) == 64 * bits,
+              "quantized weight: codes must be a contiguous uint8 [ceil(N / 16), K / 32, "
+              "64 * bits]");
+  const int64_t groups = codes.size(1);
+  // scale rows: the d (one a group, or with `halves` one a 16-column half), then the mins:
+  // 1 d alone (m = 0), 2 d and m, or with halves 2 the two d alone (Q6_K's, Q3_K's), 3 and m,
+  // 4 and an m per half (Q2_K's)
+  const int64_t parts = scales.dim() == 4 ? scales.size(2) : 0;
   const int64_t mins = parts - (halves ? 2 : 1);
   const bool factored = factors.has_value();
   TORCH_CHECK((factored ? scales.scalar_type() == at::kChar
                         : scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({codes.size(0), groups, parts, 2 * kTile}) &&
-                  mins >= 0 && mins <= (halves ? 2 : 1),
-              "dequantize_rows: scales do not fit the codes (see quant_matmul)");
+                  scales.is_contiguous() && parts >= 1 && parts <= 4 &&
+                  scales.sizes() == at::IntArrayRef({units, groups, parts, 2 * kTile}),
+              "quantized weight: scales must be a contiguous float16 or float32 (int8 with "
+              "factors) [ceil(N / 16), K / 32, 1 to 4, 16]");
+  TORCH_CHECK(mins >= 0 && mins <= (halves ? 2 : 1),
+              "quantized weight: scale rows must be 1 or 2 (d, m), or with halves 2 to 4 (two "
+              "d, then no m, one, or one a half)");
   TORCH_CHECK(!factored || (groups % 8 == 0 && factors->scalar_type() == at::kHalf &&
                             factors->is_contiguous() &&
                             factors->sizes() ==
-                                at::IntArrayRef({codes.size(0), groups / 8, parts, 2 * kTile})),
-              "dequantize_rows: factors do not fit the scales (see quant_matmul)");
+                                at::IntArrayRef({units, groups / 8, parts, 2 * kTile})),
+              "quantized weight: factors must be a contiguous float16 [ceil(N / 16), K / 256, "
+              "scale rows, 16] (K a multiple of 256)");
+  const ScaleForm form = factored                             ? ScaleForm::kFactored
+                         : scales.scalar_type() == at::kFloat ? ScaleForm::kFloat
+                                                              : ScaleForm::kHalf;
+  return {groups, mins, form, factored ? factors->data_ptr<at::Half>() : nullptr};
+}
+
+// f(bits, halves, mins), each a compile-time constant: the layouts there are.
+template <typename F>
+void with_layout(int64_t bits, bool halves, int64_t mins, const F& f) {
+  const auto by_rows = [&](auto bits_tag) {
+    using std::integral_constant;
+    if (halves && mins == 2) {
+      f(bits_tag, std::true_type{}, integral_constant<int, 2>{});
+    } else if (halves && mins == 1) {
+      f(bits_tag, std::true_type{}, integral_constant<int, 1>{});
+    } else if (halves) {
+      f(bits_tag, std::true_type{}, integral_constant<int, 0>{});
+    } else if (mins == 1) {
+      f(bits_tag, std::false_type{}, integral_constant<int, 1>{});
+    } else {
+      f(bits_tag, std::false_type{}, integral_constant<int, 0>{});
+    }
+  };
+  if (bits == 4) {
+    by_rows(std::integral_constant<int, 4>{});
+  } else if (bits == 5) {
+    by_rows(std::integral_constant<int, 5>{});
+  } else if (bits == 6) {
+    by_rows(std::integral_constant<int, 6>{});
+  } else {
+    by_rows(std::integral_constant<int, 8>{});
+  }
+}
+
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                           int64_t n, const at::Tensor& ids,
+                           const std::optional<at::Tensor>& factors, bool halves) {
+  const WeightLayout layout = check_weight(codes, scales, bits, n, factors, halves);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1,
               "dequantize_rows: rows must be a 1-D int64 tensor");
   const at::Tensor rows = ids.contiguous();
@@ -1150,127 +1209,43 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, in
   const int64_t* id_ptr = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i)
     TORCH_CHECK(id_ptr[i] >= 0 && id_ptr[i] < n, "dequantize_rows: a row is out of range");
-  at::Tensor out = at::empty({count, groups * kGroup}, codes.options().dtype(at::kFloat));
-  const ScaleForm form = factored                             ? ScaleForm::kFactored
-                         : scales.scalar_type() == at::kFloat ? ScaleForm::kFloat
-                                                              : ScaleForm::kHalf;
-  const at::Half* factor_ptr = factored ? factors->data_ptr<at::Half>() : nullptr;
-  const auto run = [&](auto bits_tag) {
-    constexpr int kBits = decltype(bits_tag)::value;
-    const auto go = [&](auto halves_tag, auto mins_tag) {
-      constexpr bool kHalves = decltype(halves_tag)::value;
-      constexpr int kMins = decltype(mins_tag)::value;
-      const LayoutSpan<kBits, kHalves, kMins> base{codes.data_ptr<uint8_t>(), scales.data_ptr(),
-                                                  form, factor_ptr};
-      dequantize_impl<kBits, kHalves, kMins>(base, groups, id_ptr, count,
-                                             out.data_ptr<float>());
-    };
-    using std::integral_constant;
-    if (halves && mins == 2) {
-      go(std::true_type{}, integral_constant<int, 2>{});
-    } else if (halves && mins == 1) {
-      go(std::true_type{}, integral_constant<int, 1>{});
-    } else if (halves) {
-      go(std::true_type{}, integral_constant<int, 0>{});
-    } else if (mins == 1) {
-      go(std::false_type{}, integral_constant<int, 1>{});
-    } else {
-      go(std::false_type{}, integral_constant<int, 0>{});
-    }
-  };
-  if (bits == 4) {
-    run(std::integral_constant<int, 4>{});
-  } else if (bits == 5) {
-    run(std::integral_constant<int, 5>{});
-  } else if (bits == 6) {
-    run(std::integral_constant<int, 6>{});
-  } else {
-    run(std::integral_constant<int, 8>{});
-  }
+  at::Tensor out = at::empty({count, layout.groups * kGroup}, codes.options().dtype(at::kFloat));
+  with_layout(bits, halves, layout.mins, [&](auto bits_tag, auto halves_tag, auto mins_tag) {
+    constexpr int kBits = decltype(bits_tag)::value, kMins = decltype(mins_tag)::value;
+    constexpr bool kHalves = decltype(halves_tag)::value;
+    const LayoutSpan<kBits, kHalves, kMins> base{codes.data_ptr<uint8_t>(), scales.data_ptr(),
+                                                layout.form, layout.factors};
+    dequantize_impl<kBits, kHalves, kMins>(base, layout.groups, id_ptr, count,
+                                           out.data_ptr<float>());
+  });
   return out;
 }
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         int64_t bits, int64_t n, const std::optional<at::Tensor>& factors,
                         bool halves) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
-              "quant_matmul: bits must be 4, 5, 6 or 8");
+  const WeightLayout layout = check_weight(codes, scales, bits, n, factors, halves);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_matmul: x must be float32 or bfloat16");
-  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
-  const int64_t units = (n + 2 * kTile - 1) / (2 * kTile);
-  // Literal messages only: on the lent device's image (g++ 13.3, torch 2.11) a TORCH_CHECK
-  // that formats a number into its message segfaults instead of raising, in any extension
-  // (a one-line probe showed it; docs/benchmarks.md), where a literal one raises.
+  const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kGroup == 0, "quant_matmul: K must be a multiple of 32 (x's second size)");
-  TORCH_CHECK(n >= 0 && n % kTile == 0, "quant_matmul: N must be a multiple of 8");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.sizes() == at::IntArrayRef({units, groups, 64 * bits}),
-              "quant_matmul: codes must be a contiguous uint8 [ceil(N / 16), K / 32, 64 * bits]");
-  // scale rows: the d (one a group, or with `halves` one a 16-column half), then the mins:
-  // 1 d alone (m = 0), 2 d and m, or with halves 2 the two d alone (Q6_K's, Q3_K's), 3 and m,
-  // 4 and an m per half (Q2_K's)
-  const int64_t parts = scales.dim() == 4 ? scales.size(2) : 0;
-  const int64_t mins = parts - (halves ? 2 : 1);
-  const bool with_min = mins > 0, half_mins = mins == 2;
-  const bool factored = factors.has_value();
-  TORCH_CHECK((factored ? scales.scalar_type() == at::kChar
-                        : scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  scales.is_contiguous() && parts >= 1 && parts <= 4 &&
-                  scales.sizes() == at::IntArrayRef({units, groups, parts, 2 * kTile}),
-              "quant_matmul: scales must be a contiguous float16 or float32 (int8 with factors) "
-              "[ceil(N / 16), K / 32, 1 to 4, 16]");
-  TORCH_CHECK(mins >= 0 && mins <= (halves ? 2 : 1),
-              "quant_matmul: scale rows must be 1 or 2 (d, m), or with halves 2 to 4 (two d, "
-              "then no m, one, or one a half)");
-  TORCH_CHECK(!factored || (groups % 8 == 0 && factors->scalar_type() == at::kHalf &&
-                            factors->is_contiguous() &&
-                            factors->sizes() ==
-                                at::IntArrayRef({units, groups / 8, parts, 2 * kTile})),
-              "quant_matmul: factors must be a contiguous float16 [ceil(N / 16), K / 256, scale "
-              "rows, 16] (K a multiple of 256)");
+  TORCH_CHECK(k / kGroup == layout.groups,
+              "quantized weight: codes must be a contiguous uint8 [ceil(N / 16), K / 32, "
+              "64 * bits]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
-  const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
-  const void* scale_ptr = scales.data_ptr();
-  const ScaleForm form = factored                             ? ScaleForm::kFactored
-                         : scales.scalar_type() == at::kFloat ? ScaleForm::kFloat
-                                                              : ScaleForm::kHalf;
-  const at::Half* factor_ptr = factored ? factors->data_ptr<at::Half>() : nullptr;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const QuantizedActivations act =
-        quantize_activations(x.data_ptr<T>(), rows, k, code_offset(bits), halves, half_mins);
-    const auto impl = [&](auto bits_tag) {
-      constexpr int kBits = decltype(bits_tag)::value;
-      T* y = out.data_ptr<T>();
-      if (half_mins) {
-        quant_matmul_impl<kBits, true, 2>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
-                                                   k, y);
-      } else if (halves && with_min) {
-        quant_matmul_impl<kBits, true, 1>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
-                                                   k, y);
-      } else if (halves) {
-        quant_matmul_impl<kBits, true, 0>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
-                                                   k, y);
-      } else if (with_min) {
-        quant_matmul_impl<kBits, false, 1>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
-                                                   k, y);
-      } else {
-        quant_matmul_impl<kBits, false, 0>(act, code_ptr, scale_ptr, form, factor_ptr, rows, n,
-                                                   k, y);
-      }
-    };
-    if (bits == 4) {
-      impl(std::integral_constant<int, 4>{});
-    } else if (bits == 5) {
-      impl(std::integral_constant<int, 5>{});
-    } else if (bits == 6) {
-      impl(std::integral_constant<int, 6>{});
-    } else {
-      impl(std::integral_constant<int, 8>{});
-    }
+    const QuantizedActivations act = quantize_activations(
+        x.data_ptr<T>(), rows, k, code_offset(bits), halves, layout.mins == 2);
+    with_layout(bits, halves, layout.mins, [&](auto bits_tag, auto halves_tag, auto mins_tag) {
+      constexpr int kBits = decltype(bits_tag)::value, kMins = decltype(mins_tag)::value;
+      constexpr bool kHalves = decltype(halves_tag)::value;
+      quant_matmul_impl<kBits, kHalves, kMins>(act, codes.data_ptr<uint8_t>(),
+                                               scales.data_ptr(), layout.form, layout.factors,
+                                               rows, n, k, out.data_ptr<T>());
+    });
   };
   if (x.scalar_type() == at::kFloat) {
     run(float{});
