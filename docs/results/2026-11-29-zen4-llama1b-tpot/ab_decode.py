@@ -3,7 +3,7 @@ depth 976, alternated round by round in one window (the engine stays loaded)."""
 import json, os, statistics, subprocess, sys, time
 sys.path.insert(0, os.environ.get("REPO", str(__import__("pathlib").Path(__file__).resolve().parents[3])))
 from engine import EngineConfig, LLMEngine, SamplingParams
-M = "/root/.cache/prefixgate-bench/llama-3.2-1b-shape-random-q4_k_m.gguf"
+M = os.environ.get("MODEL", "/root/.cache/prefixgate-bench/llama-3.2-1b-shape-random-q4_k_m.gguf")
 BENCH = "/work/peers/llama.cpp-build/bin/llama-bench"
 eng = LLMEngine(EngineConfig(model=M, max_model_len=2048, max_num_batched_tokens=1024))
 V = eng.vocab_size
