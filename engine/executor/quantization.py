@@ -118,6 +118,8 @@ class QuantizedWeight:
         cls, state: dict[str, torch.Tensor], prefix: str, out_features: int
     ) -> QuantizedWeight:
         """The weight `state` holds under `prefix` (popped): its code width is its codes'."""
+        if f"{prefix}.codes" not in state:
+            raise ValueError(f"no quantized weight {prefix} in the quantized state")
         codes = state.pop(f"{prefix}.codes")
         return cls(
             codes,
@@ -258,7 +260,7 @@ def pack_weight(
             with_min = bool(low.any())
         if not with_min and bool(low.any()):
             raise ValueError("pack_weight: with_min=False, but some m is not 0")
-        rows_of = ["d0", "d1"] if scale.dim() == 3 else ["d"]
+        rows_of = ["d0", "d1"] if halves else ["d"]
         rows_of += ["m"] if with_min else []
 
     def pick(d: torch.Tensor, m: torch.Tensor, row: str) -> torch.Tensor:
@@ -385,8 +387,6 @@ def restore_linears(
     (popped) from `state`, their dense copies on the meta device for `load_state_dict` to
     assign. Each weight's code width is its codes' (a GGUF's linears may differ)."""
     for full, parent, name, child, _kind in quantizable_linears(model, weights):
-        if f"{full}.quantized.codes" not in state:
-            raise ValueError(f"no quantized weight for {full} in the quantized state")
         quantized = QuantizedWeight.from_state(state, f"{full}.quantized", child.out_features)
         dense = None
         if weights.dense_copies:
