@@ -116,7 +116,7 @@ def linear_sweep(rows: tuple[int, ...], repeats: int = 10) -> list[dict[str, Any
             linear = torch.nn.Linear(k, n, bias=False)
             quantized, weight = quantize_weight(linear.weight.detach(), 4, dtype)
             linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-            layers.append((QuantizedLinear(quantized, None, None), PackedLinear(linear)))
+            layers.append((QuantizedLinear((quantized,), None, None), PackedLinear(linear)))
     results = []
     for m in rows:
         inputs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}

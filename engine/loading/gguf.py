@@ -39,9 +39,11 @@ from engine.executor.quantization import (
     BITS,
     GROUP_SIZE,
     QUANTIZE_ROWS,
+    TILE_ROWS,
     ScaleFactors,
     WeightFormat,
     pack_weight,
+    parts_state,
     per_half,
     quantizable_linears,
     quantize_int4,
@@ -105,7 +107,7 @@ class GroupCodes:
     (float32 for the K-quants and where float16 cannot hold m exactly); d [N, K / 32, 2]
     where each 16-column half of a group has its own (Q3_K, Q6_K), and m [N, K / 32, 2] too
     where each half has its own min (Q2_K). Unpacked, so rows concatenate (q/k/v fused into
-    one linear) before `pack_weight` lays them out for the kernel."""
+    one linear, where they share a layout) before `pack_weight` lays them out for the kernel."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -637,17 +639,17 @@ def blocks_quantized_state(
         key = f"{full}.weight"
         tied = key not in sources and getattr(model, "tie_word_embeddings", False)
         names = sources["embed_tokens.weight"] if key not in sources else sources.pop(key)
-        bits = BITS[kind] if kind in BITS else max(gguf.bits_of(name) for name in names)
         before = sum(requantized.values())
-        codes = _fused_codes(gguf, names, bits, requantized)
+        blocks = _fused_codes(gguf, names, BITS.get(kind), requantized)
         if tied and sum(requantized.values()) == before:
             # the head's codes are the embedding's values: it is read from them
             # (`HeadRowsEmbedding`), with no float copy of the table
             del sources["embed_tokens.weight"]
-        packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
-        state.update(packed.state(f"{full}.quantized"))
+        packed = [pack_weight(c.codes, c.d, c.m, c.bits, factors=c.factors) for c in blocks]
+        state.update(parts_state(packed, f"{full}.quantized"))
         if weights.dense_copies:
-            state[f"{full}.dense.weight"] = codes.dequantize(dtype)
+            dense = [codes.dequantize(dtype) for codes in blocks]
+            state[f"{full}.dense.weight"] = dense[0] if len(dense) == 1 else torch.cat(dense)
     for key, names in sources.items():
         parts = [gguf.dequantize(name, dtype) for name in names]
         state[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -660,19 +662,40 @@ def blocks_quantized_state(
 
 
 def _fused_codes(
-    gguf: GGUFWeights, names: tuple[str, ...], bits: int, requantized: Counter[str]
-) -> GroupCodes:
-    """The tensors `names` as one weight of `bits`-wide codes: each its own blocks where they
-    fit (4-bit ones widened for an 8-bit weight), re-quantized from its values otherwise
-    (counted by type in `requantized`)."""
+    gguf: GGUFWeights, names: tuple[str, ...], bits: int | None, requantized: Counter[str]
+) -> list[GroupCodes]:
+    """The tensors `names` (a linear's, fused in this order) as its row blocks: each tensor
+    its own blocks where they fit, re-quantized from its values otherwise (counted by type in
+    `requantized`). `bits`: one code width for all (a format such as int8 asked for; 4-bit
+    blocks widened), None: each tensor at its file type's."""
     parts = []
     for name in names:
+        width = bits or gguf.bits_of(name)
         codes = gguf.group_codes(name)
-        if codes is None or codes.bits > bits:
+        if codes is None or codes.bits > width:
             requantized[gguf.entries[name].kind] += 1
-            codes = _quantized(gguf.dequantize(name), bits)
-        parts.append(codes.widened(bits))
-    return parts[0] if len(parts) == 1 else GroupCodes.cat(parts)
+            codes = _quantized(gguf.dequantize(name), width)
+        parts.append(codes.widened(width))
+    return row_blocks(parts)
+
+
+def row_blocks(parts: list[GroupCodes]) -> list[GroupCodes]:
+    """Consecutive parts of one layout (code width, and the K-quants' two-level scales or
+    not) joined into one block, a block per run (`QuantizedLinear`'s parts); all joined at
+    the widest width where a run would not hold whole tiles of rows."""
+    runs: list[list[GroupCodes]] = []
+    for part in parts:
+        if runs and _layout(runs[-1][0]) == _layout(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    if any(sum(len(part.codes) for part in run) % TILE_ROWS for run in runs):
+        runs = [parts]
+    return [run[0] if len(run) == 1 else GroupCodes.cat(run) for run in runs]
+
+
+def _layout(codes: GroupCodes) -> tuple[int, bool]:
+    return codes.bits, codes.factors is not None
 
 
 def _quantized(w: torch.Tensor, bits: int) -> GroupCodes:

@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 # bump when quantized_state's layout changes (3: a tied embedding may be absent, read from the
 # head's rows; 4: no min row in the scales where every m is 0, 5-bit codes for the Q5 types;
 # 5: tiles stored in pairs, group by group; 6: no min row beside a d per half where every m
-# is 0, each weight's `halves` stored)
-CACHE_VERSION = 6
+# is 0, each weight's `halves` stored; 7: a fused linear of mixed file types as row blocks,
+# each in its own layout)
+CACHE_VERSION = 7
 # The modules that decode a file's blocks and pack the kernel's layout: a cache written by other
 # code is another key, so a layout changed without a version bump is never read as the new one
 # (a Q5 tensor's first 5-bit layout read by the next one gave garbage tokens, in development).

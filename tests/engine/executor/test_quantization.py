@@ -455,7 +455,7 @@ def test_a_quantized_linear_stays_within_the_activation_rounding_of_its_weight(
     quantized, dequantized = quantize_weight(weight, bits)
     step = (weight.max() - weight.min()) / (15 if bits == 4 else 254)
     assert (dequantized - weight).abs().max() <= step  # within one step of the grid
-    layer = QuantizedLinear(quantized, None, None)
+    layer = QuantizedLinear((quantized,), None, None)
     x = torch.randn(3, K, generator=gen)
     exact = x.double() @ dequantized.double().t()
     half_steps = x.reshape(3, -1, GROUP_SIZE).abs().amax(-1).repeat_interleave(GROUP_SIZE, 1) / 254
@@ -492,7 +492,7 @@ def test_an_int4_chunk_whose_mins_are_all_zero_keeps_the_weights_layout(
     quantized, _ = quantize_weight(weight, 4)
     assert quantized.scales.shape == (3 * 128 // 16, K // GROUP_SIZE, 2, 16)
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(10))
-    out = QuantizedLinear(quantized, None, None)(x)
+    out = QuantizedLinear((quantized,), None, None)(x)
     assert torch.equal(out[:, 128:256], torch.zeros(2, 128))
     codes, scale, low = quantize_int4(weight)
     with pytest.raises(ValueError, match="some m is not 0"):

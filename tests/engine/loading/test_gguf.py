@@ -29,10 +29,11 @@ from engine.executor.kernels import load_cpu_kernels
 from engine.executor.quantization import (
     FILE_BLOCKS,
     HeadRowsEmbedding,
-    QuantizedWeight,
+    QuantizedLinear,
     WeightFormat,
     dequantize_rows,
     pack_weight,
+    parts_from_state,
 )
 from engine.executor.quantization import quantized_state as float_route_state
 from engine.loading import setup as model_setup
@@ -49,6 +50,7 @@ from engine.loading.gguf import (
     gguf_table,
     hf_tensor_name,
     rope_parameters,
+    row_blocks,
 )
 from engine.loading.source import ModelSource, shipped_weight_format
 from tests.engine.executor.test_models import ARCHITECTURES, PagedHarness, _reference_logits
@@ -293,6 +295,54 @@ def test_group_codes_of_different_widths_fuse_at_the_wider_one() -> None:
         five.widened(4)
 
 
+def _k_quant_codes(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> GroupCodes:
+    """A K-quant tensor of random blocks with sane super-block scales, as the loader reads it."""
+    block_bytes = EXACT_BLOCKS[qtype.name].block_bytes
+    gen = np.random.default_rng(seed)
+    blocks = gen.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+    scales = gen.uniform(1e-4, 2e-3, (rows, cols // 256, 2)).astype(np.float16)  # d, dmin
+    if qtype in (Q.Q3_K, Q.Q6_K):  # d last; no dmin
+        blocks[..., -2:] = scales[..., :1].view(np.uint8).reshape(rows, cols // 256, 2)
+    else:
+        blocks[..., :4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    return block_group_codes(qtype.name, torch.from_numpy(blocks.reshape(-1)), rows, cols)
+
+
+def test_a_fused_linears_tensors_of_other_layouts_stay_row_blocks_in_their_own() -> None:
+    """Q4_K q and k beside a Q6_K v (llama.cpp's Q4_K_M, half of a Llama's layers): two row
+    blocks, q and k joined in 4 bits, v in 6, in 42 of the 57 KB one 6-bit layout takes; the
+    same values; each row's product alone is its product in the batch. A run that would not
+    hold whole tiles of 8 rows joins every tensor at the widest width."""
+    q, k, v = (
+        _k_quant_codes(t, n, 512, s)
+        for t, n, s in ((Q.Q4_K, 64, 1), (Q.Q4_K, 32, 2), (Q.Q6_K, 32, 3))
+    )
+    blocks = row_blocks([q, k, v])
+    assert [(b.bits, len(b.codes)) for b in blocks] == [(4, 96), (6, 32)]
+    parts = [pack_weight(b.codes, b.d, b.m, b.bits, factors=b.factors) for b in blocks]
+    one = GroupCodes.cat([q, k, v])
+    joined = pack_weight(one.codes, one.d, one.m, one.bits, factors=one.factors)
+    # bytes per 256 weights: 4-bit codes 128 + int8 d, m 16 + their factors 4; 6-bit codes 192
+    # + a d per half 16 + factors 4; joined: 192 + d, d, m 24 + factors 6
+    assert [p.num_bytes for p in parts] == [96 * 2 * 148, 32 * 2 * 212]
+    assert joined.num_bytes == 128 * 2 * 222
+    dense = torch.cat([b.dequantize(torch.float32) for b in blocks])
+    assert torch.equal(dense.view(torch.int32), one.dequantize(torch.float32).view(torch.int32))
+    assert load_cpu_kernels(default_cache_dir())
+    linear = QuantizedLinear(parts, None, None)
+    assert (linear.in_features, linear.out_features) == (512, 128)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
+    out = linear(x)
+    reference = x @ dense.T
+    torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
+    for i in range(5):
+        assert torch.equal(linear(x[i : i + 1]), out[i : i + 1])
+    with pytest.raises(ValueError, match="row blocks"):
+        _ = linear.quantized
+    ragged = row_blocks([q, _k_quant_codes(Q.Q4_K, 36, 512, 4), _k_quant_codes(Q.Q6_K, 28, 512, 5)])
+    assert [(b.bits, len(b.codes)) for b in ragged] == [(6, 128)]
+
+
 # d values a block may carry: ordinary, negative, zero, subnormal, the largest finite f16.
 _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
 
@@ -430,10 +480,10 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Q4_K_M-like file (types differ by tensor, within a fused q/k/v and gate/up too):
-    each linear takes the width of its widest part, every part the file's values exactly
-    (4-bit parts widened, not re-quantized); a type the kernel does not hold (F16 here) is
-    re-quantized with a warning naming it; the kernel on those codes computes the file's
-    weights (to its 8-bit activations' rounding)."""
+    each tensor keeps its own code width, a fused linear's tensors of different widths as
+    row blocks (tensors of one width one block), every part the file's values exactly; a type
+    the kernel does not hold (F16 here) is re-quantized with a warning naming it; the kernel
+    on those codes computes the file's weights (to its 8-bit activations' rounding)."""
     mixed = {
         "blk.0.attn_q": Q.Q5_0, "blk.0.attn_k": Q.Q4_0, "blk.0.attn_v": Q.Q8_0,
         "blk.0.attn_output": Q.Q4_1, "blk.0.ffn_gate": Q.Q5_1, "blk.0.ffn_up": Q.Q4_1,
@@ -461,13 +511,17 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
         )
     assert "re-quantized from their values (a second rounding): F16 x 1" in caplog.text
     widths = {
-        "layers.0.self_attn.qkv_proj": 8, "layers.0.self_attn.o_proj": 4,
-        "layers.0.mlp.gate_up_proj": 5, "layers.0.mlp.down_proj": 5,
-        "layers.1.self_attn.qkv_proj": 4, "layers.1.mlp.gate_up_proj": 4,
-        "layers.1.mlp.down_proj": 8, "lm_head": 8,
+        "layers.0.self_attn.qkv_proj": [5, 4, 8], "layers.0.self_attn.o_proj": [4],
+        "layers.0.mlp.gate_up_proj": [5, 4], "layers.0.mlp.down_proj": [5],
+        "layers.1.self_attn.qkv_proj": [4], "layers.1.mlp.gate_up_proj": [4],
+        "layers.1.mlp.down_proj": [8], "lm_head": [8],
     }  # fmt: skip
+    rows = {"layers.0.self_attn.qkv_proj": [64, 32, 32], "layers.0.mlp.gate_up_proj": [128, 128]}
     for linear, bits in widths.items():
-        assert state[f"{linear}.quantized.codes"].shape[-1] == 64 * bits, linear
+        out_features = len(state[f"{linear}.dense.weight"])
+        parts = parts_from_state(dict(state), f"{linear}.quantized", out_features)
+        assert [part.bits for part in parts] == bits, linear
+        assert [part.out_features for part in parts] == rows.get(linear, [out_features]), linear
     exact = {
         "layers.0.self_attn.qkv_proj": [f"model.layers.0.self_attn.{x}_proj" for x in "qkv"],
         "layers.0.mlp.gate_up_proj": ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
@@ -482,7 +536,8 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     for linear in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj", "lm_head"):
         dense = state[f"{linear}.dense.weight"]
-        out = QuantizedWeight.from_state(dict(state), f"{linear}.quantized", len(dense)).matmul(x)
+        parts = parts_from_state(dict(state), f"{linear}.quantized", len(dense))
+        out = QuantizedLinear(parts, None, None)(x)
         reference = x @ dense.T
         torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 

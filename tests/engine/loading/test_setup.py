@@ -130,7 +130,7 @@ def _weights(model: object) -> list[tuple[str, bytes]]:
     assert isinstance(model, torch.nn.Module)
     quantized = [
         (str(i), bytes(q.codes.numpy()) + bytes(q.scales.view(torch.uint8).numpy()))
-        for i, q in enumerate(m.quantized for m in _quantized(model))
+        for i, q in enumerate(part for m in _quantized(model) for part in m.parts)
     ]
     params = [
         (n, bytes(t.detach().contiguous().view(torch.uint8).numpy()))
