@@ -23,8 +23,9 @@ K/V differ between a prefill and a decode, and is gone (docs/benchmarks.md, issu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -105,6 +106,16 @@ class QuantizedWeight:
             self.codes, self.scales, self.bits, self.out_features, ids, self.factors, self.halves
         )
         return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.factors) if t is not None]
+
+    def moved(self, place: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """This weight with its tensors replaced by `place`'s copies of them."""
+        factors = None if self.factors is None else place(self.factors)
+        return dataclasses.replace(
+            self, codes=place(self.codes), scales=place(self.scales), factors=factors
+        )
 
     def state(self, prefix: str) -> dict[str, torch.Tensor]:
         """This weight as named tensors, for a state dict (`from_state` reads them back)."""
@@ -547,6 +558,26 @@ class HeadRowsEmbedding(nn.Module):
         if self.use_kernel:
             return self.head.rows(input_ids).to(self.dtype)
         return dequantize_rows(self.head, input_ids).to(self.dtype)
+
+
+def kernel_linears(model: nn.Module) -> list[QuantizedLinear]:
+    """The quantized linears that run on the kernel (no dense copy): whose weights a decode
+    step streams."""
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.dense is None]
+
+
+def move_kernel_weights(model: nn.Module, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The weight tensors of every linear on the kernel replaced by `place`'s copies, linear
+    by linear (each original freed once its linear holds the copy); a tied embedding read
+    from the head's rows follows its head."""
+    readers = {id(m.head): m for m in model.modules() if isinstance(m, HeadRowsEmbedding)}
+    for module in kernel_linears(model):
+        parts = []
+        for part in module.parts:
+            parts.append(part.moved(place))
+            if id(part) in readers:
+                readers.pop(id(part)).head = parts[-1]
+        module.parts = tuple(parts)
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

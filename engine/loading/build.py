@@ -7,13 +7,15 @@ from typing import Any
 
 import torch
 
-from engine.core.memory import return_freed_memory
+from engine.core.memory import HugePageArena, huge_pages_available, return_freed_memory
 from engine.executor.models import MODEL_CLASSES, CausalLM
 from engine.executor.models.layers import can_pack_linears, pack_linears
 from engine.executor.quantization import (
     HeadRowsEmbedding,
     QuantizedLinear,
     WeightFormat,
+    kernel_linears,
+    move_kernel_weights,
     quantize_linears,
     relink_dense_biases,
     restore_linears,
@@ -41,6 +43,7 @@ def load_model_weights(
     model.init_buffers()
     if weights.is_quantized:
         quantize_linears(model, weights, dtype)
+        kernel_weights_on_huge_pages(model)
     return _ready(model, device, dtype)
 
 
@@ -81,6 +84,7 @@ def load_gguf_quantized(
     state = blocks_quantized_state(on_meta(hf_config, max_positions, dtype), gguf, weights, dtype)
     model = restore_quantized_model(hf_config, state, max_positions, dtype, weights)
     return_freed_memory()  # the build's temporaries, before packing allocates again
+    kernel_weights_on_huge_pages(model)
     return model
 
 
@@ -89,6 +93,25 @@ def pack_model(model: CausalLM, device: torch.device, dtype: torch.dtype) -> Non
     if can_pack_linears(device, dtype):
         assert isinstance(model, torch.nn.Module)
         pack_linears(model)
+
+
+def kernel_weights_on_huge_pages(model: CausalLM) -> None:
+    """The weights the quantized kernel streams, moved into one `HugePageArena` where the
+    kernel grants transparent huge pages (a cached state is read into one instead)."""
+    tensors = kernel_weights(model)
+    if not tensors or not huge_pages_available():
+        return
+    arena = HugePageArena(sum(HugePageArena.span(t.nbytes) for t in tensors))
+    del tensors
+    assert isinstance(model, torch.nn.Module)
+    move_kernel_weights(model, arena.place)
+    return_freed_memory()  # the originals
+
+
+def kernel_weights(model: CausalLM) -> list[torch.Tensor]:
+    """The tensors of the quantized linears on the kernel: what a decode step streams."""
+    assert isinstance(model, torch.nn.Module)
+    return [t for linear in kernel_linears(model) for part in linear.parts for t in part.tensors()]
 
 
 def on_meta(hf_config: Any, max_positions: int, dtype: torch.dtype) -> Any:

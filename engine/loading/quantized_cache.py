@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.core.config import default_cache_dir
+from engine.core.memory import huge_pages_available
 from engine.executor import quantization
 from engine.executor.models import CausalLM
 from engine.executor.quantization import WeightFormat, quantized_state
@@ -45,8 +46,9 @@ def _layout_digest() -> str:
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:
-    """A cached state, for `restore_quantized_model`; ValueError or OSError when damaged."""
-    return safetensors_io.read(path)
+    """A cached state, for `restore_quantized_model`, read onto huge pages where the kernel
+    grants them (engine.core.memory.HugePageArena); ValueError or OSError when damaged."""
+    return safetensors_io.read(path, huge_pages=huge_pages_available())
 
 
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:

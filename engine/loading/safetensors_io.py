@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from engine.core.memory import HugePageArena
+
 DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -31,9 +33,10 @@ DTYPES = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def read(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, each in memory of its own. Raises ValueError on a damaged or
-    unsupported file, OSError when it cannot be read."""
+def read(path: Path, huge_pages: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, each in memory of its own (with `huge_pages`, all in one
+    `HugePageArena`: read straight onto 2 MB pages, not copied there later). Raises
+    ValueError on a damaged or unsupported file, OSError when it cannot be read."""
     with path.open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         try:
@@ -43,16 +46,28 @@ def read(path: Path) -> dict[str, torch.Tensor]:
         header.pop("__metadata__", None)
         base = 8 + header_len
         state = {}
-        for name, entry in header.items():
-            if entry.get("dtype") not in DTYPES:
-                raise ValueError(f"{path}: {name} has unsupported dtype {entry.get('dtype')}")
+        sizes = [_data_bytes(path, name, entry) for name, entry in header.items()]
+        if sum(sizes) > path.stat().st_size - base:
+            raise ValueError(f"{path} is truncated: its header lists {sum(sizes)} bytes of data")
+        arena = HugePageArena(sum(map(HugePageArena.span, sizes))) if huge_pages else None
+        for (name, entry), size in zip(header.items(), sizes, strict=True):
             start, end = entry["data_offsets"]
-            raw = torch.empty(end - start, dtype=torch.uint8)
+            raw = arena.empty(size) if arena else torch.empty(size, dtype=torch.uint8)
             f.seek(base + start)
             if f.readinto(raw.numpy()) != end - start:  # type: ignore[arg-type]
                 raise ValueError(f"{path} is truncated at {name}")
             state[name] = raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
     return state
+
+
+def _data_bytes(path: Path, name: str, entry: Any) -> int:
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        raise ValueError(f"{path}: {name} has unsupported dtype {dtype}")
+    start, end = entry.get("data_offsets", (0, -1))
+    if not 0 <= start <= end:
+        raise ValueError(f"{path}: {name} has data offsets {start}..{end}")
+    return int(end - start)
 
 
 def write(state: dict[str, torch.Tensor], path: Path) -> None:

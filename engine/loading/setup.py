@@ -17,7 +17,7 @@ import torch
 from engine.core.config import EngineConfig, GiB, default_cache_dir
 from engine.core.cpu import cpu_features
 from engine.core.errors import ModelLoadError
-from engine.core.memory import return_freed_memory
+from engine.core.memory import huge_page_bytes, return_freed_memory, transparent_huge_pages
 from engine.executor.attention import use_cuda_sdpa_without_cudnn
 from engine.executor.kernels import (
     NOT_BUILT,
@@ -31,6 +31,7 @@ from engine.executor.quantization import HeadRowsEmbedding, WeightFormat
 from engine.kvcache.block_pool import BlockPool, KVCacheSpec, num_blocks_for
 from engine.loading import quantized_cache
 from engine.loading.build import (
+    kernel_weights,
     load_gguf_quantized,
     load_model_weights,
     on_meta,
@@ -152,6 +153,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         kernels.describe(),
         time.perf_counter() - start,
     )
+    streamed = kernel_weights(model)
+    if streamed:
+        size = sum(t.nbytes for t in streamed)
+        logger.info(
+            "quantized weights: %d of %d MB on 2 MB pages (transparent huge pages: %s)",
+            min(huge_page_bytes(streamed), size) >> 20,
+            size >> 20,
+            transparent_huge_pages() or "none",
+        )
+    del streamed
     pool = _make_pool(config, spec, num_blocks)
     has_cpu_kernels = kernels_built and model.head_dim % 8 == 0  # the kernels' width
     if weights.is_quantized and weights.dense_copies:

@@ -629,6 +629,8 @@ def test_a_tied_embedding_is_read_from_the_heads_blocks_where_they_are_its_value
     if not from_head:  # the re-quantized head; the embedding is the file's floats
         assert torch.equal(rows, expected)
         return
+    # the head's own weight, wherever loading moved it (huge pages)
+    assert embedding.head is model.lm_head.quantized  # type: ignore[attr-defined]
     assert rows.dtype == torch.float32
     assert torch.equal(rows, expected)  # the file's values (Q4_0's zeros may be -0 there)
     table = _open(path, cfg).dequantize("model.embed_tokens.weight")  # the table it replaces

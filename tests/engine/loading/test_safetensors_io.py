@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.core.memory import HUGE_PAGE
 from engine.loading import safetensors_io
 
 
@@ -45,6 +46,19 @@ def test_we_read_what_the_safetensors_package_writes(tmp_path: Path) -> None:
     got = safetensors_io.read(tmp_path / "b.safetensors")
     _assert_same(dict(sorted(got.items())), dict(sorted(tensors.items())))
     got["bf16"].add_(1)  # each tensor owns its memory: writable, not a view of a mapping
+
+
+def test_a_file_read_onto_huge_pages_is_the_same_tensors_in_one_mapping(tmp_path: Path) -> None:
+    """`huge_pages`: every tensor read into one HugePageArena (the quantized cache's weights
+    land on 2 MB pages with no copy), the first at a 2 MB boundary."""
+    tensors = _tensors()
+    safetensors_io.write(tensors, tmp_path / "h.safetensors")
+    got = safetensors_io.read(tmp_path / "h.safetensors", huge_pages=True)
+    _assert_same(got, tensors)
+    storages = {t.untyped_storage().data_ptr() for t in got.values()}
+    assert len(storages) == 1
+    assert got["bf16"].data_ptr() % HUGE_PAGE == 0
+    got["bf16"].add_(1)  # writable
 
 
 def test_a_truncated_file_is_a_value_error(tmp_path: Path) -> None:

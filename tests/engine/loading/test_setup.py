@@ -11,10 +11,12 @@ import torch
 from engine import EngineConfig
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
+from engine.core.memory import huge_page_bytes, huge_pages_available, transparent_huge_pages
 from engine.executor.kernels import build_cpu_kernels
 from engine.executor.quantization import QuantizedLinear, WeightFormat
 from engine.loading import quantized_cache
 from engine.loading import setup as model_setup
+from engine.loading.build import kernel_weights
 from engine.loading.setup import load_model
 from engine.loading.source import ModelSource, resolve_model
 from engine.text.chat import chat_prompt_ids
@@ -113,6 +115,29 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     assert "ignoring the quantized cache" in caplog.text
     assert _weights(third.model) == _weights(first.model)
     assert cached.stat().st_size > 100  # written again
+
+
+def test_the_kernels_weights_lie_on_huge_pages_from_either_start(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights a decode step streams, in one mapping of 2 MB pages: moved there after the
+    first start quantizes them, read straight into one from the cache on the second; where
+    huge pages are off, left where loading put them."""
+    if not huge_pages_available():
+        pytest.skip(f"transparent huge pages: {transparent_huge_pages() or 'none'}")
+    kernels_dir = default_cache_dir()
+    monkeypatch.setattr(
+        model_setup, "build_cpu_kernels", lambda _dir: build_cpu_kernels(kernels_dir)
+    )
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path))
+    config = _config(tiny_llama_path, quantization="int4")
+    for start in ("quantized", "cached"):
+        weights = kernel_weights(load_model(config).model)
+        assert len({t.untyped_storage().data_ptr() for t in weights}) == 1, start
+        assert huge_page_bytes(weights) >= sum(t.nbytes for t in weights), start
+    monkeypatch.setattr(model_setup.quantized_cache, "huge_pages_available", lambda: False)
+    weights = kernel_weights(load_model(config).model)
+    assert len({t.untyped_storage().data_ptr() for t in weights}) == len(weights)
 
 
 def _never(path: Path, *args: object) -> dict[str, torch.Tensor]:
