@@ -43,7 +43,7 @@ BITS = {"int4": 4, "int8": 8}
 # holds its file type exactly (engine.loading.gguf), so one model mixes 4- and 8-bit linears.
 FILE_BLOCKS = "gguf"
 
-QUANTIZE_ROWS = 4096  # rows quantized at a time; a multiple of TILE_ROWS
+QUANTIZE_ROWS = 4096  # rows quantized or packed at a time; whole units (16 rows)
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,10 @@ class ScaleFactors:
     m_sub: torch.Tensor
     m_super: torch.Tensor
 
+    def rows(self, start: int, end: int) -> ScaleFactors:
+        """Rows [start, end) of every part."""
+        return ScaleFactors(*(getattr(self, f.name)[start:end] for f in fields(ScaleFactors)))
+
     def per_half(self, d: bool, m: bool) -> ScaleFactors:
         """One sub-scale per group as two equal halves' (`d`, `m`: which)."""
         return ScaleFactors(
@@ -244,7 +248,59 @@ def pack_weight(
     its min row of -0.0 was ~4% of the bytes a step reads), unless `with_min` says (True: a
     min row whatever its values; False: m must be 0). With `factors` (d and m's
     own two levels) the scales are their int8 sub-scales, and the factors a tensor of their
-    own."""
+    own.
+
+    A tall weight goes `QUANTIZE_ROWS` rows at a time into the whole weight's tensors, its
+    layout decided once for all of it: whole, a 1B's 128,256-row head took ~1 GB of
+    temporaries (bytes per code, nibbles, bit planes) on top of its codes, most of a first
+    start's peak."""
+    rows = scale.shape[0]
+    if rows <= QUANTIZE_ROWS:
+        return _pack_rows(codes, scale, low, bits, with_min, factors)
+    if with_min is None and low.dim() == 2:
+        with_min = bool(low.any())
+    unit_rows = UNIT_TILES * TILE_ROWS
+    assert QUANTIZE_ROWS % unit_rows == 0, "chunks of whole units"
+    units = -(-rows // unit_rows)
+
+    def empty(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(units, *x.shape[1:])
+
+    whole: QuantizedWeight | None = None
+    for start in range(0, rows, QUANTIZE_ROWS):
+        end = min(start + QUANTIZE_ROWS, rows)
+        chunk = _pack_rows(
+            codes[start:end],
+            scale[start:end],
+            low[start:end],
+            bits,
+            with_min,
+            None if factors is None else factors.rows(start, end),
+        )
+        if whole is None:  # every chunk has the first one's layout: the whole's tensors
+            factors_out = None if chunk.factors is None else empty(chunk.factors)
+            whole = dataclasses.replace(
+                chunk,
+                codes=empty(chunk.codes),
+                scales=empty(chunk.scales),
+                out_features=rows,
+                factors=factors_out,
+            )
+        at = slice(start // unit_rows, start // unit_rows + len(chunk.codes))
+        for mine, theirs in zip(whole.tensors(), chunk.tensors(), strict=True):
+            mine[at] = theirs
+    assert whole is not None
+    return whole
+
+
+def _pack_rows(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    bits: int,
+    with_min: bool | None,
+    factors: ScaleFactors | None,
+) -> QuantizedWeight:
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
     steps = codes.reshape(tiles, TILE_ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, s, r, i]

@@ -104,8 +104,20 @@ def kernel_weights_on_huge_pages(model: CausalLM) -> None:
     arena = HugePageArena(sum(HugePageArena.span(t.nbytes) for t in tensors))
     del tensors
     assert isinstance(model, torch.nn.Module)
-    move_kernel_weights(model, arena.place)
-    return_freed_memory()  # the originals
+    placed_since_trim = 0
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        """The copy; every 64 MB, the originals of the linears moved so far handed back to
+        the OS (the heap keeps them, and the first start's peak was the whole model twice)."""
+        nonlocal placed_since_trim
+        if placed_since_trim > 64 << 20:
+            return_freed_memory()
+            placed_since_trim = 0
+        placed_since_trim += tensor.nbytes
+        return arena.place(tensor)
+
+    move_kernel_weights(model, place)
+    return_freed_memory()  # the last originals
 
 
 def kernel_weights(model: CausalLM) -> list[torch.Tensor]:

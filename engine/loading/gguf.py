@@ -151,6 +151,21 @@ class GroupCodes:
             else None,
         )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, row-major over the weight's rows."""
+        factors = (
+            []
+            if self.factors is None
+            else [getattr(self.factors, f.name) for f in fields(ScaleFactors)]
+        )
+        return [self.codes, self.d, self.m, *factors]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> GroupCodes:
+        """The same kind of weight holding `tensors` (in `tensors()`' order)."""
+        codes, d, m, *rest = tensors
+        factors = None if self.factors is None else ScaleFactors(*rest)
+        return GroupCodes(codes, d, m, self.bits, factors)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """w = codes * d + m in float32 (as GGML computes it), stored in `dtype`, a few
         thousand rows at a time: whole, the 49152-row head's float32 temporaries were
@@ -585,9 +600,30 @@ GGML_BITS = {
 
 def block_group_codes(kind: str, raw: torch.Tensor, rows: int, cols: int) -> GroupCodes:
     """A [rows, cols] tensor's raw bytes of `kind`'s blocks as the kernel's groups, in the
-    file's row order."""
+    file's row order; decoded `QUANTIZE_ROWS` rows at a time into the whole's tensors (whole,
+    a 1B's Q6_K head took ~2 GB of bit-twiddling temporaries: a first start's peak)."""
     block = EXACT_BLOCKS[kind]
     blocks = raw.reshape(rows, cols // block.block_weights, block.block_bytes)
+    first = _decoded_rows(kind, blocks[:QUANTIZE_ROWS], cols)
+    if len(first.codes) == rows:
+        return first
+    whole = [t.new_empty(rows, *t.shape[1:]) for t in first.tensors()]
+    for start in range(0, rows, QUANTIZE_ROWS):
+        part = (
+            first
+            if start == 0
+            else _decoded_rows(kind, blocks[start : start + QUANTIZE_ROWS], cols)
+        )
+        for i, piece in enumerate(part.tensors()):
+            if piece.dtype != whole[i].dtype:  # Q4_0's m in float32 where float16 cannot hold it
+                whole[i] = whole[i].to(torch.promote_types(piece.dtype, whole[i].dtype))
+            whole[i][start : start + len(piece)] = piece
+    return first.with_tensors(whole)
+
+
+def _decoded_rows(kind: str, blocks: torch.Tensor, cols: int) -> GroupCodes:
+    block = EXACT_BLOCKS[kind]
+    rows = len(blocks)
     codes, d, m, factors = block.decode(kind, blocks)
     groups = cols // GROUP_SIZE
 

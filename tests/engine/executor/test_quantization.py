@@ -481,6 +481,47 @@ def test_a_tall_weight_quantized_in_row_chunks_equals_it_quantized_whole(
     assert torch.equal(chunked_weight.scales, whole_weight.scales)
 
 
+def _packed_bytes(weight: QuantizedWeight) -> list[bytes]:
+    return [bytes(t.contiguous().view(torch.uint8).numpy()) for t in weight.tensors()]
+
+
+@pytest.mark.parametrize("kind", ["int4, an m in one late chunk only", "Q6_K-like, factors"])
+def test_a_tall_weight_packs_in_row_chunks_as_it_packs_whole(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pack_weight` goes QUANTIZE_ROWS rows at a time into the whole weight's tensors (a
+    1B's head whole took ~1 GB of temporaries), with one layout for all of it: the bytes are
+    the unchunked packing's, an odd last tile included, even where only a late chunk has a
+    nonzero m (the whole keeps its min row)."""
+    gen = torch.Generator().manual_seed(11)
+    rows, cols = 3 * 32 + 8, 256
+    groups = cols // GROUP_SIZE
+    if kind.startswith("int4"):
+        bits = 4
+        codes = torch.randint(0, 16, (rows, groups, GROUP_SIZE), generator=gen, dtype=torch.uint8)
+        d = torch.rand(rows, groups, generator=gen).half()
+        m = torch.zeros(rows, groups).half()
+        m[70:75] = -torch.rand(5, groups, generator=gen).half()  # the third chunk of 32 only
+        factors = None
+    else:
+        bits = 6
+        codes = torch.randint(-32, 32, (rows, groups, GROUP_SIZE), generator=gen, dtype=torch.int8)
+        d_sub = torch.randint(-128, 128, (rows, groups, 2), generator=gen, dtype=torch.int8)
+        d_super = torch.rand(rows, cols // 256, generator=gen).half()
+        d = d_sub.float() * d_super.float().repeat_interleave(8, 1)[..., None]
+        m = torch.full((rows, groups), -0.0)
+        zeros = torch.zeros(rows, groups, dtype=torch.int8)
+        factors = ScaleFactors(d_sub, d_super, zeros, torch.zeros(rows, cols // 256).half())
+    whole = pack_weight(codes, d, m, bits, factors=factors)
+    monkeypatch.setattr("engine.executor.quantization.QUANTIZE_ROWS", 32)
+    chunked = pack_weight(codes, d, m, bits, factors=factors)
+    assert (chunked.bits, chunked.halves, chunked.out_features) == (bits, bits == 6, rows)
+    assert chunked.num_mins == whole.num_mins == (1 if bits == 4 else 0)
+    assert _packed_bytes(chunked) == _packed_bytes(whole)
+    every = torch.arange(rows)
+    assert torch.equal(dequantize_rows(chunked, every), dequantize_rows(whole, every))
+
+
 def test_an_int4_chunk_whose_mins_are_all_zero_keeps_the_weights_layout(
     kernels: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

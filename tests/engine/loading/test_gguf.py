@@ -308,6 +308,41 @@ def _k_quant_codes(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int)
     return block_group_codes(qtype.name, torch.from_numpy(blocks.reshape(-1)), rows, cols)
 
 
+@pytest.mark.parametrize("kind", sorted(EXACT_BLOCKS))
+def test_blocks_decoded_in_row_chunks_are_the_blocks_decoded_whole(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`block_group_codes` decodes QUANTIZE_ROWS rows at a time into the whole's tensors (a
+    1B's Q6_K head decoded whole took ~2 GB of temporaries): the same bits, a short last
+    chunk included (random blocks: NaN scales too, whose payloads are no one's values), and
+    Q4_0's and Q5_0's m in float32 for all rows where one chunk's needs it."""
+    block = EXACT_BLOCKS[kind]
+    rows, cols = 20, 2 * block.block_weights
+    gen = np.random.default_rng(3)
+    raw = torch.from_numpy(
+        gen.integers(0, 256, rows * cols // block.block_weights * block.block_bytes, dtype=np.uint8)
+    )
+    if kind in ("Q4_0", "Q5_0"):  # d finite everywhere, and past float16 / 16 in row 17 only
+        d = gen.uniform(-1e-3, 1e-3, (rows, cols // 32)).astype(np.float16)
+        d[17, 0] = 20000.0
+        raw.view(rows, cols // 32, block.block_bytes)[..., :2] = torch.from_numpy(
+            d.view(np.uint8).reshape(rows, cols // 32, 2)
+        )
+    whole = block_group_codes(kind, raw, rows, cols)
+    monkeypatch.setattr("engine.loading.gguf.QUANTIZE_ROWS", 8)
+    chunked = block_group_codes(kind, raw, rows, cols)
+    if kind in ("Q4_0", "Q5_0"):
+        assert whole.m.dtype == chunked.m.dtype == torch.float32
+    assert chunked.bits == whole.bits and len(chunked.tensors()) == len(whole.tensors())
+    for got, want in zip(chunked.tensors(), whole.tensors(), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if got.is_floating_point():
+            finite = want.isfinite()
+            assert torch.equal(got.isfinite(), finite)
+            got, want = got[finite], want[finite]
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
 def test_a_fused_linears_tensors_of_other_layouts_stay_row_blocks_in_their_own() -> None:
     """Q4_K q and k beside a Q6_K v (llama.cpp's Q4_K_M, half of a Llama's layers): two row
     blocks, q and k joined in 4 bits, v in 6, in 42 of the 57 KB one 6-bit layout takes; the
