@@ -47,7 +47,7 @@ class HugePageArena:
 
     Why: a batch-1 decode step streams every weight once, and in 4 KB pages the 1B's 816 MB
     of weights are 200,000 pages whose TLB misses cost page walks all through the step. On a
-    Zen 4 VM the same engine's step ran ~7% faster with its weights in 2 MB pages
+    Zen 4 VM the same engine's step ran 3-8% faster with its weights in 2 MB pages
     (docs/benchmarks.md). torch's own switch (THP_MEM_ALLOC_ENABLE) advises each allocation
     of 2 MB and more alone, at 4 KB alignment, so a layer's smaller scale tensors and the
     edges of the others would stay in small pages; here they lie back to back.

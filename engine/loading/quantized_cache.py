@@ -45,10 +45,13 @@ def _layout_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def read(path: Path) -> dict[str, torch.Tensor]:
-    """A cached state, for `restore_quantized_model`, read onto huge pages where the kernel
-    grants them (engine.core.memory.HugePageArena); ValueError or OSError when damaged."""
-    return safetensors_io.read(path, huge_pages=huge_pages_available())
+def read(path: Path, weights: WeightFormat) -> dict[str, torch.Tensor]:
+    """A cached state, for `restore_quantized_model`; ValueError or OSError when damaged.
+    Where the quantized kernel serves it (no dense copies), read onto huge pages if the
+    kernel grants them (engine.core.memory.HugePageArena). Not with dense copies: packing
+    replaces those, and the arena would keep their pages as long as the codes beside them."""
+    huge_pages = not weights.dense_copies and huge_pages_available()
+    return safetensors_io.read(path, huge_pages=huge_pages)
 
 
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:

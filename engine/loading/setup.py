@@ -256,7 +256,7 @@ def _quantized_model(
     path = quantized_cache.cache_file(source, weights, dtype)
     if path.is_file():
         try:
-            state = quantized_cache.read(path)
+            state = quantized_cache.read(path, weights)
             return restore_quantized_model(hf_config, state, max_model_len, dtype, weights)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             logger.warning("ignoring the quantized cache %s: %s", path, exc)

@@ -122,7 +122,8 @@ def test_the_kernels_weights_lie_on_huge_pages_from_either_start(
 ) -> None:
     """The weights a decode step streams, in one mapping of 2 MB pages: moved there after the
     first start quantizes them, read straight into one from the cache on the second; where
-    huge pages are off, left where loading put them."""
+    huge pages are off, left where loading put them; and not where linears run on dense
+    copies (packing replaces those, and an arena would keep their pages)."""
     if not huge_pages_available():
         pytest.skip(f"transparent huge pages: {transparent_huge_pages() or 'none'}")
     kernels_dir = default_cache_dir()
@@ -138,6 +139,14 @@ def test_the_kernels_weights_lie_on_huge_pages_from_either_start(
     monkeypatch.setattr(model_setup.quantized_cache, "huge_pages_available", lambda: False)
     weights = kernel_weights(load_model(config).model)
     assert len({t.untyped_storage().data_ptr() for t in weights}) == len(weights)
+    monkeypatch.undo()
+    monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path / "dense"))
+    dense = _config(tiny_llama_path, quantization="int4", enable_compile=False)
+    for _start in ("quantized", "cached"):
+        linears = _quantized(load_model(dense).model)
+        assert linears and all(m.dense is not None for m in linears)
+        tensors = [t for m in linears for part in m.parts for t in part.tensors()]
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
 
 
 def _never(path: Path, *args: object) -> dict[str, torch.Tensor]:
