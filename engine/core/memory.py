@@ -63,7 +63,9 @@ class HugePageArena:
         self._map = mmap.mmap(-1, (pages + 1) * HUGE_PAGE, flags=mmap.MAP_PRIVATE)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
-            self._map.madvise(advice)
+            # a kernel built without THP refuses the advice: the arena is then plain memory
+            with contextlib.suppress(OSError):
+                self._map.madvise(advice)
         self._buffer = torch.frombuffer(self._map, dtype=torch.uint8)  # keeps the map alive
         self._start = -self._buffer.data_ptr() % HUGE_PAGE
         self._used = 0

@@ -43,3 +43,13 @@ def test_an_arena_is_backed_by_huge_pages_where_the_kernel_grants_them() -> None
     data = arena.empty(3 * HUGE_PAGE)
     data.fill_(1)  # resident now
     assert huge_page_bytes([data]) >= 3 * HUGE_PAGE
+
+
+def test_an_arena_works_where_the_kernel_refuses_the_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel built without THP answers MADV_HUGEPAGE with EINVAL (an unknown advice here):
+    the arena is then plain memory, not a failed load."""
+    monkeypatch.setattr("engine.core.memory.mmap.MADV_HUGEPAGE", 12345, raising=False)
+    arena = HugePageArena(HugePageArena.span(64))
+    assert torch.equal(arena.place(torch.arange(16.0)), torch.arange(16.0))
