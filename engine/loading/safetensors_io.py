@@ -51,10 +51,9 @@ def read(path: Path, huge_pages: bool = False) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path} is truncated: its header lists {sum(sizes)} bytes of data")
         arena = HugePageArena(sum(map(HugePageArena.span, sizes))) if huge_pages else None
         for (name, entry), size in zip(header.items(), sizes, strict=True):
-            start, end = entry["data_offsets"]
             raw = arena.empty(size) if arena else torch.empty(size, dtype=torch.uint8)
-            f.seek(base + start)
-            if f.readinto(raw.numpy()) != end - start:  # type: ignore[arg-type]
+            f.seek(base + entry["data_offsets"][0])
+            if f.readinto(raw.numpy()) != size:  # type: ignore[arg-type]
                 raise ValueError(f"{path} is truncated at {name}")
             state[name] = raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
     return state
