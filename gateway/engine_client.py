@@ -79,11 +79,15 @@ class EngineClient(Protocol):
 @dataclass(frozen=True, slots=True)
 class ReplicaState:
     """One engine replica as the ingress last heard from it; `stats` is None when it did not
-    answer (`error` says why)."""
+    answer (`error` says why). `pid`: its worker process. `streaming`: the requests it has
+    taken that have not ended, as the ingress counts them now (its stats are as of the last
+    poll)."""
 
     name: str
     stats: EngineStats | None
     error: str | None = None
+    pid: int | None = None
+    streaming: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,6 +105,7 @@ class ReplicaSet:
         self._is_stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._poll_requested = asyncio.Event()
+        self._streaming: Counter[str] = Counter()  # by replica: requests taken, not ended
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -235,6 +236,7 @@ class ReplicaSet:
                     f"no engine replica took the request within {self.request_timeout:g} s"
                 ) from None
             replica = name
+            self._streaming[name] += 1
             self.affinity.started(keys, name, chosen)
             async for output in stream:
                 finished = output.finished
@@ -250,6 +252,10 @@ class ReplicaSet:
                 f"{message}; the other replicas keep serving: retry"
             ) from None
         finally:
+            if replica is not None:
+                self._streaming[replica] -= 1
+                if not self._streaming[replica]:
+                    del self._streaming[replica]
             if replica is not None or chosen:
                 self.affinity.finished(replica if replica is not None else chosen)
             if stream is not None and not finished:
@@ -303,7 +309,10 @@ class ReplicaSet:
         return sum_stats([r.stats for r in reports])
 
     def replica_states(self) -> list[ReplicaState]:
-        states = [ReplicaState(name, r.stats) for name, r in sorted(self._reports.items())]
+        states = [
+            ReplicaState(name, r.stats, pid=r.pid, streaming=self._streaming[name])
+            for name, r in sorted(self._reports.items())
+        ]
         states += [ReplicaState("?", None, error) for error in self._poll_errors]
         return states
 
@@ -370,8 +379,18 @@ class ReplicaSet:
         reports = {r.name: r for r in answers if isinstance(r, ReplicaReport)}
         self._poll_errors = [repr(r) for r in answers if isinstance(r, BaseException)]
         self._adopt_specs(list(reports.values()))
+        self._log_changes(set(self._reports), set(reports))
         self._reports = reports
         self._last_poll = time.monotonic()
+
+    def _log_changes(self, before: set[str], now: set[str]) -> None:
+        """A line for each replica that stopped or started reporting: requests go only to
+        the replicas the last poll heard from, and /health is "degraded" while too few do."""
+        serving = f"{len(now)} of {self.num_replicas} engine replicas serve"
+        for name in sorted(before - now):
+            logger.warning("ingress: replica %s stopped reporting; %s", name, serving)
+        for name in sorted(now - before):
+            logger.info("ingress: replica %s reports; %s", name, serving)
 
     def _adopt_specs(self, reports: list[ReplicaReport]) -> None:
         """Answer contracts and affinity from the entries most replicas hold (ties: the one

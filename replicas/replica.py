@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,13 +48,15 @@ class ModelFacts:
 class ReplicaReport:
     """One replica's state for the ingress: its engine stats and the prefix entries it
     accepted (`specs_digest` names them; `specs` is None when the ingress said it holds
-    those already, which is every poll but the ones after a reload)."""
+    those already, which is every poll but the ones after a reload). `pid`: its worker
+    process, so an operator can tell which process is which replica."""
 
     name: str
     stats: EngineStats
     limits: RequestLimits
     specs_digest: str
     specs: tuple[PrefixSpec, ...] | None
+    pid: int
 
 
 class EngineReplica:
@@ -120,7 +123,7 @@ class EngineReplica:
             self._specs_digest = registry_digest(self._specs)
         sent = None if self._specs_digest == known_specs_digest else self._specs
         return ReplicaReport(
-            self.name, self.engine.stats(), engine.limits, self._specs_digest, sent
+            self.name, self.engine.stats(), engine.limits, self._specs_digest, sent, os.getpid()
         )
 
     async def reload(self) -> tuple[str, ReloadStatus]:

@@ -40,9 +40,13 @@ class ReloadState(BaseModel):
 
 class ReplicaCard(BaseModel):
     """One engine replica (Ray Serve): the registry it holds, its last reload, its hits;
-    `error` when it did not answer the ingress's last poll."""
+    `error` when it did not answer the ingress's last poll. `pid`: its worker process;
+    `streaming`: the requests it has taken that have not ended, as the ingress counts them
+    now (the other counts are as of the ingress's last poll)."""
 
     name: str
+    pid: int | None
+    streaming: int
     digest: str | None
     prefixes: int | None
     lookups: int | None  # prompts it checked against the registry: the requests it served

@@ -84,6 +84,8 @@ def _replica_cards(replicas: ReplicaSetView | None) -> list[ReplicaCard] | None:
     return [
         ReplicaCard(
             name=r.name,
+            pid=r.pid,
+            streaming=r.streaming,
             digest=r.stats.registry_digest if r.stats else None,
             prefixes=len(r.stats.prefixes) if r.stats else None,
             lookups=r.stats.prefix_lookups if r.stats else None,

@@ -26,6 +26,7 @@ from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs, Samplin
 from engine.executor.kernels import kernel_target
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.engine_client import ReplicaHealth, ReplicaState
 from gateway.logprobs import _piece, completion_logprobs, echo_logprobs
 from tests.gateway.server_harness import Reference, greedy
 
@@ -380,6 +381,58 @@ def test_health(client: TestClient) -> None:
     # the kernels built for the capability torch runs with: the test process's own
     expected = {"status": "ok", "model": MODEL, "cpu_kernels": kernel_target()}
     assert (response.status_code, response.json()) == (200, expected)
+
+
+class _Replicas(AsyncEngine):
+    """An engine that answers as a replica set would (the ingress's `ReplicaSet`)."""
+
+    replica_health = ReplicaHealth()
+
+    def replica_states(self) -> list[ReplicaState]:
+        return [
+            ReplicaState("r1", self.stats(), pid=4242, streaming=3),
+            ReplicaState("?", None, "a replica did not answer within 2 s"),
+        ]
+
+    def health(self) -> ReplicaHealth:
+        return self.replica_health
+
+
+@pytest.mark.parametrize(
+    ("state", "status", "body"),
+    [
+        (ReplicaHealth(), 200, {"status": "ok"}),
+        (
+            ReplicaHealth(degraded="1 of 2 engine replicas serve"),
+            200,  # the others serve: a load balancer keeps sending traffic
+            {"status": "degraded", "detail": "1 of 2 engine replicas serve"},
+        ),
+    ],
+)
+def test_health_and_listing_of_replicas(
+    engine_config: EngineConfig, state: ReplicaHealth, status: int, body: dict[str, Any]
+) -> None:
+    engine = _Replicas(engine_config, engine=LLMEngine(engine_config))
+    engine.replica_health = state
+    app = create_app(GatewayConfig(engine=engine_config), engine=engine)
+    with TestClient(app) as client:
+        response = client.get("/health")
+        expected = {**body, "model": MODEL, "cpu_kernels": kernel_target()}
+        assert (response.status_code, response.json()) == (status, expected)
+        cards = client.get("/v1/prefixes").json()["replicas"]
+        assert [(c["name"], c["pid"], c["streaming"], c["error"]) for c in cards] == [
+            ("r1", 4242, 3, None),
+            ("?", None, 0, "a replica did not answer within 2 s"),
+        ]
+
+
+def test_replicas_that_hold_different_registries_are_a_503(engine_config: EngineConfig) -> None:
+    engine = _Replicas(engine_config, engine=LLMEngine(engine_config))
+    engine.replica_health = ReplicaHealth("the replicas hold different registries (a=1, b=2)")
+    with TestClient(create_app(GatewayConfig(engine=engine_config), engine=engine)) as client:
+        response = client.get("/health")
+        assert response.status_code == 503
+        assert "the replicas hold different registries" in response.json()["error"]["message"]
 
 
 def test_unknown_route_is_an_openai_404(client: TestClient) -> None:

@@ -4,8 +4,10 @@ reports, validation against the tightest replica, contracts from the replicas' e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -119,8 +121,9 @@ def report(
     name: str, digest: str = "d1", specs: tuple[PrefixSpec, ...] = (SPEC,), **changes: Any
 ) -> ReplicaReport:
     limits = changes.pop("limits", LIMITS)
+    pid = changes.pop("pid", 1000)
     return ReplicaReport(
-        name, stats(registry_digest=digest, **changes), limits, registry_digest(specs), specs
+        name, stats(registry_digest=digest, **changes), limits, registry_digest(specs), specs, pid
     )
 
 
@@ -150,6 +153,99 @@ def test_healthy_when_every_replica_holds_the_same_registry(facts: ModelFacts) -
         assert replicas.stats().num_kv_blocks == 200
     finally:
         replicas.shutdown()
+
+
+class _Stream:
+    """A replica's stream as Serve's handle gives it: the replica's name, then what the test
+    puts on `outputs` (None ends it; an exception is raised there)."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.outputs: asyncio.Queue[Any] = asyncio.Queue()
+        self.named = False
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if not self.named:
+            self.named = True
+            return self.replica
+        item = await self.outputs.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        pass
+
+
+class _StreamingHandle(FakeHandle):
+    """Serve puts each request on the replica named in `takers`, in order, whatever the
+    ingress chose (as it does when the chosen replica's queue is full)."""
+
+    def __init__(self, *args: Any, takers: list[str]) -> None:
+        super().__init__(*args)
+        self.takers = takers
+        self.streams: list[_Stream] = []
+
+    def options(self, **_: Any) -> Any:
+        handle = self
+
+        class _Generate:
+            def remote(self, *args: Any) -> _Stream:
+                handle.streams.append(_Stream(handle.takers.pop(0)))
+                return handle.streams[-1]
+
+        class _Options:
+            generate = _Generate()
+
+        return _Options()
+
+
+def test_the_listing_names_each_replicas_process_and_what_it_streams_now(
+    facts: ModelFacts,
+) -> None:
+    """`streaming` counts the requests a replica took and that have not ended, as the ingress
+    sees them now: where Serve put them (not where the ingress asked), and a request that
+    ended, whose replica died or whose client left no longer counts."""
+
+    async def run() -> None:
+        handle = _StreamingHandle(
+            facts, [report("a", pid=11), report("b", pid=22)], takers=["b", "b", "b"]
+        )
+        replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+        await replicas.open()
+        try:
+            request = replicas.prepare_request([1, 2, 3], SamplingParams(max_tokens=3))
+
+            def streaming() -> list[tuple[str, int | None, int]]:
+                return [(s.name, s.pid, s.streaming) for s in replicas.replica_states()]
+
+            assert streaming() == [("a", 11, 0), ("b", 22, 0)]
+            generators = [replicas.generate(request) for _ in range(3)]
+            pulls = [asyncio.ensure_future(g.__anext__()) for g in generators]
+            while len(handle.streams) < 3:
+                await asyncio.sleep(0)
+            for stream in handle.streams:
+                stream.outputs.put_nowait(SimpleNamespace(finished=False))
+            await asyncio.gather(*pulls)
+            assert streaming() == [("a", 11, 0), ("b", 22, 3)]
+            handle.streams[0].outputs.put_nowait(None)  # ended
+            handle.streams[2].outputs.put_nowait(ActorDiedError())  # its replica died
+            with contextlib.suppress(StopAsyncIteration):
+                await generators[0].__anext__()
+            with pytest.raises(EngineUnavailableError):
+                await generators[2].__anext__()
+            assert streaming() == [("a", 11, 0), ("b", 22, 1)]
+            await generators[1].aclose()  # the client went away
+            assert streaming() == [("a", 11, 0), ("b", 22, 0)]
+        finally:
+            replicas.shutdown()
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(
@@ -267,6 +363,34 @@ def test_a_replica_missing_for_good_is_looked_for_at_the_usual_interval_again(
     try:
         asyncio.run(open_and_wait())
         assert len(handle.known_digests) - 1 in range(1, 4)  # ~2 in the window, none after
+    finally:
+        replicas.shutdown()
+
+
+def test_a_replica_that_stops_or_starts_reporting_is_logged(
+    facts: ModelFacts, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator reads from the log when the set ran short and when it was whole again."""
+    handle = FakeHandle(facts, [report("a"), report("b")])
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+
+    async def polls() -> None:
+        await replicas.open()
+        caplog.clear()
+        await replicas._poll()  # nothing changed: no line
+        handle.reports = [report("a"), RuntimeError("died")]
+        await replicas._poll()
+        await replicas._poll()  # still short: no second line
+        handle.reports = [report("c"), report("a")]
+        await replicas._poll()
+
+    try:
+        with caplog.at_level("INFO", logger=client.__name__):
+            asyncio.run(polls())
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("WARNING", "ingress: replica b stopped reporting; 1 of 2 engine replicas serve"),
+            ("INFO", "ingress: replica c reports; 2 of 2 engine replicas serve"),
+        ]
     finally:
         replicas.shutdown()
 
