@@ -15,7 +15,13 @@ from engine.core.errors import (
     RequestFailedError,
 )
 from engine.core.outputs import RequestOutput, SampleLogprobs, TokenLogprob
-from engine.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, GrammarSpec, SamplingParams
+from engine.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    GrammarSpec,
+    SamplingParams,
+)
 from engine.kvcache.block_hash import BlockHash, extend_block_hashes, scope_seed
 from engine.llm_engine import LLMEngine
 from engine.registry.file import load_prefix_file
@@ -52,6 +58,7 @@ __all__ = [
     "GRANITE",
     "HERMES",
     "LLAMA3_JSON",
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MISTRAL",

@@ -106,6 +106,12 @@ def check_request(
             param="prompt",
             code="invalid_token_id",
         )
+    if any(token_id >= limits.vocab_size for token_id, _ in params.logit_bias):
+        raise InvalidRequestError(
+            f"logit_bias keys must be token ids in [0, {limits.vocab_size})",
+            param="logit_bias",
+            code="invalid_token_id",
+        )
     max_model_len = limits.max_model_len
     num_prompt = len(prompt_token_ids)
     num_total = num_prompt + (params.max_tokens or 1)

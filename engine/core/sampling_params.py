@@ -13,6 +13,7 @@ from engine.core.errors import InvalidRequestError
 # Bounds the API validates against too (gateway/protocol imports them from here).
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value: -100 bans, +100 all but forces
 GRAMMAR_PARAM = "grammar"  # the engine's name for a constraint; the gateway names its field
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -75,6 +76,9 @@ class SamplingParams:
     num_grammar_prompt_tokens: int = 0
     prompt_logprobs: int | None = None
     speculative: bool = True  # False: this request never takes drafted tokens (opt-out)
+    # (token id, value) added to that token's logit at every step, before the grammar's mask,
+    # penalties and sampling; its logprobs are of the biased logits, as of a grammar's mask
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +138,17 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
             "stop_token_ids",
+        )
+        ids = [token_id for token_id, _ in self.logit_bias]
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in ids) and len(set(ids)) == len(ids),
+            "logit_bias keys must be distinct token ids",
+            "logit_bias",
+        )
+        _check(
+            all(-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS for _, value in self.logit_bias),
+            f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            "logit_bias",
         )
 
     def is_stop_token(self, token_id: int, eos_token_ids: Collection[int]) -> bool:

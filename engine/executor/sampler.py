@@ -1,10 +1,11 @@
 """Turns one step's logits into one token id per row.
 
-Semantics follow vLLM and Hugging Face: penalties on the raw logits (repetition as in HF's
+Semantics follow vLLM and Hugging Face: the runner adds each row's `logit_bias` and applies a
+grammar's mask first (`add_logit_bias`); then penalties (repetition as in HF's
 `RepetitionPenaltyLogitsProcessor`, presence/frequency as in OpenAI), then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> exponential-race sampling. Logprobs always come from
-the raw logits. Everything stays on the logits' device; only the chosen ids and the requested
-logprobs cross to the CPU, each as one `.tolist()`.
+temperature -> top-k -> top-p -> min-p -> exponential-race sampling. Logprobs come from the
+logits before penalties and temperature. Everything stays on the logits' device; only the
+chosen ids and the requested logprobs cross to the CPU, each as one `.tolist()`.
 """
 
 from __future__ import annotations
@@ -108,6 +109,26 @@ def token_logprobs(
     ids = _index(token_ids, raw.device)
     result = _gather_logprobs(raw, ids, token_ids, [params] * len(token_ids))
     return [lp for lp in result if lp is not None]
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` [rows, vocab] with each row's `logit_bias` added (row i's from params[i]):
+    `logits` itself when no row has one, else float32 (a bf16 logit plus a bias would round
+    to bf16; widening is exact, so an unbiased row keeps its values), changed in place. A
+    row's values depend on its own bias only."""
+    rows, ids, values = [], [], []
+    for row, p in enumerate(params):
+        for token_id, value in p.logit_bias:
+            rows.append(row)
+            ids.append(token_id)
+            values.append(value)
+    if not rows:
+        return logits
+    logits = logits.float()
+    device = logits.device
+    bias = torch.tensor(values, dtype=torch.float32, device=device)
+    logits.index_put_((_index(rows, device), _index(ids, device)), bias, accumulate=True)
+    return logits
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

@@ -21,6 +21,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import (
     HERMES,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     CallReader,
@@ -274,8 +275,12 @@ class GenerationRequest(GenerationBase):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, description="extension")
-    logit_bias: dict[str, float] | None = Field(
-        default=None, json_schema_extra={"maxProperties": 0}
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        Field(
+            default=None,
+            description="token id (a decimal string) -> a number in [-100, 100] added to its "
+            "logit at every step",
+        )
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -313,9 +318,14 @@ class GenerationRequest(GenerationBase):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise _unsupported()
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids as OpenAI writes them ("50256"): one spelling per id, so two
+        keys never name one token."""
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+                raise PydanticCustomError(
+                    "invalid_value", "keys must be token ids written as decimal integers"
+                )
         return value
 
     @field_validator("stream_options")
@@ -411,6 +421,7 @@ class GenerationRequest(GenerationBase):
             grammar=grammar,
             prompt_logprobs=prompt_logprobs,
             speculative=self.speculative,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
         )
 
     @property

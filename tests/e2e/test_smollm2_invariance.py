@@ -7,7 +7,9 @@ other prompts filled the automatic cache with part of theirs, again once every p
 cached (exact hits), with two copies of some in the same step (n > 1), in prefill chunks of
 several sizes, and in a pool so small that running requests are preempted and recomputed.
 Every answer's tokens and logprobs (the sampled token's and the top 3) must be bit-identical
-to the request's lone answer, greedy and seeded at temperature 0.8 alike.
+to the request's lone answer, greedy and seeded at temperature 0.8 alike, and greedy with a
+`logit_bias` (half of the twenty: their lone greedy answer's first token banned, another
+favoured).
 """
 
 from __future__ import annotations
@@ -86,6 +88,16 @@ def _seeded(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=MAX_TOKENS, logprobs=3)
 
 
+def _biased(i: int, greedy: Answer) -> SamplingParams | None:
+    """Odd-numbered requests (the exact hit among them): greedy with the lone greedy answer's
+    first token banned and its second favoured by 3 (`alone` checks the answer moved)."""
+    if i % 2 == 0:
+        return None
+    first, *rest = greedy.token_ids
+    bias = ((first, -100.0), *((t, 3.0) for t in rest[:1] if t != first))
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3, logit_bias=bias)
+
+
 @pytest.fixture(scope="module")
 def alone(smollm2_source: ModelSource, prompts: list[list[int]]) -> dict[str, Answer]:
     """Each request by itself, greedy ("g<i>") and seeded ("s<i>"), on an engine with the
@@ -96,15 +108,22 @@ def alone(smollm2_source: ModelSource, prompts: list[list[int]]) -> dict[str, An
     for i, prompt in enumerate(prompts):
         answers.update(run_requests(engine, [(f"g{i}", prompt, GREEDY, 0)]))
         answers.update(run_requests(engine, [(f"s{i}", prompt, _seeded(i), 0)]))
+        if (biased := _biased(i, answers[f"g{i}"])) is not None:
+            answers.update(run_requests(engine, [(f"b{i}", prompt, biased, 0)]))
+            assert answers[f"b{i}"].token_ids[0] != answers[f"g{i}"].token_ids[0]
     assert all(len(a.token_ids) > 0 for a in answers.values())
     return answers
 
 
 def _mix(
-    prompts: list[list[int]], rng: random.Random, spread: int, copies: int = 1
+    prompts: list[list[int]],
+    alone: dict[str, Answer],
+    rng: random.Random,
+    spread: int,
+    copies: int = 1,
 ) -> list[tuple[str, list[int], SamplingParams, int]]:
-    """The twenty, greedy and seeded, `copies` of each of a random third (n > 1), at random
-    arrival steps in [0, spread], in random order."""
+    """The twenty, greedy, seeded and (half) biased, `copies` of each of a random third
+    (n > 1), at random arrival steps in [0, spread], in random order."""
     doubled = set(rng.sample(range(len(prompts)), len(prompts) // 3))
     requests = []
     for i, prompt in enumerate(prompts):
@@ -112,6 +131,8 @@ def _mix(
             arrival = rng.randint(0, spread)
             requests.append((f"g{i}.{copy}", prompt, GREEDY, arrival))
             requests.append((f"s{i}.{copy}", prompt, _seeded(i), rng.randint(0, spread)))
+            if (biased := _biased(i, alone[f"g{i}"])) is not None:
+                requests.append((f"b{i}.{copy}", prompt, biased, rng.randint(0, spread)))
     rng.shuffle(requests)
     return requests
 
@@ -145,9 +166,9 @@ def test_all_at_once_with_duplicates_then_cached_at_random_steps(
     warmup = [(f"w{i}", _plain(tok, q), GREEDY, 0) for i, q in enumerate(WARMUP_QUESTIONS)]
     run_requests(served, warmup)
     rng = random.Random(24)
-    _assert_same(run_requests(served, _mix(prompts, rng, spread=0, copies=2)), alone)
+    _assert_same(run_requests(served, _mix(prompts, alone, rng, spread=0, copies=2)), alone)
     # every prompt is in the automatic cache now: exact hits, at random steps
-    _assert_same(run_requests(served, _mix(prompts, rng, spread=30, copies=2)), alone)
+    _assert_same(run_requests(served, _mix(prompts, alone, rng, spread=30, copies=2)), alone)
 
 
 # and the default 128 above; tests/engine/test_batch_invariance.py runs chunks of 7, 64 and 128
@@ -159,7 +180,9 @@ def test_chunked_prefill_at_random_steps(
     budget: int,
 ) -> None:
     engine = served_engine(smollm2_source, max_num_batched_tokens=budget)
-    _assert_same(run_requests(engine, _mix(prompts, random.Random(budget), spread=40)), alone)
+    _assert_same(
+        run_requests(engine, _mix(prompts, alone, random.Random(budget), spread=40)), alone
+    )
 
 
 def test_preempted_and_recomputed(
@@ -179,5 +202,5 @@ def test_preempted_and_recomputed(
         kv_cache_memory=None,
         max_model_len=max_model_len,
     )
-    _assert_same(run_requests(engine, _mix(prompts, random.Random(7), spread=10)), alone)
+    _assert_same(run_requests(engine, _mix(prompts, alone, random.Random(7), spread=10)), alone)
     assert engine.scheduler.num_preemptions > 0

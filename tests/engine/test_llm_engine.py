@@ -19,7 +19,8 @@ from engine import (
 from tests.helpers import assert_all_free as _assert_all_free
 from tests.helpers import run_staggered, tiny_engine, tokens_of
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+GREEDY_FIELDS: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+GREEDY = SamplingParams(**GREEDY_FIELDS)
 PROMPTS = [
     "The quick brown fox",
     "A paged key-value cache stores attention keys",
@@ -31,15 +32,20 @@ PROMPTS = [
 _engine = tiny_engine
 
 
-def _hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain argmax over transformers' own forward. (`generate` would treat EOS specially,
-    and a random tiny model emits EOS often; the real-model tests in tests/e2e use
-    `generate` itself.)"""
+def _hf_greedy(
+    path: Path, prompt: list[int], max_new_tokens: int, bias: dict[int, float] | None = None
+) -> list[int]:
+    """Plain argmax over transformers' own forward, of its logits plus `bias` (token id ->
+    value). (`generate` would treat EOS specially, and a random tiny model emits EOS often;
+    the real-model tests in tests/e2e use `generate` itself.)"""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            for token_id, value in (bias or {}).items():
+                logits[token_id] += value
+            ids.append(int(logits.argmax()))
     return ids[len(prompt) :]
 
 
@@ -88,6 +94,36 @@ def test_greedy_matches_transformers_in_a_staggered_batch(
     assert [r[-1].finish_reason for r in results] == ["length"] * 4
     if "num_kv_blocks" in overrides:
         assert engine.scheduler.num_preemptions > 0
+    _assert_all_free(engine)
+
+
+def test_logit_bias_moves_greedy_as_transformers_says(
+    tiny_llama_path: Path, prompts: list[list[int]]
+) -> None:
+    """Each prompt's greedy answer with its first token banned and another favoured, as
+    transformers' argmax of the logits plus the bias gives it, among unbiased requests in
+    a staggered batch that keep their own answers. (Drafted positions, which float32 weights
+    never take: tests/e2e/test_smollm2_invariance.py.)"""
+    engine = _engine(tiny_llama_path)
+    plain = [_hf_greedy(tiny_llama_path, p, 12) for p in prompts]
+    biases = [{answer[0]: -100.0, 7 + i: 2.5} for i, answer in enumerate(plain)]
+    biased = [_hf_greedy(tiny_llama_path, p, 12, b) for p, b in zip(prompts, biases, strict=True)]
+    assert all(b[0] != a[0] for a, b in zip(plain, biased, strict=True))
+    requests = [
+        (f"b{i}", SamplingParams(**GREEDY_FIELDS, logit_bias=tuple(bias.items())))
+        for i, bias in enumerate(biases)
+    ] + [(f"p{i}", GREEDY) for i in range(len(prompts))]
+    outputs: dict[str, list[int]] = {rid: [] for rid, _ in requests}
+    for step in range(200):
+        if step < len(requests):  # one arrival a step: every mix of biased and plain rows
+            rid, params = requests[step]
+            engine.add_request(rid, prompts[int(rid[1:])], params)
+        for output in engine.step():
+            outputs[output.request_id] += output.token_ids
+        if step >= len(requests) and not engine.has_unfinished_requests():
+            break
+    assert [outputs[f"b{i}"] for i in range(len(prompts))] == biased
+    assert [outputs[f"p{i}"] for i in range(len(prompts))] == plain
     _assert_all_free(engine)
 
 
@@ -183,6 +219,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(
         ([], GREEDY, InvalidRequestError, "prompt"),
         ([1, 2, 10**6], GREEDY, InvalidRequestError, "prompt"),
         ([-1], GREEDY, InvalidRequestError, "prompt"),
+        ([1, 2], SamplingParams(logit_bias=((10**6, 1.0),)), InvalidRequestError, "logit_bias"),
         ([1] * 60, SamplingParams(max_tokens=5), PromptTooLongError, "max_tokens"),
         ([1] * 64, SamplingParams(max_tokens=None), PromptTooLongError, "prompt"),
     ],

@@ -416,7 +416,36 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         chat(prediction={"type": "content", "content": "x"}),
         unsupported_param("prediction"),
     ),
-    ("logit-bias", "chat", chat(logit_bias={"50256": -100}), unsupported_param("logit_bias")),
+    (
+        "logit-bias-key",
+        "chat",
+        chat(logit_bias={"x1": -100}),
+        bad_value("logit_bias", "keys must be token ids written as decimal integers"),
+    ),
+    (
+        "logit-bias-key-spelling",  # "05" and "5" would name one token twice
+        "chat",
+        chat(logit_bias={"05": 1}),
+        bad_value("logit_bias", "keys must be token ids written as decimal integers"),
+    ),
+    (
+        "logit-bias-negative-key",
+        "chat",
+        chat(logit_bias={"-3": 1}),
+        bad_value("logit_bias", "keys must be token ids written as decimal integers"),
+    ),
+    (
+        "logit-bias-value",
+        "chat",
+        chat(logit_bias={"7": 100.5}),
+        bad_value("logit_bias.7", "input should be less than or equal to 100"),
+    ),
+    (
+        "logit-bias-value-type",
+        "chat",
+        chat(logit_bias={"7": "ban"}),
+        bad_type("logit_bias.7", "a number", "a string"),
+    ),
     (
         "logit-bias-type",
         "chat",
@@ -488,7 +517,12 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], tuple[str, str, str]]] = [
         cmpl(stream=False, stream_options={"include_usage": True}),
         bad_value("stream_options", "only allowed when 'stream' is true"),
     ),
-    ("cmpl-logit-bias", "cmpl", cmpl(logit_bias={"1": 5}), unsupported_param("logit_bias")),
+    (
+        "cmpl-logit-bias-value",
+        "cmpl",
+        cmpl(logit_bias={"1": -101}),
+        bad_value("logit_bias.1", "input should be greater than or equal to -100"),
+    ),
 ]
 
 
@@ -597,6 +631,7 @@ DEFAULT = SamplingParams(max_tokens=None)
                 speculative=False,
                 n=3,
                 user="u",
+                logit_bias={"7": -100, "12": 2.5},
             ),
             None,
             SamplingParams(
@@ -614,15 +649,23 @@ DEFAULT = SamplingParams(max_tokens=None)
                 logprobs=20,
                 skip_special_tokens=False,
                 speculative=False,
+                logit_bias=((7, -100.0), (12, 2.5)),
             ),
             id="everything",
         ),
         pytest.param(cmpl(), None, SamplingParams(max_tokens=16), id="cmpl-defaults"),
         pytest.param(cmpl(max_tokens=None), None, SamplingParams(max_tokens=16), id="cmpl-null"),
         pytest.param(
-            cmpl(logprobs=3, temperature=0.7, top_k=40, seed=1),
+            cmpl(logprobs=3, temperature=0.7, top_k=40, seed=1, logit_bias={"0": 100}),
             None,
-            SamplingParams(max_tokens=16, logprobs=3, temperature=0.7, top_k=40, seed=1),
+            SamplingParams(
+                max_tokens=16,
+                logprobs=3,
+                temperature=0.7,
+                top_k=40,
+                seed=1,
+                logit_bias=((0, 100.0),),
+            ),
             id="cmpl-sampling",
         ),
     ],

@@ -36,6 +36,7 @@ from tests.gateway.server_harness import (
     Reference,
     Server,
     ServerFactory,
+    greedy,
     wait_until,
 )
 
@@ -216,6 +217,25 @@ def test_sdk_chat_completion(sdk: openai.OpenAI, tiny: Server, reference: Refere
         num_prompt + NUM_TOKENS,
     )
     assert usage.prompt_tokens_details.cached_tokens == _prefix_tokens(tiny, "sys") > 0
+
+
+def test_sdk_logit_bias_reaches_the_sampler(sdk: openai.OpenAI, reference: Reference) -> None:
+    """The SDK's `logit_bias` (string keys, as OpenAI takes them): the plain answer's first
+    token banned, another favoured, equal to the engine's answer with that bias."""
+    ids = reference.chat_ids(MESSAGES)
+    [first, *_] = [o.token_ids[0] for o in reference.run(ids, greedy(1))]
+    bias = {first: -100.0, 9: 4.0}
+    want = reference.text(ids, greedy(NUM_TOKENS, logit_bias=tuple(bias.items())))
+    assert want != reference.chat(MESSAGES, NUM_TOKENS)
+    completion = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=NUM_TOKENS,
+        logit_bias={str(k): int(v) for k, v in bias.items()},
+        extra_body=IGNORE_EOS,
+    )
+    assert completion.choices[0].message.content == want
 
 
 def test_sdk_chat_stream_matches_the_non_stream_call(sdk: openai.OpenAI) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from engine.core.errors import InvalidRequestError
 from engine.core.outputs import SampleLogprobs, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.executor.penalty_counts import TokenCounts
@@ -15,6 +16,7 @@ from engine.executor.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
+    add_logit_bias,
     apply_penalties,
     make_generator,
 )
@@ -386,3 +388,43 @@ def test_sampler_on_the_kernel_argmax_picks_what_torch_picks() -> None:
 
     for rows in ([0, 3, 8], list(range(9)), [1, 2, 4, 6, 7]):
         assert run(Sampler(use_cpu_kernels=True), rows) == run(Sampler(), rows)
+
+
+def test_logit_bias_adds_to_its_own_row_only() -> None:
+    logits = _logits(3, 50).to(torch.bfloat16)
+    params = [
+        SamplingParams(logit_bias=((4, -100.0), (9, 2.5))),
+        GREEDY,
+        SamplingParams(logit_bias=((4, 1.25),)),
+    ]
+    biased = add_logit_bias(logits.clone(), params)
+    widened = logits.float()  # bf16 widened exactly, then the bias added in float32
+    assert biased.dtype == torch.float32
+    expected = widened.clone()
+    expected[0, 4] -= 100.0
+    expected[0, 9] += 2.5
+    expected[2, 4] += 1.25
+    assert torch.equal(biased, expected)
+    assert torch.equal(biased[1], widened[1])  # an unbiased row keeps its values
+
+
+def test_no_logit_bias_is_the_callers_tensor() -> None:
+    logits = _logits(2, 10)
+    assert add_logit_bias(logits, [GREEDY, GREEDY]) is logits
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        (((3, 100.5),), "logit_bias values must be in"),
+        (((3, -101.0),), "logit_bias values must be in"),
+        (((3, 1.0), (3, 2.0)), "logit_bias keys must be distinct token ids"),
+        (((-1, 1.0),), "logit_bias keys must be distinct token ids"),
+    ],
+)
+def test_bad_logit_bias_is_an_invalid_request(
+    bias: tuple[tuple[int, float], ...], message: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        SamplingParams(logit_bias=bias)
+    assert info.value.param == "logit_bias"
