@@ -17,7 +17,6 @@ from engine import (
     InvalidRequestError,
     ParsedToolCall,
     answer_start_ids,
-    chat_prompt_ids,
 )
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -38,6 +37,7 @@ from gateway.protocol.tools import FunctionCallOut, ToolCallDelta, ToolCallOut
 from gateway.routes.common import (
     SSE_DONE,
     StreamChunks,
+    chat_ids,
     prepare_requests,
     respond,
     sse_response,
@@ -83,8 +83,7 @@ def prepare_chat(
     """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
     may write `default_max_tokens` (--default-max-tokens) or what is left of the context,
     whichever is less: never the whole context by accident, for n choices at once."""
-    tools = body.tool_dicts() or None
-    prompt_ids = chat_prompt_ids(engine.tokenizer, body.flat_messages(), tools=tools)
+    prompt_ids = chat_ids(engine, body)
     # A forced call's opening (`ToolFormat.opening`): no decode step, no share of max_tokens
     reader = body.call_reader
     opening_ids = answer_start_ids(engine.tokenizer, reader.opening if reader else "")

@@ -16,12 +16,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from engine import EngineError, EngineRequest, InvalidRequestError, SamplingParams
+from engine import (
+    EngineError,
+    EngineRequest,
+    InvalidRequestError,
+    SamplingParams,
+    chat_prompt_ids,
+    text_prompt_ids,
+)
 from gateway import errors
 from gateway.engine_client import EngineClient
 from gateway.generation import Job
 from gateway.protocol import (
+    ChatCompletionRequest,
     ChatCompletionStreamResponse,
+    CompletionRequest,
     CompletionStreamResponse,
     UsageInfo,
 )
@@ -32,6 +41,44 @@ from gateway.waiting import Ticket
 logger = logging.getLogger(__name__)
 SSE_DONE = "[DONE]"
 T = TypeVar("T")
+
+
+def chat_ids(engine: EngineClient, body: ChatCompletionRequest) -> list[int]:
+    """A chat request's prompt as the model reads it: its messages and tools through the chat
+    template, tokenized (worker pool). The one rendering every route that takes a chat body
+    uses."""
+    tools = body.tool_dicts() or None
+    return chat_prompt_ids(engine.tokenizer, body.flat_messages(), tools=tools)
+
+
+def chat_or_completion(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+    """A body that is a chat request or a completion request (either may carry the other's
+    fields as unknown ones), as the schema documents the routes that take both. Tried in the
+    order its keys suggest; when both fail, the error is the first kind's."""
+    kinds: list[type[ChatCompletionRequest] | type[CompletionRequest]] = (
+        [ChatCompletionRequest, CompletionRequest]
+        if "messages" in body
+        else [CompletionRequest, ChatCompletionRequest]
+    )
+    try:
+        return errors.validate(kinds[0], body)
+    except errors.OpenAIError:
+        if "messages" not in body or "prompt" not in body:
+            raise
+        with contextlib.suppress(errors.OpenAIError):
+            return errors.validate(kinds[1], body)
+        raise
+
+
+def first_prompt_ids(
+    engine: EngineClient, request: ChatCompletionRequest | CompletionRequest
+) -> tuple[str, list[int]]:
+    """The request field its (first) prompt came from, and that prompt's token ids as the
+    generation routes tokenize it (worker pool)."""
+    if isinstance(request, ChatCompletionRequest):
+        return "messages", chat_ids(engine, request)
+    first = request.prompts()[0]
+    return "prompt", first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
 
 
 def prepare_requests(

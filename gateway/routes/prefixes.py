@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineStats, MatchReport, SamplingParams, chat_prompt_ids, text_prompt_ids
+from engine import EngineStats, MatchReport, SamplingParams
 from gateway import errors
 from gateway.admission import gateway_of, parse_json, read_body
 from gateway.engine_client import EngineClient, ReplicaSetView
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.admin import (
     Divergence,
     MatchResponse,
@@ -24,7 +22,7 @@ from gateway.protocol.admin import (
     ReloadState,
     ReplicaCard,
 )
-from gateway.routes.common import prepare_requests
+from gateway.routes.common import chat_or_completion, first_prompt_ids, prepare_requests
 
 
 async def list_prefixes(request: Request) -> Response:
@@ -133,34 +131,10 @@ def _prompt_ids(engine: EngineClient, raw: bytes) -> tuple[list[int], str | None
     """The first prompt's token ids, tokenized as the generation routes do (worker pool),
     and checked by the engine like any prompt (ids in the vocabulary, length); and the
     request's cache scope."""
-    request = _match_request(parse_json(raw))
-    if isinstance(request, ChatCompletionRequest):
-        field, ids = "messages", chat_prompt_ids(engine.tokenizer, request.flat_messages())
-    else:
-        first = request.prompts()[0]
-        field = "prompt"
-        ids = first if isinstance(first, list) else text_prompt_ids(engine.tokenizer, first)
+    request = chat_or_completion(parse_json(raw))
+    field, ids = first_prompt_ids(engine, request)
     prepare_requests(engine, [ids], lambda _: SamplingParams(max_tokens=1), {"prompt": field})
     return ids, request.cache_salt
-
-
-def _match_request(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
-    """The body as the schema documents it: a chat request or a completion request (either
-    may carry the other's fields as unknown ones). Tried in the order its keys suggest; when
-    both fail, the error is the first kind's."""
-    kinds: list[type[ChatCompletionRequest] | type[CompletionRequest]] = (
-        [ChatCompletionRequest, CompletionRequest]
-        if "messages" in body
-        else [CompletionRequest, ChatCompletionRequest]
-    )
-    try:
-        return errors.validate(kinds[0], body)
-    except errors.OpenAIError:
-        if "messages" not in body or "prompt" not in body:
-            raise
-        with contextlib.suppress(errors.OpenAIError):
-            return errors.validate(kinds[1], body)
-        raise
 
 
 def _describe(report: MatchReport, tokenizer: Any) -> dict[str, Any]:
