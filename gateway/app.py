@@ -24,6 +24,7 @@ from gateway.routes.models import health, list_models, metrics, retrieve_model
 from gateway.routes.openapi import get_openapi
 from gateway.routes.prefixes import list_prefixes, match_prefix, reload_prefixes
 from gateway.routes.responses import create_response, stored_response
+from gateway.routes.tokens import detokenize, tokenize
 from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ def create_app(
             "/v1/prefixes/reload", counted("/v1/prefixes/reload", reload_prefixes), methods=["POST"]
         ),
         Route("/v1/prefixes/match", counted("/v1/prefixes/match", match_prefix), methods=["POST"]),
+        Route("/tokenize", counted("/tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", counted("/detokenize", detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", get_openapi, methods=["GET"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -256,6 +257,9 @@ StopStrings = Annotated[
 ]
 
 
+TOKEN_ID_KEY = "^(0|[1-9][0-9]*)$"  # a logit_bias key: a token id, one spelling per id
+
+
 class StreamOptions(RequestModel):
     include_usage: bool | None = None
 
@@ -280,6 +284,7 @@ class GenerationRequest(GenerationBase):
             default=None,
             description="token id (a decimal string) -> a number in [-100, 100] added to its "
             "logit at every step",
+            json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_KEY}},
         )
     )
     stream: bool = False
@@ -322,7 +327,7 @@ class GenerationRequest(GenerationBase):
         """Keys are token ids as OpenAI writes them ("50256"): one spelling per id, so two
         keys never name one token."""
         for key in value or {}:
-            if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+            if not re.fullmatch(TOKEN_ID_KEY, key):
                 raise PydanticCustomError(
                     "invalid_value", "keys must be token ids written as decimal integers"
                 )

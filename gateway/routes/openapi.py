@@ -35,6 +35,7 @@ from gateway.protocol.admin import (
 )
 from gateway.protocol.response_objects import DeletedResponse, ResponseObject
 from gateway.protocol.responses_request import ResponsesRequest
+from gateway.protocol.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,22 @@ _ROUTES = (
         (ChatCompletionRequest, CompletionRequest),
         auth="admin",
         errors=(400, 401, 403, 408, 413, 415, 503),
+    ),
+    _Route(
+        "/tokenize",
+        "post",
+        "The prompt a chat or completion body gives the model, as token ids",
+        TokenizeResponse,
+        (ChatCompletionRequest, CompletionRequest),
+        errors=(400, 401, 404, 408, 413, 415, 503),
+    ),
+    _Route(
+        "/detokenize",
+        "post",
+        "The text of token ids",
+        DetokenizeResponse,
+        (DetokenizeRequest,),
+        errors=(400, 401, 404, 408, 413, 415, 503),
     ),
     _Route(
         "/health", "get", "200 once the model and every prefix are ready", HealthResponse, (), None

@@ -251,6 +251,7 @@ SURROGATE_CASES = [
         '"messages": [{"role": "user", "content": "\\ud800"}]',
         "messages[0].content",
     ),
+    ("/tokenize", '"prompt": "x\\udc00"', "prompt"),
 ]
 
 
@@ -269,9 +270,20 @@ def test_a_valid_surrogate_pair_is_text(client: TestClient) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_match_with_an_out_of_vocabulary_token_id_is_400(client: TestClient) -> None:
-    response = client.post("/v1/prefixes/match", json={"model": MODEL, "prompt": [1, 10**9]})
-    assert _error(response) == (400, "invalid_token_id", "prompt")
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/prefixes/match", {"prompt": [1, 10**9]}, "prompt"),
+        ("/tokenize", {"prompt": [1, 10**9]}, "prompt"),
+        ("/detokenize", {"tokens": [1, 512]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ],
+)
+def test_an_out_of_vocabulary_token_id_is_400(
+    client: TestClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    response = client.post(path, json={"model": MODEL, **body})
+    assert _error(response) == (400, "invalid_token_id", param)
     assert response.json()["error"]["message"] == "token ids must be in [0, 512)"
 
 

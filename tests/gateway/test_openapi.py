@@ -82,6 +82,8 @@ def test_request_and_response_bodies_are_the_validating_models() -> None:
                 "/v1/prefixes",
                 "/v1/prefixes/reload",
                 "/v1/prefixes/match",
+                "/tokenize",
+                "/detokenize",
             },
         ),
         ({"admin_api_key": "a"}, {"/v1/prefixes", "/v1/prefixes/reload", "/v1/prefixes/match"}),

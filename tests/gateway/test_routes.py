@@ -22,7 +22,15 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from engine import AsyncEngine, EngineConfig, LLMEngine, SampleLogprobs, SamplingParams
+from engine import (
+    AsyncEngine,
+    EngineConfig,
+    LLMEngine,
+    SampleLogprobs,
+    SamplingParams,
+    chat_prompt_ids,
+    text_prompt_ids,
+)
 from engine.executor.kernels import kernel_target
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -371,6 +379,81 @@ def test_prompt_errors_name_the_route_field(
     response = client.post(route, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == field
+
+
+# -- /tokenize, /detokenize ------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tokenize_gives_the_prompt_the_generation_routes_give_the_model(
+    client: TestClient, app: Starlette
+) -> None:
+    """A chat body through the chat template (its tools too), a completion body's prompt as
+    /v1/completions reads it: the ids, and the usage those routes report agrees."""
+    tokenizer = app.state.gateway.engine.tokenizer
+    chat_ids = chat_prompt_ids(tokenizer, MESSAGES)
+    with_tools = chat_prompt_ids(tokenizer, MESSAGES, tools=[WEATHER_TOOL])
+    assert with_tools != chat_ids
+    cases = [
+        (CHAT, chat_ids),
+        ({**CHAT, "tools": [WEATHER_TOOL]}, with_tools),
+        (COMPLETION, text_prompt_ids(tokenizer, PROMPT)),
+        ({**COMPLETION, "prompt": [5, 6, 7]}, [5, 6, 7]),
+    ]
+    for body, ids in cases:
+        response = client.post("/tokenize", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json() == {
+            "count": len(ids),
+            "max_model_len": MAX_MODEL_LEN,
+            "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids),
+        }
+    usage = client.post("/v1/chat/completions", json=CHAT).json()["usage"]
+    assert usage["prompt_tokens"] == len(chat_ids)
+
+
+def test_tokenize_counts_a_prompt_past_the_context(client: TestClient) -> None:
+    """Counting is what a client does to budget a prompt: one too long is counted, not
+    refused (the generation routes refuse it)."""
+    body = {**COMPLETION, "prompt": [5] * (MAX_MODEL_LEN + 10)}
+    assert client.post("/tokenize", json=body).json()["count"] == MAX_MODEL_LEN + 10
+    assert client.post("/v1/completions", json=body).status_code == 400
+
+
+def test_detokenize_is_the_text_of_the_ids(client: TestClient, app: Starlette) -> None:
+    tokenizer = app.state.gateway.engine.tokenizer
+    ids = client.post("/tokenize", json=CHAT).json()["tokens"]
+    response = client.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert response.json() == {"prompt": tokenizer.decode(ids)}
+    assert "<|im_start|>" in response.json()["prompt"]  # special tokens kept
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {**CHAT, "model": "other"}, 404, "model"),
+        ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model"),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1.5]}, 400, "tokens[0]"),
+        ("/detokenize", {}, 400, "tokens"),
+        ("/tokenize", {"model": MODEL}, 400, "prompt"),
+    ],
+)
+def test_bad_token_bodies_are_openai_errors(
+    client: TestClient, path: str, body: dict[str, Any], status: int, param: str
+) -> None:
+    response = client.post(path, json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
 
 
 # -- health, unknown routes --------------------------------------------------------------------

@@ -22,10 +22,10 @@ may get a 400, with exactly that error code:
 The Responses API states its rules on the same fields: `input` must fit the context,
 `text.format` must compile (with `tools` beside it, the one grammar is named `tools`).
 More depend on the server's state, not on the request's shape: token ids must be below the
-vocabulary size (`invalid_token_id`), an unknown `model` is a 404 `model_not_found`, and a
-response id that is not kept (`previous_response_id`, or the id in /v1/responses/{id}) is a
-404 `response_not_found` (as Schemathesis itself accepts for schema-valid data: a resource
-that does not exist).
+vocabulary size (`invalid_token_id`: a prompt's, a `logit_bias` key's, /detokenize's), an
+unknown `model` is a 404 `model_not_found`, and a response id that is not kept
+(`previous_response_id`, or the id in /v1/responses/{id}) is a 404 `response_not_found` (as
+Schemathesis itself accepts for schema-valid data: a resource that does not exist).
 Everything else must hold as Schemathesis states it: no 5xx, every error OpenAI-shaped,
 schema-valid requests accepted, schema-invalid ones rejected, statuses, content types and
 bodies as documented.
@@ -86,6 +86,8 @@ CROSS_FIELD_RULES = {
     ("n", "too_many_sequences"),
     ("model", "model_not_found"),
     ("prompt", "invalid_token_id"),
+    ("logit_bias", "invalid_token_id"),
+    ("tokens", "invalid_token_id"),
     ("max_tokens", "invalid_value"),
     ("suffix", "unsupported_value"),
     ("input", "context_length_exceeded"),
