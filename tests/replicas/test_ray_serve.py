@@ -30,6 +30,7 @@ from tests.gateway.server_harness import (
     Reference,
     Server,
     ServerFactory,
+    greedy,
     wait_until,
 )
 from tools.bench_replica_replacement import replica_pids
@@ -179,6 +180,29 @@ def test_sdk_chat_through_the_ingress_equals_the_engine(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 12
+
+
+def test_tokenize_and_logit_bias_through_the_ingress(
+    sdk: openai.OpenAI, cluster: Server, reference: Reference
+) -> None:
+    """The ingress tokenizes as the replicas do, and a request's logit_bias reaches the
+    replica that samples it."""
+    ids = reference.chat_ids(MESSAGES)
+    tokenized = cluster.post_json("/tokenize", {"model": MODEL, "messages": MESSAGES})
+    assert (tokenized["tokens"], tokenized["max_model_len"]) == (ids, MAX_MODEL_LEN)
+    [first] = [o.token_ids[0] for o in reference.run(ids, greedy(1))]
+    bias = ((first, -100.0), (9, 4.0))
+    expected = reference.text(ids, greedy(12, logit_bias=bias))
+    assert expected != reference.chat(MESSAGES, 12)
+    completion = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=12,
+        logit_bias={str(k): int(v) for k, v in bias},
+        extra_body=IGNORE_EOS,
+    )
+    assert completion.choices[0].message.content == expected
 
 
 def test_validation_errors_come_from_the_ingress_as_openai_errors(sdk: openai.OpenAI) -> None:
