@@ -104,12 +104,13 @@ class ModelRunner:
         if not sampling:
             return StepResult([], prefilled)
         seqs = [item.seq for item in sampling]
-        logits = add_logit_bias(logits, [seq.params for seq in seqs])
-        if draft_logits is not None:  # each drafted position's row as one step would bias it
-            draft_logits = add_logit_bias(
-                draft_logits,
-                [item.seq.params for item in sampling for _ in range(item.num_draft_tokens)],
-            )
+        if any(seq.params.logit_bias for seq in seqs):
+            logits = add_logit_bias(logits, [seq.params for seq in seqs])
+            if draft_logits is not None:  # each drafted position's row as one step biases it
+                draft_logits = add_logit_bias(
+                    draft_logits,
+                    [item.seq.params for item in sampling for _ in range(item.num_draft_tokens)],
+                )
         # with a grammar: each item's matcher at each drafted position and after the last
         # draft (`_grammar_chain`), whose mask the sampled row gets
         chains = (

@@ -49,12 +49,19 @@ async def detokenize(request: Request) -> Response:
     gateway.check_auth(request)
     engine = gateway.ready_engine()
     raw = await read_body(request, gateway.config.max_request_bytes)
+    body = await gateway.run_blocking(_detokenize, engine, gateway.check_model, raw)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+def _detokenize(
+    engine: EngineClient, check_model: Callable[[str], None], raw: bytes
+) -> DetokenizeResponse:
+    """Worker pool: a body of a million ids takes a while to validate and decode."""
     body = errors.validate(DetokenizeRequest, parse_json(raw))
     if body.model is not None:
-        gateway.check_model(body.model)
+        check_model(body.model)
     _check_ids(body.tokens, engine, "tokens")
-    text = await gateway.run_blocking(engine.tokenizer.decode, body.tokens)
-    return JSONResponse(DetokenizeResponse(prompt=str(text)).model_dump(mode="json"))
+    return DetokenizeResponse(prompt=str(engine.tokenizer.decode(body.tokens)))
 
 
 def _check_ids(ids: list[int], engine: EngineClient, param: str) -> None:
