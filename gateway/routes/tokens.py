@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -21,11 +22,24 @@ from gateway.routes.common import chat_or_completion, first_prompt_ids
 
 
 async def tokenize(request: Request) -> Response:
+    return await _answer(request, _tokenize)
+
+
+async def detokenize(request: Request) -> Response:
+    return await _answer(request, _detokenize)
+
+
+async def _answer(
+    request: Request,
+    work: Callable[[EngineClient, Callable[[str], None], bytes], BaseModel],
+) -> Response:
+    """`work`'s answer to the body, computed in the worker pool (parsing, validating,
+    tokenizing or decoding a large body would stall the event loop)."""
     gateway = gateway_of(request)
     gateway.check_auth(request)
     engine = gateway.ready_engine()
     raw = await read_body(request, gateway.config.max_request_bytes)
-    body = await gateway.run_blocking(_tokenize, engine, gateway.check_model, raw)
+    body = await gateway.run_blocking(work, engine, gateway.check_model, raw)
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -44,19 +58,9 @@ def _tokenize(
     )
 
 
-async def detokenize(request: Request) -> Response:
-    gateway = gateway_of(request)
-    gateway.check_auth(request)
-    engine = gateway.ready_engine()
-    raw = await read_body(request, gateway.config.max_request_bytes)
-    body = await gateway.run_blocking(_detokenize, engine, gateway.check_model, raw)
-    return JSONResponse(body.model_dump(mode="json"))
-
-
 def _detokenize(
     engine: EngineClient, check_model: Callable[[str], None], raw: bytes
 ) -> DetokenizeResponse:
-    """Worker pool: a body of a million ids takes a while to validate and decode."""
     body = errors.validate(DetokenizeRequest, parse_json(raw))
     if body.model is not None:
         check_model(body.model)
