@@ -59,8 +59,9 @@ ARCH_MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "smollm3": "smollm3",
 }
-HF_LAYOUT_ARCHS = frozenset({"llama"})  # q/k rows permuted by llama.cpp's converter
+HF_LAYOUT_ARCHS = frozenset({"llama", "smollm3"})  # q/k rows permuted by llama.cpp's converter
 # Gemma's norms multiply by (1 + w); llama.cpp's converter stores 1 + w, Hugging Face w.
 NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
 TABLE_RECORD = "prefixgate-gguf-tensors.json"  # in a GGUF's conversion folder

@@ -50,6 +50,7 @@ from engine.loading.gguf import (
     complete_rope,
     gguf_table,
 )
+from engine.loading.gguf_config import OWN_CONFIG_ARCHS, config_dict, read_metadata
 from engine.text.chat_template import default_template
 from engine.text.tokenizer import Tokenizer
 
@@ -380,10 +381,13 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     A Llama-family file's tensors are dequantized one at a time and streamed to disk
     (engine/gguf_weights.py); others go through transformers' GGUF loader, which holds the
     whole float32 model (the embedded model that way: a 1.2 GB peak at a fresh start)."""
-    config, tokenizer = _load_gguf_header(gguf_path)
-    _check_model_type(config.model_type, gguf_path)
     try:
         table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
+    except (ValueError, KeyError) as exc:  # not a GGUF, or a damaged one
+        raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
+    config, tokenizer = _load_gguf_header(gguf_path, table.arch)
+    _check_model_type(config.model_type, gguf_path)
+    try:
         if table.arch in ARCH_MODEL_TYPES:
             complete_rope(table, config)
             _stream_float_weights(GGUFWeights(gguf_path, table, config), config, out_dir)
@@ -408,14 +412,23 @@ def _stream_float_weights(gguf: GGUFWeights, config: PretrainedConfig, out_dir: 
     )
 
 
-def _load_gguf_header(gguf_path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
-    """Config and tokenizer from the file's metadata (no tensors read)."""
-    from transformers import AutoConfig, AutoTokenizer
+def _load_gguf_header(
+    gguf_path: Path, arch: str
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """Config and tokenizer from the file's metadata (no tensors read): transformers' reading,
+    or ours for an architecture it refuses (engine/loading/gguf_config.py; the tokenizer is
+    transformers' either way, built from the file's `tokenizer.*` keys alone)."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
     try:
-        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        if arch in OWN_CONFIG_ARCHS:
+            metadata, tensor_names = read_metadata(gguf_path)
+            config = AutoConfig.for_model(**config_dict(metadata, tensor_names))
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
     return config, tokenizer

@@ -4,6 +4,7 @@ q/k row permutation, each block type, and the quantized state against the float 
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,11 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     Phi3Config,
+    PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from engine.core.config import default_cache_dir
@@ -76,6 +80,10 @@ def _config(model_type: str) -> Any:
         return Phi3Config(
             vocab_size=96, tie_word_embeddings=True, pad_token_id=None, **TINY_LLAMA_SHAPE
         )
+    if model_type == "smollm3":
+        return SmolLM3Config(
+            vocab_size=96, tie_word_embeddings=True, pad_token_id=None, **TINY_LLAMA_SHAPE
+        )
     cls = LlamaConfig if model_type == "llama" else Qwen2Config
     return cls(vocab_size=96, tie_word_embeddings=True, **TINY_LLAMA_SHAPE)
 
@@ -117,7 +125,8 @@ def _write_gguf(
 
     def add(gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> None:
         stored = w
-        if model_type == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        permuted = model_type in ("llama", "smollm3")  # llama.cpp's LlamaModel converter
+        if permuted and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
             stored = _llama_permute(w, heads)
         data = quantize(stored, qtype)
@@ -577,7 +586,7 @@ def test_a_file_mixing_types_per_tensor_is_served_in_its_own_blocks(
         torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "phi3", "smollm3"])
 @pytest.mark.parametrize(
     ("layer_type", "head_type", "weights"),
     [
@@ -775,15 +784,37 @@ def _llama3_factors(cfg: Any) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _write_like_llama_cpp(path: Path, hf: Any, arch: str) -> None:
+def _add_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's converter writes one (`gpt2`): the tokens in
+    id order, their types, the merges, the special ids and the chat template."""
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    special = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokenizer))])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
+def _write_like_llama_cpp(
+    path: Path, hf: Any, arch: str, tokenizer: PreTrainedTokenizerBase | None = None
+) -> None:
     """`hf`'s float32 weights and config as llama.cpp's converter writes them for `arch`:
-    its metadata keys, llama's permuted q/k rows, Phi-3's fused qkv and gate_up, RoPE
-    scaling as factor tensors (llama's `rope_freqs`, Phi's long and short factors with the
-    pretraining length and attention factor)."""
+    its metadata keys, llama's permuted q/k rows (SmolLM3's too: its converter is Llama's),
+    Phi-3's fused qkv and gate_up, RoPE scaling as factor tensors (llama's `rope_freqs`, Phi's
+    long and short factors with the pretraining length and attention factor); `tokenizer`'s
+    fields where given."""
     cfg = hf.config
     rope = cfg.rope_parameters
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     writer = GGUFWriter(path, arch)
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -851,36 +882,94 @@ def test_a_gguf_keeps_its_rope_through_conversion(tmp_path: Path, arch: str, mod
     table = GGUFTable.parse(path)
     assert GGUFTable.from_json(table.to_json()) == table  # the record keeps the RoPE
 
-    def engine_logits(config: Any) -> list[torch.Tensor]:
-        config.pad_token_id = None  # the reader's default is outside the tiny vocabulary
-        weights = GGUFWeights(path, table, config)
-        rebuilt = AutoModelForCausalLM.from_config(config).eval()
-        rebuilt.load_state_dict({n: weights.dequantize(n) for n in weights.names()}, strict=False)
-        harness = PagedHarness(rebuilt)
-        gen = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 17)]
-        a, b = (harness.add(str(i), p) for i, p in enumerate(prompts))
-        harness.run([(a, 9), (b, 6)])
-        harness.run([(b, 11)])
-        for _ in range(3):
-            for seq in (a, b):
-                seq.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
-            harness.run([(a, 1), (b, 1)])
-        return [harness.all_logits(s) for s in (a, b)] + [
-            _reference_logits(hf, s.token_ids) for s in (a, b)
-        ]
-
     completed = copy.deepcopy(read)
     complete_rope(table, completed)
     saved = type(completed).from_dict(completed.to_dict())  # as the conversion's config.json
     assert saved.rope_parameters == completed.rope_parameters
     assert saved.rope_parameters["rope_type"] == "longrope"
-    ours_a, ours_b, expected_a, expected_b = engine_logits(saved)
+    ours_a, ours_b, expected_a, expected_b = _file_and_reference_logits(path, table, saved, hf)
     torch.testing.assert_close(ours_a, expected_a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours_b, expected_b, rtol=1e-4, atol=1e-4)
     # the config as transformers reads it alone is another model
-    plain_a, _, expected_a, _ = engine_logits(read)
+    plain_a, _, expected_a, _ = _file_and_reference_logits(path, table, read, hf)
     assert not torch.allclose(plain_a, expected_a, rtol=1e-3, atol=1e-3)
+
+
+def _file_and_reference_logits(
+    path: Path, table: GGUFTable, config: Any, hf: Any
+) -> list[torch.Tensor]:
+    """The logits of every position of two sequences on the paged engine built from `config`
+    and the file's tensors, in a batch mixing prefill, a chunk over cached blocks and decodes;
+    then `hf`'s for the same sequences."""
+    config.pad_token_id = None  # the reader's default is outside the tiny vocabulary
+    weights = GGUFWeights(path, table, config)
+    rebuilt = AutoModelForCausalLM.from_config(config).eval()
+    rebuilt.load_state_dict({n: weights.dequantize(n) for n in weights.names()}, strict=False)
+    harness = PagedHarness(rebuilt)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 17)]
+    a, b = (harness.add(str(i), p) for i, p in enumerate(prompts))
+    harness.run([(a, 9), (b, 6)])
+    harness.run([(b, 11)])
+    for _ in range(3):
+        for seq in (a, b):
+            seq.token_ids.append(int(torch.randint(0, 300, (), generator=gen)))
+        harness.run([(a, 1), (b, 1)])
+    return [harness.all_logits(s) for s in (a, b)] + [
+        _reference_logits(hf, s.token_ids) for s in (a, b)
+    ]
+
+
+def test_a_smollm3_gguf_is_served_as_llama_cpp_reads_it(
+    tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """transformers' GGUF reader refuses llama.cpp's `smollm3` architecture. A tiny SmolLM3
+    (4 layers: the fourth without RoPE, as llama.cpp fixes it and transformers' default says)
+    written as llama.cpp's converter writes it, tokenizer included, converts into a folder
+    whose config is SmolLM3's (the layers without RoPE named), whose tokenizer is the
+    original's, and from which the engine gives the original model's logits over the file's
+    tensors (its q/k rows un-permuted)."""
+    from engine.loading import source
+
+    cfg = SmolLM3Config(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )
+    assert cfg.no_rope_layers == [1, 1, 1, 0]
+    torch.manual_seed(0)
+    hf = SmolLM3ForCausalLM(cfg).eval()
+    path = tmp_path / "tiny-smollm3.gguf"
+    _write_like_llama_cpp(path, hf, "smollm3", tiny_tokenizer)
+    out = tmp_path / "converted"
+    out.mkdir()
+    source._convert_gguf(path, out)  # what the conversion's child process runs
+
+    config = AutoConfig.from_pretrained(out, local_files_only=True)
+    assert config.model_type == "smollm3"
+    assert config.no_rope_layers == [1, 1, 1, 0]
+    assert config.tie_word_embeddings
+    assert (config.num_key_value_heads, config.head_dim) == (2, 16)
+    tokenizer = source.load_tokenizer(out)
+    text = "Hello there, how are the tokens today?\n  indented"
+    assert tokenizer.encode(text) == tiny_tokenizer.encode(text)
+    assert tokenizer.chat_template == tiny_tokenizer.chat_template
+
+    table = gguf_table(path, out)
+    ours_a, ours_b, expected_a, expected_b = _file_and_reference_logits(path, table, config, hf)
+    torch.testing.assert_close(ours_a, expected_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours_b, expected_b, rtol=1e-4, atol=1e-4)
+    # RoPE in every layer (the config transformers' default interval would not give) differs
+    every_layer = copy.deepcopy(config)
+    every_layer.no_rope_layers = [1, 1, 1, 1]
+    rotated_a, _, expected_a, _ = _file_and_reference_logits(path, table, every_layer, hf)
+    assert not torch.allclose(rotated_a, expected_a, rtol=1e-3, atol=1e-3)
 
 
 def _rope_table(rope: dict[str, Any]) -> GGUFTable:

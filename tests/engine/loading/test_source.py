@@ -198,7 +198,9 @@ def fake_gguf(
     """A `.gguf` file whose "dequantized" content is the tiny GPT-2 (tied embeddings),
     converted in this process (a spawned child would not see these stand-ins)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_path)
-    monkeypatch.setattr(loader, "_load_gguf_header", lambda path: (model.config, tiny_tokenizer))
+    monkeypatch.setattr(
+        loader, "_load_gguf_header", lambda path, arch: (model.config, tiny_tokenizer)
+    )
     monkeypatch.setattr(loader, "_load_gguf_model", lambda path: model)
     table = GGUFTable("gpt2", {"token_embd.weight": TensorEntry("Q8_0", (96, 64), 0, 6528)})
     monkeypatch.setattr(loader, "gguf_table", lambda path, folder: table)
