@@ -93,6 +93,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     source = resolve_model(config.model)
     hf_config = load_hf_config(source.path)
     tokenizer = load_tokenizer(source.path)
+    # parsing tokenizer.json leaves its temporaries in the heap (Gemma 3's 262k-token one:
+    # ~190 MB), which the weights' load would otherwise stack its own peak on
+    return_freed_memory()
     if config.chat_template is not None:
         tokenizer.chat_template = load_chat_template(Path(config.chat_template))
         logger.info("chat template: from %s", config.chat_template)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import (
+    GrammarSpec,
     InvalidRequestError,
     LLMEngine,
     PromptTooLongError,
@@ -312,3 +313,31 @@ def test_the_input_batch_gives_back_the_rows_of_finished_requests(tiny_llama_pat
     engine.generate([[7, 7, 7]], params)
     assert len(batch._row_of) == 1  # only the last request's row, until the next step
     assert batch.block_tables.shape[0] == num_rows
+
+
+@pytest.mark.parametrize("with_contract", [False, True])
+def test_the_grammar_compiler_is_built_by_the_first_grammar(
+    tiny_llama_path: Path, tmp_path: Path, with_contract: bool
+) -> None:
+    """llguidance's view of the tokenizer costs a start 0.3-1 s and up to ~135 MB (Gemma 3's
+    262k tokens): an engine whose prefix file has no output contract never builds it; one
+    whose file has a contract builds it at start (the contract must compile); a constrained
+    request builds it where nothing did."""
+    entry = '  - name: n\n    text: "Numbers like 0 1 2"\n'
+    if with_contract:
+        entry += "    response_format: {type: json_object}\n"
+    prefix_file = tmp_path / "prefixes.yaml"
+    prefix_file.write_text("version: 1\nprefixes:\n" + entry)
+    engine = tiny_engine(tiny_llama_path, prefix_file=str(prefix_file))
+    assert len(engine.registry.prefixes) == 1
+    assert (engine.checker._grammars is not None) == with_contract
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    engine.add_request("plain", [5, 6, 7], plain)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert (engine.checker._grammars is not None) == with_contract
+    constrained = SamplingParams(temperature=0, max_tokens=4, grammar=GrammarSpec.json_schema())
+    engine.add_request("json", [5, 6, 7], constrained)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.checker._grammars is not None
