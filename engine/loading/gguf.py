@@ -197,13 +197,16 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class GGUFTable:
-    """A GGUF file's architecture and tensor table, by GGUF tensor name, and its RoPE
-    metadata (`rope`: the `{arch}.rope.*` fields without the prefix, and the values of the
-    `ROPE_FACTOR_TENSORS` it holds), which transformers' reading of a GGUF's config drops."""
+    """A GGUF file's architecture and tensor table, by GGUF tensor name, and the metadata
+    transformers' reading of a GGUF's config drops: the RoPE (`rope`: the `{arch}.rope.*`
+    fields without the prefix, and the values of the `ROPE_FACTOR_TENSORS` it holds) and the
+    head width where the file states it (`{arch}.attention.key_length`; Qwen3's reading keeps
+    its config class's default of 128 whatever the file says)."""
 
     arch: str
     tensors: dict[str, TensorEntry]
     rope: dict[str, Any] = dataclasses.field(default_factory=dict)
+    head_dim: int | None = None
 
     @classmethod
     def parse(cls, path: Path) -> GGUFTable:
@@ -230,15 +233,17 @@ class GGUFTable:
             stem = t.name.removesuffix(".weight")
             if stem in ROPE_FACTOR_TENSORS:
                 rope[stem] = np.asarray(t.data, dtype=np.float32).ravel().tolist()
-        table = cls(arch, tensors, rope)
+        key_length = reader.fields.get(f"{arch}.attention.key_length")
+        head_dim = int(key_length.contents()) if key_length is not None else None
+        table = cls(arch, tensors, rope, head_dim)
         del reader
         return_freed_memory()
         return table
 
     def to_json(self) -> str:
-        return json.dumps({"arch": self.arch, "rope": self.rope, "tensors": {
-            name: dataclasses.asdict(entry) for name, entry in self.tensors.items()
-        }})  # fmt: skip
+        return json.dumps({"arch": self.arch, "rope": self.rope, "head_dim": self.head_dim,
+                           "tensors": {name: dataclasses.asdict(entry)
+                                       for name, entry in self.tensors.items()}})  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> GGUFTable:
@@ -248,14 +253,25 @@ class GGUFTable:
             name: TensorEntry(e["kind"], tuple(e["shape"]), int(e["offset"]), int(e["num_bytes"]))
             for name, e in data["tensors"].items()
         }
-        return cls(str(data["arch"]), tensors, dict(data["rope"]))
+        # a record from before head_dim was kept has none: only a conversion reads it, and a
+        # conversion parses the file itself
+        head_dim = data.get("head_dim")
+        return cls(
+            str(data["arch"]),
+            tensors,
+            dict(data["rope"]),
+            None if head_dim is None else int(head_dim),
+        )
 
 
-def complete_rope(table: GGUFTable, config: Any) -> None:
-    """Give `config` (transformers' reading of the file's metadata) the RoPE llama.cpp applies
-    to the file (`rope_parameters`), where the config class keeps some of it outside
-    `rope_parameters` too (Phi-3's `original_max_position_embeddings`, which it would copy
-    over them when the saved config is read back) there as well."""
+def complete_config(table: GGUFTable, config: Any) -> None:
+    """Give `config` (transformers' reading of the file's metadata) what that reading drops:
+    the file's head width, then the RoPE llama.cpp applies to the file (`rope_parameters`),
+    where the config class keeps some of it outside `rope_parameters` too (Phi-3's
+    `original_max_position_embeddings`, which it would copy over them when the saved config
+    is read back) there as well. The head width first: a partial rotary is a share of it."""
+    if table.head_dim is not None:
+        config.head_dim = table.head_dim
     params = rope_parameters(table, config)
     config.rope_parameters = params
     flat = params.get("full_attention", params)

@@ -47,7 +47,7 @@ from engine.loading.gguf import (
     ARCH_MODEL_TYPES,
     GGML_BITS,
     GGUFWeights,
-    complete_rope,
+    complete_config,
     gguf_table,
 )
 from engine.loading.gguf_config import OWN_CONFIG_ARCHS, config_dict, read_metadata
@@ -389,7 +389,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _check_model_type(config.model_type, gguf_path)
     try:
         if table.arch in ARCH_MODEL_TYPES:
-            complete_rope(table, config)
+            complete_config(table, config)
             _stream_float_weights(GGUFWeights(gguf_path, table, config), config, out_dir)
     except (ValueError, KeyError) as exc:  # a damaged tensor table or tensor
         raise ModelLoadError(f"cannot read the tensors of GGUF {gguf_path}: {exc}") from exc

@@ -50,7 +50,7 @@ from engine.loading.gguf import (
     GroupCodes,
     block_group_codes,
     blocks_quantized_state,
-    complete_rope,
+    complete_config,
     gguf_table,
     hf_tensor_name,
     rope_parameters,
@@ -811,10 +811,13 @@ def _write_like_llama_cpp(
     fields where given."""
     cfg = hf.config
     rope = cfg.rope_parameters
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = GGUFWriter(path, arch)
     if tokenizer is not None:
         _add_tokenizer(writer, tokenizer)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # as the converter states it
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -832,6 +835,8 @@ def _write_like_llama_cpp(
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[f"{p}input_layernorm.weight"])
@@ -842,10 +847,17 @@ def _write_like_llama_cpp(
             add(f"blk.{i}.attn_qkv.weight", sd[f"{p}self_attn.qkv_proj.weight"])
             add(f"blk.{i}.ffn_up.weight", sd[f"{p}mlp.gate_up_proj.weight"])
             continue
+        # llama.cpp's Llama converter (SmolLM3's too) permutes q/k; Qwen's does not
+        permuted = arch in ("llama", "smollm3")
         heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
         for x in "qkv":
             w = sd[f"{p}self_attn.{x}_proj.weight"]
-            add(f"blk.{i}.attn_{x}.weight", _llama_permute(w, heads[x]) if x in heads else w)
+            if permuted and x in heads:
+                w = _llama_permute(w, heads[x])
+            add(f"blk.{i}.attn_{x}.weight", w)
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", sd[f"{p}self_attn.q_norm.weight"])
+            add(f"blk.{i}.attn_k_norm.weight", sd[f"{p}self_attn.k_norm.weight"])
         add(f"blk.{i}.ffn_gate.weight", sd[f"{p}mlp.gate_proj.weight"])
         add(f"blk.{i}.ffn_up.weight", sd[f"{p}mlp.up_proj.weight"])
     if rope["rope_type"] == "llama3":
@@ -871,7 +883,7 @@ def test_a_gguf_keeps_its_rope_through_conversion(tmp_path: Path, arch: str, mod
     """A tiny Llama 3.x (RoPE scaling stored as `rope_freqs`) and Phi-4-mini-shaped model
     (LongRoPE factors as tensors, partial rotary as `rope.dimension_count`, fused qkv and
     gate_up) written as llama.cpp writes them: transformers' reading of the file's config
-    drops that RoPE; completed (`complete_rope`) and read back as the conversion saves it,
+    drops that RoPE; completed (`complete_config`) and read back as the conversion saves it,
     the engine built from the config and the file's tensors gives the original model's
     logits, in a batch mixing prefill, chunks over cached blocks and decodes."""
     torch.manual_seed(0)
@@ -883,7 +895,7 @@ def test_a_gguf_keeps_its_rope_through_conversion(tmp_path: Path, arch: str, mod
     assert GGUFTable.from_json(table.to_json()) == table  # the record keeps the RoPE
 
     completed = copy.deepcopy(read)
-    complete_rope(table, completed)
+    complete_config(table, completed)
     saved = type(completed).from_dict(completed.to_dict())  # as the conversion's config.json
     assert saved.rope_parameters == completed.rope_parameters
     assert saved.rope_parameters["rope_type"] == "longrope"
@@ -970,6 +982,28 @@ def test_a_smollm3_gguf_is_served_as_llama_cpp_reads_it(
     every_layer.no_rope_layers = [1, 1, 1, 1]
     rotated_a, _, expected_a, _ = _file_and_reference_logits(path, table, every_layer, hf)
     assert not torch.allclose(rotated_a, expected_a, rtol=1e-3, atol=1e-3)
+
+
+def test_a_qwen3_gguf_keeps_its_head_width_through_conversion(tmp_path: Path) -> None:
+    """Qwen3's heads are wider than hidden / heads, stated in the file as
+    `attention.key_length`; transformers' reading of a Qwen3 GGUF drops it and keeps its
+    config class's default (128), another model. Completed (`complete_config`), the config
+    takes the file's width and the engine over the file's tensors gives the original logits."""
+    torch.manual_seed(0)
+    hf = ARCHITECTURES["qwen3-qk-norm"]().eval()
+    assert hf.config.head_dim != hf.config.hidden_size // hf.config.num_attention_heads
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_like_llama_cpp(path, hf, "qwen3")
+    read = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    assert read.head_dim != hf.config.head_dim  # what transformers' reading alone gives
+    table = gguf_table(path, tmp_path)
+    assert GGUFTable.from_json(table.to_json()) == table  # the record keeps the width
+    complete_config(table, read)
+    saved = type(read).from_dict(read.to_dict())  # as the conversion's config.json
+    assert saved.head_dim == hf.config.head_dim
+    ours_a, ours_b, expected_a, expected_b = _file_and_reference_logits(path, table, saved, hf)
+    torch.testing.assert_close(ours_a, expected_a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours_b, expected_b, rtol=1e-4, atol=1e-4)
 
 
 def _rope_table(rope: dict[str, Any]) -> GGUFTable:
