@@ -945,11 +945,7 @@ def test_a_smollm3_gguf_is_served_as_llama_cpp_reads_it(
 
     cfg = SmolLM3Config(
         vocab_size=len(tiny_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **{**TINY_LLAMA_SHAPE, "num_hidden_layers": 4},
         eos_token_id=tiny_tokenizer.eos_token_id,
         pad_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
