@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from engine.core.errors import InvalidRequestError
+from engine.text.chat_template import RENDERER_VARIABLES
 from engine.text.tool_format import conversation_for_template
 
 if TYPE_CHECKING:
@@ -35,8 +36,12 @@ def chat_prompt_ids(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Render `messages` with the model's chat template and tokenize the result.
+    `template_kwargs`: a client's own variables for the template (`chat_template_kwargs`, as
+    vLLM, SGLang and llama.cpp server take them: Qwen3's and SmolLM3's `enable_thinking`...);
+    one the renderer sets itself is an InvalidRequestError (param "chat_template_kwargs").
 
     Special-token text inside message content is tokenized as plain text (module docstring).
     Raises InvalidRequestError (param "messages") when the model has no chat template, the
@@ -45,6 +50,8 @@ def chat_prompt_ids(
     content beyond trimming it (its markup could then not be told from the content's).
     """
     conversation, variables = conversation_for_template(tokenizer.chat_template, messages, tools)
+    if template_kwargs:
+        variables = {**_client_variables(template_kwargs, variables), **variables}
     text = _render(tokenizer, conversation, add_generation_prompt, variables)
     pattern = _special_token_pattern(tokenizer)
     if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):
@@ -97,6 +104,20 @@ def fim_prompt_ids(tokenizer: Tokenizer, prefix: str | list[int], suffix: str) -
     prefix_token, suffix_token, middle_token = (vocab[name] for name in names)
     prefix_ids = prefix if isinstance(prefix, list) else _encode(tokenizer, prefix)
     return [prefix_token, *prefix_ids, suffix_token, *_encode(tokenizer, suffix), middle_token]
+
+
+def _client_variables(
+    template_kwargs: Mapping[str, Any], variables: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`template_kwargs`, refused where a name is one the renderer or the request's tools set."""
+    taken = sorted(set(template_kwargs) & (RENDERER_VARIABLES | set(variables)))
+    if taken:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server sets "
+            "it from the request (messages, tools, add_generation_prompt)",
+            param="chat_template_kwargs",
+        )
+    return dict(template_kwargs)
 
 
 def _render(

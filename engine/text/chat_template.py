@@ -33,26 +33,40 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+# What `render_chat_template` sets itself; no other variable may take these names.
+RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     add_generation_prompt: bool,
     special_tokens: Mapping[str, str],
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
-    """The template's text for `messages`; raises jinja2.TemplateError when the template
-    refuses them (`raise_exception`) or cannot be parsed."""
+    """The template's text for `messages`; `variables`: more of the template's own (a tool
+    list under another name, a client's `chat_template_kwargs` such as `enable_thinking`),
+    over the special tokens as transformers puts them. Raises jinja2.TemplateError when the
+    template refuses them (`raise_exception`) or cannot be parsed."""
     chat = [
         {key: value for key, value in dict(message).items() if value is not None}
         for message in messages
     ]
-    return _compiled(template).render(
-        messages=_with_reasoning_aliases(_plain(chat)),
-        tools=_plain(list(tools)) if tools is not None else None,
-        documents=None,
-        add_generation_prompt=add_generation_prompt,
-        **_plain(dict(special_tokens)),
-    )
+    context = {**_plain(dict(special_tokens)), **_plain(dict(variables or {}))}
+    compiled = _compiled(template)
+    try:
+        return compiled.render(
+            **context,
+            messages=_with_reasoning_aliases(_plain(chat)),
+            tools=_plain(list(tools)) if tools is not None else None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except (TypeError, ValueError, ArithmeticError, LookupError) as exc:
+        # the template's own operations on a client's values ("Date: " + a number sent as
+        # `date_string`): the request's fault, reported as the template refusing it
+        raise jinja2.TemplateError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def default_template(chat_template: str | dict[str, str] | None) -> str | None:

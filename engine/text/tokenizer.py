@@ -218,9 +218,11 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = False,
         tokenize: bool = False,
+        **variables: Any,
     ) -> str:
         """The conversation as the chat template writes it (text: tokenize it with
-        `encode(..., add_special_tokens=False)`). Raises ValueError without a template and
+        `encode(..., add_special_tokens=False)`); `variables`: more of the template's own, as
+        transformers' method takes them. Raises ValueError without a template and
         jinja2.TemplateError when the template refuses the conversation."""
         if tokenize:
             raise ValueError("render first, then encode: the engine tokenizes separately")
@@ -232,6 +234,7 @@ class Tokenizer:
             tools,
             add_generation_prompt,
             self.facts.special_tokens,
+            variables,
         )
 
 

@@ -447,6 +447,14 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's, SGLang's and llama.cpp server's extension: more variables for the chat template
+    # (Qwen3's and SmolLM3's `enable_thinking`, Llama 3.1's `date_string`...)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="variables for the model's chat template (for example "
+        '`{"enable_thinking": false}`), besides those the server sets: messages, tools, '
+        "documents, add_generation_prompt",
+    )
     # Features this server does not have: accepted only in their "off" form.
     # The schema says what is accepted today, so generated clients and fuzzers agree with
     # the validators below (which give the friendlier errors).

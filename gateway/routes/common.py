@@ -48,7 +48,12 @@ def chat_ids(engine: EngineClient, body: ChatCompletionRequest) -> list[int]:
     template, tokenized (worker pool). The one rendering every route that takes a chat body
     uses."""
     tools = body.tool_dicts() or None
-    return chat_prompt_ids(engine.tokenizer, body.flat_messages(), tools=tools)
+    return chat_prompt_ids(
+        engine.tokenizer,
+        body.flat_messages(),
+        tools=tools,
+        template_kwargs=body.chat_template_kwargs,
+    )
 
 
 def chat_or_completion(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:

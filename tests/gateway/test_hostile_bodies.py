@@ -236,6 +236,7 @@ KINDS: dict[type[BaseModel], dict[str, Kind]] = {
         "max_completion_tokens": INTEGER,
         "logprobs": BOOLEAN,
         "top_logprobs": INTEGER,
+        "chat_template_kwargs": OBJECT,
         "tools": ARRAY,
         "tool_choice": _kind("a string or an object", "string", "object"),
         "parallel_tool_calls": BOOLEAN,

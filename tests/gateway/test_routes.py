@@ -420,6 +420,46 @@ def test_tokenize_gives_the_prompt_the_generation_routes_give_the_model(
     assert usage["prompt_tokens"] == len(chat_ids)
 
 
+# A ChatML template that also reads two variables of its own, as Qwen3's reads enable_thinking.
+KWARGS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if greeting is defined %}{{ greeting ~ '!' }}{% endif %}"
+    "{% if count is defined %}{{ count + 1 }}{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(
+    client: TestClient, app: Starlette, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`chat_template_kwargs` (vLLM's extension) are the template's variables, in every route
+    that renders a chat; a name the server sets, or a value the template cannot use, is a 400
+    naming what is wrong, not a 500."""
+    tokenizer = app.state.gateway.engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", KWARGS_TEMPLATE)
+    kwargs = {"greeting": "Bonjour", "count": 41}
+    expected = chat_prompt_ids(tokenizer, MESSAGES, template_kwargs=kwargs)
+    assert expected != chat_prompt_ids(tokenizer, MESSAGES)
+    assert "Bonjour!42" in tokenizer.decode(expected)
+    body = {**CHAT, "chat_template_kwargs": kwargs}
+    assert _post(client, "/tokenize", body)["tokens"] == expected
+    usage = _post(client, "/v1/chat/completions", body)["usage"]
+    assert usage["prompt_tokens"] == len(expected)
+    for bad, param, words in [
+        ({"messages": []}, "chat_template_kwargs", "may not set 'messages'"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs", "add_generation_prompt"),
+        ({"count": "forty-one"}, "messages", "TypeError"),
+    ]:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            response = client.post(path, json={**CHAT, "chat_template_kwargs": bad})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and words in error["message"], error
+    response = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": [1]})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_tokenize_counts_a_prompt_past_the_context(client: TestClient) -> None:
     """Counting is what a client does to budget a prompt: one too long is counted, not
     refused (the generation routes refuse it)."""

@@ -14,8 +14,15 @@ import pytest
 from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
-from engine import GrammarSpec, SamplingParams, answer_start_ids, chat_prompt_ids
+from engine import (
+    GrammarSpec,
+    InvalidRequestError,
+    SamplingParams,
+    answer_start_ids,
+    chat_prompt_ids,
+)
 from engine.structured.grammar import GrammarCompiler
+from engine.text.tokenizer import Tokenizer
 from engine.text.tool_format import (
     ARGUMENT,
     DESCRIBED,
@@ -45,6 +52,14 @@ PERSON = {
     "additionalProperties": False,
     "$defs": {"Pet": {**PET, "required": ["age"], "additionalProperties": False}},
 }
+
+
+def _served(tokenizer: PreTrainedTokenizerFast, template: str) -> Tokenizer:
+    """`tokenizer` with `template` as the server holds it (our Tokenizer, not transformers'
+    object: SmolLM3's `xml_tools` once reached only the latter)."""
+    with_template = copy.deepcopy(tokenizer)
+    with_template.chat_template = template
+    return Tokenizer.from_transformers(with_template)
 
 
 def _accepter(tokenizer: PreTrainedTokenizerFast) -> Callable[[GrammarSpec, str], bool]:
@@ -289,8 +304,7 @@ def test_granite_gets_its_tools_rendered_and_its_calls_back_as_one_tagged_list(
     """Granite 3's template renders the tools (under its `available_tools`) and asks for
     `<|tool_call|>` and a JSON list; it renders an assistant turn's content only, so past
     calls are written there as that list."""
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = GRANITE3
+    tokenizer = _served(tiny_tokenizer, GRANITE3)
     assert tool_prompt_of(GRANITE3) == ToolPrompt(ARGUMENT, "tools", reads_calls=False)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     turns = [
@@ -313,8 +327,7 @@ def _past_call_conversation(
 ) -> tuple[PreTrainedTokenizerFast, list[dict[str, Any]], dict[str, Any]]:
     """A tokenizer with `template`, a conversation holding a past call with an OpenAI id and
     its result, and the tool: for the templates that insist on their own ids."""
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = template
+    tokenizer = _served(tiny_tokenizer, template)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     turns = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -460,8 +473,7 @@ def test_a_template_that_takes_tools_gets_call_arguments_as_objects(
     """OpenAI sends a past call's arguments as JSON text; Llama 3.x's template writes them
     with `tojson`: given the text it would render one quoted string, given the object the
     call as the model wrote it."""
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = (TEMPLATES / "llama-3.2-instruct.jinja").read_text()
+    tokenizer = _served(tiny_tokenizer, (TEMPLATES / "llama-3.2-instruct.jinja").read_text())
     call = {"id": "c1", "type": "function"}
     call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}  # type: ignore[assignment]
     messages = [
@@ -530,8 +542,7 @@ def test_phi4_mini_gets_its_tools_in_the_system_field_and_its_calls_back_as_it_w
     tags (its model card's prompt) and ignores the argument: the tools go there, under the
     user's system message or the card's own; a past turn's calls are written in its content
     as `functools[...]`, a turn without text included."""
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = PHI4
+    tokenizer = _served(tiny_tokenizer, PHI4)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     text = tokenizer.decode(chat_prompt_ids(tokenizer, messages, tools=[tool]))
@@ -566,8 +577,7 @@ def test_smollm3_gets_its_tools_as_xml_tools_and_its_calls_back_in_tags(
     """SmolLM3's template takes its tools as `xml_tools` (its model card's function objects)
     and writes them in its own words; it renders only an assistant's content, so a past
     turn's calls are written there in the `<tool_call>` tags it asks for."""
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = SMOLLM3
+    tokenizer = _served(tiny_tokenizer, SMOLLM3)
     function = {"name": "get_weather", "parameters": {}}
     tool = {"type": "function", "function": function}
     turns = [
@@ -740,3 +750,38 @@ def test_a_json_answer_cut_at_the_length_limit_stays_text() -> None:
     answer = '{"city": "Par'
     assert LLAMA3_JSON.parse(answer, is_cut=True) == (answer, [])
     assert HERMES.parse("It is sunny in Par", is_cut=True) == ("It is sunny in Par", [])
+
+
+@pytest.mark.parametrize("template", ["QWEN3", "SMOLLM3"])
+def test_enable_thinking_reaches_qwen3s_and_smollm3s_templates(
+    tiny_tokenizer: PreTrainedTokenizerFast, template: str
+) -> None:
+    """The switch these families' cards document (`chat_template_kwargs`:
+    `{"enable_thinking": false}`) reaches their templates: off, an empty think block opens
+    the answer (SmolLM3 also says /no_think in its system turn); on, the model thinks."""
+    tokenizer = _served(tiny_tokenizer, {"QWEN3": QWEN3, "SMOLLM3": SMOLLM3}[template])
+    turns = [{"role": "user", "content": "Is Paris in France?"}]
+
+    def render(enable_thinking: bool) -> str:
+        kwargs = {"enable_thinking": enable_thinking}
+        return str(tokenizer.decode(chat_prompt_ids(tokenizer, turns, template_kwargs=kwargs)))
+
+    off, on = render(False), render(True)
+    assert off.endswith(("<think>\n\n</think>\n\n", "<think>\n\n</think>\n"))
+    assert not on.endswith(("</think>\n\n", "</think>\n"))
+    assert ("/no_think" in off) == ("/no_think" in SMOLLM3 and template == "SMOLLM3")
+
+
+def test_a_client_variable_may_not_take_the_tools_name(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """SmolLM3 reads its tools as `xml_tools`: a request's tools fill it, so a client's
+    `chat_template_kwargs` naming it too is refused, not silently one or the other."""
+    tokenizer = _served(tiny_tokenizer, SMOLLM3)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    with pytest.raises(InvalidRequestError, match="'xml_tools'") as raised:
+        chat_prompt_ids(tokenizer, turns, tools=[tool], template_kwargs={"xml_tools": []})
+    assert raised.value.param == "chat_template_kwargs"
+    # without tools the name is the client's to set
+    chat_prompt_ids(tokenizer, turns, template_kwargs={"xml_tools": []})
