@@ -41,6 +41,12 @@ from engine.scheduler.pacing import HistogramCounts
 from engine.speculative.drafter import DraftCounts
 from engine.stats import EngineStats, PrefixInfo
 from engine.text.chat import answer_start_ids, chat_prompt_ids, fim_prompt_ids, text_prompt_ids
+from engine.text.reasoning import (
+    ReasoningFormat,
+    ReasoningSplitter,
+    reasoning_format_of,
+    split_reasoning,
+)
 from engine.text.tool_format import (
     GRANITE,
     HERMES,
@@ -88,6 +94,8 @@ __all__ = [
     "PrefixRegistry",
     "PrefixSpec",
     "PromptTooLongError",
+    "ReasoningFormat",
+    "ReasoningSplitter",
     "RegisteredPrefix",
     "RegistryFileError",
     "ReloadStatus",
@@ -106,8 +114,10 @@ __all__ = [
     "fim_prompt_ids",
     "load_prefix_file",
     "option",
+    "reasoning_format_of",
     "registry_digest",
     "scope_seed",
+    "split_reasoning",
     "text_prompt_ids",
     "tool_format_of",
 ]

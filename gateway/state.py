@@ -17,7 +17,14 @@ from typing import Any, Literal, TypeVar
 
 from starlette.requests import Request
 
-from engine import AsyncEngine, EngineStats, ToolFormat, tool_format_of
+from engine import (
+    AsyncEngine,
+    EngineStats,
+    ReasoningFormat,
+    ToolFormat,
+    reasoning_format_of,
+    tool_format_of,
+)
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, ReplicaHealth, ReplicaSetView
@@ -53,6 +60,7 @@ class Gateway:
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self._logprob_texts: asyncio.Future[Any] | None = None  # see _facts_of
         self._tool_format: ToolFormat | None = None
+        self._reasoning_format: tuple[ReasoningFormat | None] | None = None
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
         self.responses: ResponseStore = open_response_store(config)
@@ -179,6 +187,17 @@ class Gateway:
             tokenizer = self.tokenizer
             self._tool_format = tool_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())
         return self._tool_format
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How the served model marks its thinking (engine/text/reasoning.py), None for a
+        model that does not think; read once, as `tool_format`."""
+        if self._reasoning_format is None:
+            tokenizer = self.tokenizer
+            self._reasoning_format = (
+                reasoning_format_of(tokenizer.chat_template, tokenizer.get_added_vocab()),
+            )
+        return self._reasoning_format[0]
 
     @property
     def max_model_len(self) -> int:

@@ -56,7 +56,23 @@ class FunctionCallOutput(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallOutput
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """A thinking model's reasoning (engine/text/reasoning.py), before its answer: the text
+    as it wrote it, no summary and nothing encrypted (as vLLM returns an open model's)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: response_id("rs"))
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = ReasoningOutput | OutputMessage | FunctionCallOutput
 
 
 class InputTokensDetails(BaseModel):

@@ -65,17 +65,21 @@ class ChatCompletionLogprobs(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    """`tool_calls` appears only when the model called tools (as OpenAI sends it)."""
+    """`tool_calls` appears only when the model called tools (as OpenAI sends it),
+    `reasoning_content` only when a thinking model thought."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # a thinking model's reasoning (engine/text/reasoning.py), as vLLM and llama.cpp send it
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -102,6 +106,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

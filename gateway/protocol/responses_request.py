@@ -103,22 +103,25 @@ def _required_schema(schema: dict[str, Any], cls: Any) -> None:
 
 class InputTextPart(TypedObject):
     """A text part of a message: `input_text` (what users send), `output_text` (an earlier
-    answer sent back) or `refusal`. Images, files and audio are refused."""
+    answer sent back) or `refusal`; of a reasoning item sent back: `reasoning_text` (its
+    content) or `summary_text`. Images, files and audio are refused."""
 
     REQUIRED: ClassVar[dict[str, tuple[str, ...]]] = {
         "input_text": ("text",),
         "output_text": ("text",),
         "refusal": ("refusal",),
+        "reasoning_text": ("text",),
+        "summary_text": ("text",),
     }
 
-    type: Literal["input_text", "output_text", "refusal"]
+    type: Literal["input_text", "output_text", "refusal", "reasoning_text", "summary_text"]
     text: str | None = None
     refusal: str | None = None
 
     @field_validator("type", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
-        if isinstance(value, str) and value not in ("input_text", "output_text", "refusal"):
+        if isinstance(value, str) and value not in cls.REQUIRED:
             raise _unsupported_value(
                 "is '{part_type}'; only text parts (input_text, output_text) are supported "
                 "by this server",
@@ -143,7 +146,8 @@ TextParts = Annotated[
 
 class InputItem(TypedObject):
     """One input item: a message, a function call the model made earlier (sent back so that
-    its output can follow), or that call's output. One model rather than a union tagged by
+    its output can follow), that call's output, or a thinking model's reasoning sent back
+    (it joins the assistant turn after it). One model rather than a union tagged by
     `type`, so that errors name `input[2].role`, not a union branch; each type's required
     fields are checked after."""
 
@@ -151,16 +155,19 @@ class InputItem(TypedObject):
         "message": ("role", "content"),
         "function_call": ("call_id", "name", "arguments"),
         "function_call_output": ("call_id", "output"),
+        "reasoning": ("summary",),
     }
     DEFAULT_TYPE: ClassVar[str | None] = "message"
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: TextParts | None = None
     call_id: str | None = Field(default=None, min_length=1)
     name: str | None = None
     arguments: str | None = None
     output: TextParts | None = None
+    summary: list[InputTextPart] | None = None  # a reasoning item's
+    encrypted_content: str | None = None  # a reasoning item's; never issued here, ignored
     id: str | None = None
     status: str | None = None
 
@@ -169,15 +176,19 @@ class InputItem(TypedObject):
     def _known_type(cls, value: Any) -> Any:
         if isinstance(value, str) and value not in cls.REQUIRED:
             raise _unsupported_value(
-                "is '{item_type}'; this server takes message, function_call and "
-                "function_call_output items",
+                "is '{item_type}'; this server takes message, function_call, "
+                "function_call_output and reasoning items",
                 item_type=value,
             )
         return value
 
     @property
     def text(self) -> str:
-        parts = self.content if self.type == "message" else self.output
+        """A message's text, a call output's, or a reasoning item's (its content, else its
+        summary)."""
+        parts = self.output if self.type == "function_call_output" else self.content
+        if self.type == "reasoning" and not parts:
+            parts = self.summary
         return "".join(part.plain or "" for part in parts or ())
 
 
@@ -364,7 +375,11 @@ class ResponsesRequest(GenerationBase):
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat messages: calls join the assistant turn before them."""
         messages: list[dict[str, Any]] = []
+        reasoning: str | None = None  # a reasoning item's, for the assistant turn after it
         for item in self.input:
+            if item.type == "reasoning":
+                reasoning = item.text
+                continue
             if item.type == "message":
                 messages.append({"role": item.role, "content": item.text})
             elif item.type == "function_call_output":
@@ -382,6 +397,9 @@ class ResponsesRequest(GenerationBase):
                     last = {"role": "assistant", "content": None}
                     messages.append(last)
                 last.setdefault("tool_calls", []).append(call)
+            if messages[-1]["role"] == "assistant" and reasoning is not None:
+                messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
         return messages
 
     def chat_payload(self, history: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -16,7 +16,10 @@ from engine import (
     GrammarSpec,
     InvalidRequestError,
     ParsedToolCall,
+    ReasoningFormat,
+    ReasoningSplitter,
     answer_start_ids,
+    split_reasoning,
 )
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -44,6 +47,7 @@ from gateway.routes.common import (
     unless_disconnected,
     usage_of,
 )
+from gateway.state import Gateway
 from gateway.tenants import Caller
 from gateway.tool_stream import ToolCallText
 
@@ -68,13 +72,36 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
         body.affinity_key,
         request.state.request_id,
     )
+    thinking = Thinking.of(gateway, prepared.prompt_token_ids)
     if body.stream:
         events = _stream(
-            job, gateway.model_name, body.logprobs, body.include_usage, body.call_reader
+            job, gateway.model_name, body.logprobs, body.include_usage, body.call_reader, thinking
         )
         return sse_response(events, gateway, admitted.ticket)
-    completion = _complete(job, gateway.model_name, body.logprobs, body.call_reader)
+    completion = _complete(job, gateway.model_name, body.logprobs, body.call_reader, thinking)
     return await unless_disconnected(request, completion)
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """How a thinking model's answers split into reasoning and content (None where the
+    served model does not think): its markup, and whether the prompt opened the block."""
+
+    reasoning_format: ReasoningFormat
+    opens_in_prompt: bool
+
+    @classmethod
+    def of(cls, gateway: Gateway, prompt_ids: list[int]) -> Thinking | None:
+        found = gateway.reasoning_format
+        if found is None:
+            return None
+        return cls(found, found.opens_in_prompt(gateway.tokenizer, prompt_ids))
+
+    def splitter(self) -> ReasoningSplitter:
+        return self.reasoning_format.splitter(self.opens_in_prompt)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return split_reasoning(self.reasoning_format, text, self.opens_in_prompt)
 
 
 def prepare_chat(
@@ -124,7 +151,11 @@ def _blame_a_schema(engine: EngineClient, body: ChatCompletionRequest) -> None:
 
 
 async def _complete(
-    job: Job, model: str, want_logprobs: bool, calls: CallReader | None
+    job: Job,
+    model: str,
+    want_logprobs: bool,
+    calls: CallReader | None,
+    thinking: Thinking | None,
 ) -> JSONResponse:
     tokenizer = job.gateway.tokenizer
     await job.collect()
@@ -132,24 +163,30 @@ async def _complete(
         id=job.request_id,
         created=int(time.time()),
         model=model,
-        choices=[_final_choice(c, tokenizer, want_logprobs, calls) for c in job.choices],
+        choices=[_final_choice(c, tokenizer, want_logprobs, calls, thinking) for c in job.choices],
         usage=usage_of(job),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
 
 def _final_choice(
-    choice: Choice, tokenizer: object, want_logprobs: bool, reader: CallReader | None
+    choice: Choice,
+    tokenizer: object,
+    want_logprobs: bool,
+    reader: CallReader | None,
+    thinking: Thinking | None,
 ) -> ChatCompletionResponseChoice:
     finish_reason = api_finish_reason(choice.finish_reason) or "stop"
-    content, calls = (
-        reader.parse(choice.text, finish_reason == "length") if reader else (choice.text, [])
-    )
+    reasoning, text = thinking.split(choice.text) if thinking else (None, choice.text)
+    content, calls = reader.parse(text, finish_reason == "length") if reader else (text, [])
+    if reasoning is not None and not content:
+        content = None  # it only thought (cut by the length limit, or it called tools)
     return ChatCompletionResponseChoice(
         index=choice.index,
         message=ChatMessageOut(
             role="assistant",
             content=content,
+            reasoning_content=reasoning,
             tool_calls=[_call_out(call) for call in calls] or None,
         ),
         finish_reason="tool_calls" if calls and finish_reason == "stop" else finish_reason,
@@ -167,32 +204,46 @@ async def _stream(
     want_logprobs: bool,
     include_usage: bool,
     reader: CallReader | None,
+    thinking: Thinking | None,
 ) -> AsyncIterator[str]:
-    """Content deltas as they come; with tools, text that turns out to be calls is held
-    (gateway/tool_stream.py) and sent as tool-call deltas when its choice ends, each call
-    whole."""
+    """Content deltas as they come; a thinking model's reasoning as `reasoning_content`
+    deltas; with tools, text that turns out to be calls is held (gateway/tool_stream.py) and
+    sent as tool-call deltas when its choice ends, each call whole."""
     tokenizer = job.engine.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
-    texts = [ToolCallText.of(reader) for _ in job.choices] if reader else None
+    texts = [ToolCallText.of(reader) for _ in job.choices]
+    splitters = [thinking.splitter() if thinking else None for _ in job.choices]
 
     def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
         return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])
+
+    def parts(index: int, text: str) -> tuple[str, str]:
+        splitter = splitters[index]
+        reasoning, content = splitter.feed(text) if splitter else ("", text)
+        return reasoning, texts[index].feed(content)
 
     for choice in job.choices:  # the first delta of each choice carries the role
         yield delta(choice.index, DeltaMessage(role="assistant", content=""))
     async for choice, out in job.run():
         index = choice.index
-        text = texts[index].feed(out.text) if texts is not None else out.text
+        reasoning, text = parts(index, out.text)
         logprobs = chat_logprobs(tokenizer, out.logprobs or []) if want_logprobs else None
-        if text or logprobs is not None:
-            yield delta(index, DeltaMessage(content=text), logprobs=logprobs)
+        if text or reasoning or logprobs is not None:
+            message = DeltaMessage(
+                content=text if text or not reasoning else None,  # "" with logprobs alone
+                reasoning_content=reasoning or None,
+            )
+            yield delta(index, message, logprobs=logprobs)
         if out.finished:
             reason = api_finish_reason(out.finish_reason)
-            content, calls = (
-                texts[index].finish(reason == "length") if texts is not None else ("", [])
-            )
-            if content:
-                yield delta(index, DeltaMessage(content=content))
+            splitter = splitters[index]
+            last_reasoning, last_text = splitter.finish() if splitter else ("", "")
+            held = texts[index].feed(last_text)
+            content, calls = texts[index].finish(reason == "length")
+            if last_reasoning:
+                yield delta(index, DeltaMessage(reasoning_content=last_reasoning))
+            if held + content:
+                yield delta(index, DeltaMessage(content=held + content))
             if calls:
                 deltas = [
                     ToolCallDelta(index=i, id=random_id("call"), function=_function(call))

@@ -32,6 +32,8 @@ from gateway.protocol.response_objects import (
     OutputLogprob,
     OutputMessage,
     OutputText,
+    ReasoningOutput,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponseStatus,
@@ -39,7 +41,7 @@ from gateway.protocol.response_objects import (
 )
 from gateway.protocol.responses_request import NamedFunctionChoice, ResponsesRequest
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.routes.chat import prepare_chat
+from gateway.routes.chat import Thinking, prepare_chat
 from gateway.routes.common import TicketedStream, respond, unless_disconnected
 from gateway.state import Gateway
 from gateway.tenants import Caller
@@ -99,7 +101,8 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         body.affinity_key,
         request.state.request_id,
     )
-    run = ResponseRun(job, draft, body, history, caller.tenant_name, reader)
+    thinking = Thinking.of(gateway, prepared.prompt_token_ids)
+    run = ResponseRun(job, draft, body, history, caller.tenant_name, reader, thinking)
     if body.stream:
         return TicketedStream(_stream(run, gateway), admitted.ticket)
     return await unless_disconnected(request, _complete(run))
@@ -208,6 +211,9 @@ class ResponseRun:
     history: list[dict[str, Any]]
     owner: str | None  # the tenant that may continue or fetch it
     calls: CallReader | None  # how calls are read from the output; None: no tools
+    thinking: Thinking | None = None  # how a thinking model's reasoning is split off
+    reasoning: ReasoningOutput | None = None
+    reasoning_text: str = ""
     message: OutputMessage | None = None
     text: str = ""
     logprobs: list[OutputLogprob] = field(default_factory=list)
@@ -216,19 +222,29 @@ class ResponseRun:
         response = self.response
         yield "response.created", {"response": response}
         yield "response.in_progress", {"response": response}
+        splitter = self.thinking.splitter() if self.thinking else None
         calls_or_text = ToolCallText.of(self.calls)
         held_logprobs: list[OutputLogprob] = []  # of text held back: it may be calls
         async for _, out in self.job.run():
-            text = calls_or_text.feed(out.text)
-            held_logprobs += self._logprobs(out.logprobs or [])
+            reasoning, answer = splitter.feed(out.text) if splitter else ("", out.text)
+            for event in self._reasoning(reasoning, closes=bool(answer)):
+                yield event
+            text = calls_or_text.feed(answer)
+            # a reasoning token's logprobs have no place in the answer's
+            if answer or not (reasoning or (splitter is not None and splitter.in_reasoning)):
+                held_logprobs += self._logprobs(out.logprobs or [])
             if calls_or_text.held is None:
                 for event in self._text(text, held_logprobs):
                     yield event
                 held_logprobs = []
         choice = self.job.choices[0]
         status: ResponseStatus = "incomplete" if choice.finish_reason == "length" else "completed"
+        reasoning, answer = splitter.finish() if splitter else ("", "")
+        for event in self._reasoning(reasoning, closes=True, status=status):
+            yield event
+        held = calls_or_text.feed(answer)
         content, calls = calls_or_text.finish(status == "incomplete")
-        for event in self._text(content, [] if calls else held_logprobs):
+        for event in self._text(held + content, [] if calls else held_logprobs):
             yield event
         if self.message is None and not calls:  # an empty answer is still a message
             for event in self._open_message():
@@ -264,6 +280,39 @@ class ResponseRun:
         )
         await self._store()
         yield f"response.{status}", {"response": response}
+
+    def _reasoning(self, text: str, closes: bool, status: str = "completed") -> list[Event]:
+        """The reasoning item's events: opened by its first text, closed once the answer
+        starts (or the output ends: `status` "incomplete" where the limit cut it)."""
+        events: list[Event] = []
+        if text and self.reasoning is None:
+            self.reasoning = ReasoningOutput(status="in_progress")
+            index = len(self.response.output)
+            self.response.output.append(self.reasoning)
+            events.append(
+                ("response.output_item.added", {"output_index": index, "item": self.reasoning})
+            )
+        item = self.reasoning
+        if item is None or item.status != "in_progress":
+            return events
+        where = {
+            "item_id": item.id,
+            "output_index": self.response.output.index(item),
+            "content_index": 0,
+        }
+        if text:
+            self.reasoning_text += text
+            events.append(("response.reasoning_text.delta", {**where, "delta": text}))
+        if closes:
+            item.content = [ReasoningText(text=self.reasoning_text)]
+            item.status = (
+                "incomplete" if status == "incomplete" and self.message is None else "completed"
+            )
+            events.append(("response.reasoning_text.done", {**where, "text": self.reasoning_text}))
+            events.append(
+                ("response.output_item.done", {"output_index": where["output_index"], "item": item})
+            )
+        return events
 
     def _logprobs(self, samples: list[Any]) -> list[OutputLogprob]:
         if not self.body.wants_logprobs:
@@ -322,6 +371,8 @@ class ResponseRun:
         if not self.body.store:
             return
         answer: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.reasoning is not None:  # a template may write the last turn's reasoning back
+            answer["reasoning_content"] = self.reasoning_text
         calls = [item for item in self.response.output if isinstance(item, FunctionCallOutput)]
         if calls:
             answer["tool_calls"] = [_chat_call(item) for item in calls]

@@ -296,6 +296,8 @@ KINDS: dict[type[BaseModel], dict[str, Kind]] = {
         "name": STRING,
         "arguments": STRING,
         "output": TEXT_PARTS,
+        "summary": ARRAY,
+        "encrypted_content": STRING,
         "id": STRING,
         "status": STRING,
     },
@@ -668,12 +670,6 @@ RESPONSES_ROWS: list[Any] = [
     _row("input-too-long", _resp(input="word " * 600), "context_length_exceeded", "input"),
     # item types this server lacks
     _row(
-        "item-reasoning",
-        _items({"type": "reasoning", "id": "rs_1", "summary": []}),
-        "unsupported_value",
-        "input[0].type",
-    ),
-    _row(
         "item-item-reference",
         _items({"type": "item_reference", "id": "msg_1"}),
         "unsupported_value",
@@ -684,12 +680,6 @@ RESPONSES_ROWS: list[Any] = [
         _items({"type": "web_search_call", "id": "ws_1", "status": "completed"}),
         "unsupported_value",
         "input[0].type",
-    ),
-    _row(
-        "item-reasoning-second",
-        _items(USER, {"type": "reasoning", "id": "rs_1", "summary": []}),
-        "unsupported_value",
-        "input[1].type",
     ),
     _row("item-type-case", _item(type="Message"), "unsupported_value", "input[0].type"),
     _row("item-type-null", _item(type=None), "invalid_value", "input[0].type"),
@@ -1054,8 +1044,8 @@ def test_responses_fields_refused_naming_the_field(
             _resp(previous_response_id="resp_unknown"), "'resp_unknown'", id="not-found-names-id"
         ),
         pytest.param(
-            _items({"type": "reasoning", "summary": []}),
-            "message, function_call and function_call_output",
+            _items({"type": "item_reference", "id": "msg_1"}),
+            "message, function_call, function_call_output and reasoning",
             id="item-type-lists-the-types",
         ),
         pytest.param(
@@ -1962,7 +1952,7 @@ DUPLICATES: list[tuple[str, str, bytes, int, str | None, str | None]] = [
     (
         "item-type-last-invalid",
         "resp",
-        b'{"model": "tiny-llama", "input": [{"type": "message", "type": "reasoning", '
+        b'{"model": "tiny-llama", "input": [{"type": "message", "type": "item_reference", '
         b'"role": "user", "content": "hi"}]}',
         400,
         "unsupported_value",

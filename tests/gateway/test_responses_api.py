@@ -20,7 +20,9 @@ from engine import (
     HERMES,
     EngineDeadError,
     GrammarSpec,
+    ReasoningFormat,
     RequestOutput,
+    split_reasoning,
 )
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.response_objects import ResponseObject
@@ -483,7 +485,16 @@ def test_responses_kept_in_memory_end_with_their_server(tiny_llama_path: Path) -
 @pytest.mark.parametrize(
     ("fields", "param", "code"),
     [
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "unsupported_value"),
+        (
+            {"input": [{"type": "item_reference", "id": "msg_1"}]},
+            "input[0].type",
+            "unsupported_value",
+        ),
+        (
+            {"input": [{"type": "reasoning", "id": "rs_1"}]},
+            "input[0].summary",
+            "missing_required_parameter",
+        ),
         ({"input": [{"role": "user"}]}, "input[0].content", "missing_required_parameter"),
         (
             {"input": [{"type": "function_call", "name": "f"}]},
@@ -579,3 +590,69 @@ def test_a_failure_mid_stream_ends_with_response_failed(client: TestClient) -> N
     failed = json.loads(events[-1]["data"])["response"]
     assert failed["status"] == "failed"
     assert failed["error"]["code"] == "engine_unavailable"
+
+
+def test_a_thinking_models_reasoning_is_its_own_output_item(
+    client: TestClient, sdk: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the served model thinks, its reasoning comes as a `reasoning` item before the
+    message, streamed as reasoning_text events, and the SDK reads both; sent back as input,
+    the reasoning item is taken. The tiny model writes no think tags, so the gateway is told
+    that two spans of its greedy answer are the tags."""
+    gateway = client.app.state.gateway  # type: ignore[attr-defined]
+    body = {**BASE, "input": "Hi", "max_output_tokens": 24}
+    monkeypatch.setattr(gateway, "_reasoning_format", (None,))
+    raw = _post(client, body)["output"][0]["content"][0]["text"]
+    middle = len(raw) // 2
+    tags = ReasoningFormat(raw[:3], raw[middle : middle + 3], -1, -2)
+    thought, answer = split_reasoning(tags, raw)
+    assert thought and answer, raw  # the spans split it in two
+
+    monkeypatch.setattr(gateway, "_reasoning_format", (tags,))
+    response = sdk.responses.create(**{k: v for k, v in body.items() if k != "model"}, model=MODEL)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.status == "completed"
+    assert [part.text for part in reasoning.content or []] == [thought]
+    assert message.type == "message" and response.output_text == answer
+
+    events = _events(client, body)
+    types = [event["type"] for event in events]
+    first_message = types.index("response.content_part.added")
+    assert types.index("response.reasoning_text.done") < first_message
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
+    done = next(e for e in events if e["type"] == "response.reasoning_text.done")
+    assert done["text"] == thought and done["output_index"] == 0
+    texts = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(texts) == answer
+    assert events[-1]["response"]["output"][0]["content"] == [
+        {"type": "reasoning_text", "text": thought}
+    ]
+
+    cut = _post(client, {**body, "max_output_tokens": 2})  # inside the reasoning
+    assert cut["status"] == "incomplete"
+    assert [item["type"] for item in cut["output"]] == ["reasoning", "message"]
+    assert cut["output"][0]["status"] == "incomplete"
+
+    # the output sent back as input (as the Agents SDK does) is taken: the reasoning joins
+    # the assistant turn after it (as reasoning_content, which this template does not write)
+    returned = [item.model_dump(exclude_none=True) for item in response.output]
+    follow_up = {**body}
+    follow_up["input"] = [
+        {"role": "user", "content": "Hi"},
+        *returned,
+        {"role": "user", "content": "And then?"},
+    ]
+    request = ResponsesRequest.model_validate(follow_up)
+    assert request.input_messages()[1] == {
+        "role": "assistant",
+        "content": answer,
+        "reasoning_content": thought,
+    }
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And then?"},
+    ]
+    expected = _chat(client, turns)["usage"]["prompt_tokens"]
+    assert _post(client, follow_up)["usage"]["input_tokens"] == expected
