@@ -149,7 +149,9 @@ def _content_nullable_for_assistants_only(schema: dict[str, Any]) -> None:
 class ChatMessage(RequestModel):
     """One input message. "developer" is treated as "system"; `content` may be null only for
     "assistant" messages (it then counts as empty text); an assistant turn may carry the
-    `tool_calls` it made, and a "tool" message answers one of them (`tool_call_id`)."""
+    `tool_calls` it made and the reasoning a thinking model returned with it
+    (`reasoning_content`, or `reasoning` as newer vLLM names it; the template decides whether
+    to write it), and a "tool" message answers one of them (`tool_call_id`)."""
 
     model_config = ConfigDict(json_schema_extra=_content_nullable_for_assistants_only)
 
@@ -158,6 +160,8 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -200,6 +204,13 @@ class ChatMessage(RequestModel):
             raise PydanticCustomError("invalid_value", "only assistant messages make tool calls")
         return value
 
+    @field_validator("reasoning_content", "reasoning")
+    @classmethod
+    def _reasoning_of_the_assistant(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages carry reasoning")
+        return value
+
     @field_validator("tool_call_id")
     @classmethod
     def _id_for_tool_results(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -229,6 +240,9 @@ class ChatMessage(RequestModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 

@@ -262,6 +262,8 @@ KINDS: dict[type[BaseModel], dict[str, Kind]] = {
         "name": STRING,
         "tool_calls": ARRAY,
         "tool_call_id": STRING,
+        "reasoning_content": STRING,
+        "reasoning": STRING,
     },
     TextContentPart: {"type": PART_TYPE, "text": STRING},
     StreamOptions: {"include_usage": BOOLEAN},

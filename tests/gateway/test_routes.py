@@ -423,7 +423,9 @@ def test_tokenize_gives_the_prompt_the_generation_routes_give_the_model(
 
 # A ChatML template that also reads two variables of its own, as Qwen3's reads enable_thinking.
 KWARGS_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if greeting is defined %}{{ greeting ~ '!' }}{% endif %}"
     "{% if count is defined %}{{ count + 1 }}{% endif %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -523,6 +525,25 @@ def test_a_thinking_models_reasoning_comes_apart_from_its_answer(
         "no.",
         "no!",
     )
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template(
+    client: TestClient, app: Starlette, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thinking model's earlier reasoning sent back with its turn (`reasoning_content`, or
+    `reasoning` as newer vLLM names it) is the template's to write; on another role it is a
+    400."""
+    tokenizer = app.state.gateway.engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", KWARGS_TEMPLATE)
+    turns = [*MESSAGES, {"role": "assistant", "content": "Paris."}, MESSAGES[-1]]
+    for field in ("reasoning_content", "reasoning"):
+        with_reasoning = [*turns[:-2], {**turns[-2], field: "It is the capital."}, turns[-1]]
+        ids = _post(client, "/tokenize", {**CHAT, "messages": with_reasoning})["tokens"]
+        assert "(It is the capital.)Paris." in tokenizer.decode(ids)
+    on_user = [*turns[:-1], {**turns[-1], "reasoning_content": "no"}]
+    response = client.post("/v1/chat/completions", json={**CHAT, "messages": on_user})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == f"messages[{len(on_user) - 1}].reasoning_content"
 
 
 def test_tokenize_counts_a_prompt_past_the_context(client: TestClient) -> None:
