@@ -145,6 +145,23 @@ def split_reasoning(
     return (reasoning + last_reasoning if splitter.thought else None), content + last_content
 
 
+def reasoning_end(
+    reasoning_format: ReasoningFormat, text: str, opens_in_prompt: bool = False
+) -> int | None:
+    """Where a whole answer's reasoning ends in `text`: after its closing tag, or at the end
+    where the block never closed; None where the answer has no reasoning (as the splitter
+    reads it). With the answer's token offsets, its reasoning tokens are counted."""
+    if opens_in_prompt:
+        start = 0
+    else:
+        stripped = text.lstrip()
+        if not stripped.startswith(reasoning_format.open_tag):
+            return None
+        start = len(text) - len(stripped) + len(reasoning_format.open_tag)
+    close = text.find(reasoning_format.close_tag, start)
+    return len(text) if close < 0 else close + len(reasoning_format.close_tag)
+
+
 def _tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (0 if none)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):

@@ -19,6 +19,7 @@ from engine import (
     ReasoningFormat,
     ReasoningSplitter,
     answer_start_ids,
+    reasoning_end,
     split_reasoning,
 )
 from gateway.admission import Admitted, admit, gateway_of
@@ -36,6 +37,7 @@ from gateway.protocol import (
     api_finish_reason,
     random_id,
 )
+from gateway.protocol.responses import CompletionTokensDetails, UsageInfo
 from gateway.protocol.tools import FunctionCallOut, ToolCallDelta, ToolCallOut
 from gateway.routes.common import (
     SSE_DONE,
@@ -103,6 +105,19 @@ class Thinking:
     def split(self, text: str) -> tuple[str | None, str]:
         return split_reasoning(self.reasoning_format, text, self.opens_in_prompt)
 
+    def reasoning_tokens(self, choice: Choice) -> int:
+        """The choice's tokens whose text starts inside its reasoning (the closing tag's)."""
+        end = reasoning_end(self.reasoning_format, choice.text, self.opens_in_prompt)
+        return 0 if end is None else sum(1 for start in choice.text_offsets if start < end)
+
+
+def _usage(job: Job, thinking: Thinking | None) -> UsageInfo:
+    usage = usage_of(job)
+    if thinking is not None:
+        count = sum(thinking.reasoning_tokens(choice) for choice in job.choices)
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
+    return usage
+
 
 def prepare_chat(
     engine: EngineClient, body: ChatCompletionRequest, default_max_tokens: int, caller: Caller
@@ -164,7 +179,7 @@ async def _complete(
         created=int(time.time()),
         model=model,
         choices=[_final_choice(c, tokenizer, want_logprobs, calls, thinking) for c in job.choices],
-        usage=usage_of(job),
+        usage=_usage(job, thinking),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -253,7 +268,7 @@ async def _stream(
                 reason = "tool_calls" if reason == "stop" else reason
             yield delta(index, DeltaMessage(), finish_reason=reason)
     if include_usage:
-        yield chunk([], usage=usage_of(job))
+        yield chunk([], usage=_usage(job, thinking))
     yield SSE_DONE
 
 

@@ -278,6 +278,9 @@ class ResponseRun:
         response.usage = ResponseUsage.from_counts(
             job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens
         )
+        if self.thinking is not None:
+            reasoning_tokens = self.thinking.reasoning_tokens(choice)
+            response.usage.output_tokens_details.reasoning_tokens = reasoning_tokens
         await self._store()
         yield f"response.{status}", {"response": response}
 
