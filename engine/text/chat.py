@@ -106,15 +106,20 @@ def fim_prompt_ids(tokenizer: Tokenizer, prefix: str | list[int], suffix: str) -
     return [prefix_token, *prefix_ids, suffix_token, *_encode(tokenizer, suffix), middle_token]
 
 
+# Names a client's template variables may not take: the renderer's own, and the parameters of
+# `Tokenizer.apply_chat_template` that carry them (as vLLM refuses `chat_template`, `tokenize`).
+_RESERVED = RENDERER_VARIABLES | {"conversation", "tokenize", "chat_template"}
+
+
 def _client_variables(
     template_kwargs: Mapping[str, Any], variables: Mapping[str, Any]
 ) -> dict[str, Any]:
     """`template_kwargs`, refused where a name is one the renderer or the request's tools set."""
-    taken = sorted(set(template_kwargs) & (RENDERER_VARIABLES | set(variables)))
+    taken = sorted(set(template_kwargs) & (_RESERVED | set(variables)))
     if taken:
         raise InvalidRequestError(
             f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server sets "
-            "it from the request (messages, tools, add_generation_prompt)",
+            "it from the request (messages, tools, add_generation_prompt, the template)",
             param="chat_template_kwargs",
         )
     return dict(template_kwargs)

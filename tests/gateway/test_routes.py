@@ -451,6 +451,8 @@ def test_chat_template_kwargs_reach_the_template(
     for bad, param, words in [
         ({"messages": []}, "chat_template_kwargs", "may not set 'messages'"),
         ({"add_generation_prompt": False}, "chat_template_kwargs", "add_generation_prompt"),
+        ({"conversation": []}, "chat_template_kwargs", "'conversation'"),
+        ({"tokenize": True}, "chat_template_kwargs", "'tokenize'"),
         ({"count": "forty-one"}, "messages", "TypeError"),
     ]:
         for path in ("/v1/chat/completions", "/tokenize"):
