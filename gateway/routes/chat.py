@@ -226,16 +226,17 @@ async def _stream(
     sent as tool-call deltas when its choice ends, each call whole."""
     tokenizer = job.engine.tokenizer
     chunk = StreamChunks(ChatCompletionStreamResponse, job.request_id, model)
-    texts = [ToolCallText.of(reader) for _ in job.choices]
-    splitters = [thinking.splitter() if thinking else None for _ in job.choices]
+    # a holder of text that may be calls only where tools are in use, a reasoning splitter
+    # only where the model thinks: a plain stream's text passes through neither
+    texts = [ToolCallText.of(reader) for _ in job.choices] if reader else None
+    splitters = [thinking.splitter() for _ in job.choices] if thinking else None
 
     def delta(index: int, message: DeltaMessage, **fields: Any) -> str:
         return chunk([ChatCompletionStreamChoice(index=index, delta=message, **fields)])
 
     def parts(index: int, text: str) -> tuple[str, str]:
-        splitter = splitters[index]
-        reasoning, content = splitter.feed(text) if splitter else ("", text)
-        return reasoning, texts[index].feed(content)
+        reasoning, content = splitters[index].feed(text) if splitters else ("", text)
+        return reasoning, texts[index].feed(content) if texts else content
 
     for choice in job.choices:  # the first delta of each choice carries the role
         yield delta(choice.index, DeltaMessage(role="assistant", content=""))
@@ -251,10 +252,9 @@ async def _stream(
             yield delta(index, message, logprobs=logprobs)
         if out.finished:
             reason = api_finish_reason(out.finish_reason)
-            splitter = splitters[index]
-            last_reasoning, last_text = splitter.finish() if splitter else ("", "")
-            held = texts[index].feed(last_text)
-            content, calls = texts[index].finish(reason == "length")
+            last_reasoning, last_text = splitters[index].finish() if splitters else ("", "")
+            held = texts[index].feed(last_text) if texts else last_text
+            content, calls = texts[index].finish(reason == "length") if texts else ("", [])
             if last_reasoning:
                 yield delta(index, DeltaMessage(reasoning_content=last_reasoning))
             if held + content:
