@@ -124,7 +124,7 @@ MessageContent = Annotated[
 def _content_nullable_for_assistants_only(schema: dict[str, Any]) -> None:
     # What the validators below enforce, said in the schema: clients generated from the
     # OpenAPI document must not believe a null user message, a tool result without the call
-    # it answers, or a user message with tool calls is valid.
+    # it answers, or a user message with tool calls or reasoning is valid.
     def role_is(*roles: str) -> dict[str, Any]:
         return {"properties": {"role": {"enum": list(roles)}}, "required": ["role"]}
 
@@ -141,7 +141,13 @@ def _content_nullable_for_assistants_only(schema: dict[str, Any]) -> None:
         },
         {
             "if": role_is("assistant"),
-            "else": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
+            "else": {
+                "properties": {
+                    "tool_calls": {"anyOf": [{"type": "null"}, {"maxItems": 0}]},
+                    "reasoning_content": {"type": "null"},
+                    "reasoning": {"type": "null"},
+                }
+            },
         },
     ]
 
