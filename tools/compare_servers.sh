@@ -8,8 +8,8 @@
 #                                                  "copyjson" (copy, answers as a JSON quote)
 # SYSTEMS picks who runs (default "registry nocache llamacpp llamacpp-nocache transformers");
 # DTYPE is prefixgate's --dtype (default auto); PREFIXGATE_FLAGS adds flags to its runs; LABEL
-# suffixes prefixgate's result names (to keep two configurations apart); LLAMA_ISA picks the
-# llama.cpp build (native, or avx2: `tools/peers.py build llama-cpp --isa avx2`) and suffixes
+# suffixes every result name (two configurations, or two windows of one, kept apart);
+# LLAMA_ISA picks the llama.cpp build (native, or avx2: `tools/peers.py build llama-cpp --isa avx2`) and suffixes
 # its result names unless native. MODEL (a .gguf file) is served by prefixgate and llama.cpp
 # instead of the embedded model, CHAT_TEMPLATE (a Jinja file) given to both (a base model's
 # file has none: tools/chat_templates/); BENCH_FLAGS adds flags to every load run (e.g.
@@ -104,11 +104,11 @@ if wants llamacpp || wants llamacpp-nocache; then
   $PY tools/peers.py start llama-cpp --port 8081 --no-build --isa "$ISA" ${MODEL:+--model "$MODEL"} \
     ${LLAMA_EXTRA[@]+-- "${LLAMA_EXTRA[@]}"}
   if wants llamacpp; then
-    bench "llama.cpp-cache-on$SUFFIX" --base-url http://127.0.0.1:8081/v1 \
+    bench "llama.cpp-cache-on$SUFFIX${LABEL:-}" --base-url http://127.0.0.1:8081/v1 \
       --extra-body '{"cache_prompt": true}'
   fi
   if wants llamacpp-nocache; then
-    RATES=$SWEEP_SLOW bench "llama.cpp-cache-off$SUFFIX" --base-url http://127.0.0.1:8081/v1 \
+    RATES=$SWEEP_SLOW bench "llama.cpp-cache-off$SUFFIX${LABEL:-}" --base-url http://127.0.0.1:8081/v1 \
       --extra-body '{"cache_prompt": false}'
   fi
   $PY tools/peers.py stop llama-cpp
