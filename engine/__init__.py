@@ -44,7 +44,6 @@ from engine.text.chat import answer_start_ids, chat_prompt_ids, fim_prompt_ids, 
 from engine.text.reasoning import (
     ReasoningFormat,
     ReasoningSplitter,
-    reasoning_end,
     reasoning_format_of,
     split_reasoning,
 )
@@ -115,7 +114,6 @@ __all__ = [
     "fim_prompt_ids",
     "load_prefix_file",
     "option",
-    "reasoning_end",
     "reasoning_format_of",
     "registry_digest",
     "scope_seed",

@@ -31,12 +31,12 @@ CLOSE_TAG = "</think>"
 
 @dataclass(frozen=True, slots=True)
 class ReasoningFormat:
-    """The served model's thinking markup and its token ids."""
+    """The served model's thinking markup, and the opening tag's token id (a prompt that
+    opens the block ends with it)."""
 
     open_tag: str
     close_tag: str
     open_id: int
-    close_id: int
 
     def opens_in_prompt(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends inside a think block: its last token other than
@@ -62,7 +62,7 @@ def reasoning_format_of(
     open_id, close_id = added_vocab.get(OPEN_TAG), added_vocab.get(CLOSE_TAG)
     if open_id is None or close_id is None:
         return None
-    return ReasoningFormat(OPEN_TAG, CLOSE_TAG, open_id, close_id)
+    return ReasoningFormat(OPEN_TAG, CLOSE_TAG, open_id)
 
 
 @dataclass(slots=True)
@@ -77,6 +77,10 @@ class ReasoningSplitter:
     state: str
     held: str = ""
     thought: bool = False  # the answer has a reasoning part (possibly empty)
+    fed: int = 0  # characters fed so far
+    # where the block ends in the text fed (after its closing tag; the end of the text where
+    # the answer stopped inside it): its reasoning tokens are those that start before
+    block_end: int | None = None
 
     def __post_init__(self) -> None:
         if self.state == "opened":
@@ -88,6 +92,8 @@ class ReasoningSplitter:
         return self.state in ("opened", "reasoning")
 
     def feed(self, text: str) -> tuple[str, str]:
+        # `pending` is always the undecided end of the text fed: it starts at fed - len(pending)
+        self.fed += len(text)
         pending, self.held = self.held + text, ""
         reasoning = content = ""
         while pending:
@@ -109,6 +115,7 @@ class ReasoningSplitter:
                 tag = self.reasoning_format.close_tag
                 end = pending.find(tag)
                 if end >= 0:
+                    self.block_end = self.fed - len(pending) + end + len(tag)
                     reasoning += pending[:end].rstrip()
                     self.state, pending = "gap", pending[end + len(tag) :]
                 else:
@@ -130,6 +137,8 @@ class ReasoningSplitter:
         if self.state == "start":
             self.state = "content"
             return "", held
+        if self.in_reasoning:
+            self.block_end = self.fed
         if self.state == "reasoning":
             return held.rstrip(), ""
         return "", ""
@@ -143,23 +152,6 @@ def split_reasoning(
     reasoning, content = splitter.feed(text)
     last_reasoning, last_content = splitter.finish()
     return (reasoning + last_reasoning if splitter.thought else None), content + last_content
-
-
-def reasoning_end(
-    reasoning_format: ReasoningFormat, text: str, opens_in_prompt: bool = False
-) -> int | None:
-    """Where a whole answer's reasoning ends in `text`: after its closing tag, or at the end
-    where the block never closed; None where the answer has no reasoning (as the splitter
-    reads it). With the answer's token offsets, its reasoning tokens are counted."""
-    if opens_in_prompt:
-        start = 0
-    else:
-        stripped = text.lstrip()
-        if not stripped.startswith(reasoning_format.open_tag):
-            return None
-        start = len(text) - len(stripped) + len(reasoning_format.open_tag)
-    close = text.find(reasoning_format.close_tag, start)
-    return len(text) if close < 0 else close + len(reasoning_format.close_tag)
 
 
 def _tag_prefix_at_end(text: str, tag: str) -> int:

@@ -19,7 +19,6 @@ from engine import (
     ReasoningFormat,
     ReasoningSplitter,
     answer_start_ids,
-    reasoning_end,
     split_reasoning,
 )
 from gateway.admission import Admitted, admit, gateway_of
@@ -106,8 +105,12 @@ class Thinking:
         return split_reasoning(self.reasoning_format, text, self.opens_in_prompt)
 
     def reasoning_tokens(self, choice: Choice) -> int:
-        """The choice's tokens whose text starts inside its reasoning (the closing tag's)."""
-        end = reasoning_end(self.reasoning_format, choice.text, self.opens_in_prompt)
+        """The choice's tokens whose text starts inside its reasoning (the closing tag's),
+        read by the same splitter (once more, over the whole answer, at its end)."""
+        splitter = self.splitter()
+        splitter.feed(choice.text)
+        splitter.finish()
+        end = splitter.block_end
         return 0 if end is None else sum(1 for start in choice.text_offsets if start < end)
 
 

@@ -505,7 +505,7 @@ def test_a_thinking_models_reasoning_comes_apart_from_its_answer(
     block_end = raw.index("</think>") + len("</think>")
     num_reasoning = sum(1 for start in starts if start < block_end)
 
-    think = ReasoningFormat("<think>", "</think>", -1, -2)
+    think = ReasoningFormat("<think>", "</think>", -1)
     monkeypatch.setattr(gateway, "_reasoning_format", (think,))
     data = _post(client, "/v1/chat/completions", body)
     message, finish = data["choices"][0]["message"], data["choices"][0]["finish_reason"]

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from engine.text.reasoning import ReasoningFormat, reasoning_format_of, split_reasoning
 from engine.text.tokenizer import Tokenizer
 
-THINK = ReasoningFormat("<think>", "</think>", 7, 8)
+THINK = ReasoningFormat("<think>", "</think>", 7)
 QWEN3_LIKE = (
     "{{ '<|im_start|>assistant\\n' }}{% if not enable_thinking %}<think>\n\n</think>{% endif %}"
 )
@@ -46,6 +46,11 @@ def test_an_answer_splits_the_same_whole_and_in_any_pieces(
     text: str, opens_in_prompt: bool, expected: tuple[str | None, str]
 ) -> None:
     assert split_reasoning(THINK, text, opens_in_prompt) == expected
+    # where the block ends: after its first closing tag, or at the end of a cut answer
+    block_end = None
+    if expected[0] is not None:
+        close = text.find("</think>", 0 if opens_in_prompt else text.index("<think>") + 1)
+        block_end = len(text) if close < 0 else close + len("</think>")
     for seed in range(40):
         rng = random.Random(seed)
         splitter = THINK.splitter(opens_in_prompt)
@@ -58,6 +63,7 @@ def test_an_answer_splits_the_same_whole_and_in_any_pieces(
         last_reasoning, last_content = splitter.finish()
         pieces = (reasoning + last_reasoning if splitter.thought else None, content + last_content)
         assert pieces == expected, f"seed {seed}"
+        assert splitter.block_end == block_end, f"seed {seed}"
 
 
 def test_a_stream_holds_back_only_what_may_be_a_tag() -> None:
