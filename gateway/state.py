@@ -60,7 +60,6 @@ class Gateway:
         self.is_draining = False  # SIGTERM: refuse new requests, finish or end the rest
         self._logprob_texts: asyncio.Future[Any] | None = None  # see _facts_of
         self._tool_format: ToolFormat | None = None
-        self._reasoning_format: tuple[ReasoningFormat | None] | None = None
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
         self.keys = KeyRing(config.api_keys, config.api_key_file)
         self.responses: ResponseStore = open_response_store(config)
@@ -188,16 +187,13 @@ class Gateway:
             self._tool_format = tool_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())
         return self._tool_format
 
-    @property
+    @functools.cached_property
     def reasoning_format(self) -> ReasoningFormat | None:
         """How the served model marks its thinking (engine/text/reasoning.py), None for a
-        model that does not think; read once, as `tool_format`."""
-        if self._reasoning_format is None:
-            tokenizer = self.tokenizer
-            self._reasoning_format = (
-                reasoning_format_of(tokenizer.chat_template, tokenizer.get_added_vocab()),
-            )
-        return self._reasoning_format[0]
+        model that does not think; read once (a start that is not ready yet raises, and is
+        read again)."""
+        tokenizer = self.tokenizer
+        return reasoning_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())
 
     @property
     def max_model_len(self) -> int:

@@ -601,14 +601,14 @@ def test_a_thinking_models_reasoning_is_its_own_output_item(
     that two spans of its greedy answer are the tags."""
     gateway = client.app.state.gateway  # type: ignore[attr-defined]
     body = {**BASE, "input": "Hi", "max_output_tokens": 24}
-    monkeypatch.setattr(gateway, "_reasoning_format", (None,))
+    monkeypatch.setattr(gateway, "reasoning_format", None)
     raw = _post(client, body)["output"][0]["content"][0]["text"]
     middle = len(raw) // 2
     tags = ReasoningFormat(raw[:3], raw[middle : middle + 3], -1)
     thought, answer = split_reasoning(tags, raw)
     assert thought and answer, raw  # the spans split it in two
 
-    monkeypatch.setattr(gateway, "_reasoning_format", (tags,))
+    monkeypatch.setattr(gateway, "reasoning_format", tags)
     response = sdk.responses.create(**{k: v for k, v in body.items() if k != "model"}, model=MODEL)
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.status == "completed"

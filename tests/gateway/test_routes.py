@@ -490,7 +490,7 @@ def test_a_thinking_models_reasoning_comes_apart_from_its_answer(
     all reasoning; a model that does not think gets its text as content, tags and all."""
     gateway = app.state.gateway
     body = {**CHAT, "temperature": 0, "max_tokens": 40, "guided_regex": THINKING_ANSWER}
-    monkeypatch.setattr(gateway, "_reasoning_format", (None,))
+    monkeypatch.setattr(gateway, "reasoning_format", None)
     plain = _post(client, "/v1/chat/completions", {**body, "logprobs": True})
     raw = plain["choices"][0]["message"]["content"]
     assert "reasoning_content" not in plain["choices"][0]["message"]
@@ -506,7 +506,7 @@ def test_a_thinking_models_reasoning_comes_apart_from_its_answer(
     num_reasoning = sum(1 for start in starts if start < block_end)
 
     think = ReasoningFormat("<think>", "</think>", -1)
-    monkeypatch.setattr(gateway, "_reasoning_format", (think,))
+    monkeypatch.setattr(gateway, "reasoning_format", think)
     data = _post(client, "/v1/chat/completions", body)
     message, finish = data["choices"][0]["message"], data["choices"][0]["finish_reason"]
     assert (message["reasoning_content"], message["content"], finish) == (thought, answer, "stop")
