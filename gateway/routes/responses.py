@@ -308,9 +308,8 @@ class ResponseRun:
             events.append(("response.reasoning_text.delta", {**where, "delta": text}))
         if closes:
             item.content = [ReasoningText(text=self.reasoning_text)]
-            item.status = (
-                "incomplete" if status == "incomplete" and self.message is None else "completed"
-            )
+            # open at the output's end only where the limit cut it inside the block
+            item.status = "incomplete" if status == "incomplete" else "completed"
             events.append(("response.reasoning_text.done", {**where, "text": self.reasoning_text}))
             events.append(
                 ("response.output_item.done", {"output_index": where["output_index"], "item": item})
