@@ -21,6 +21,7 @@ from engine.core.sampling_params import (
     MAX_STOP_STRINGS,
     GrammarSpec,
     SamplingParams,
+    ThinkFirst,
 )
 from engine.kvcache.block_hash import BlockHash, extend_block_hashes, scope_seed
 from engine.llm_engine import LLMEngine
@@ -42,6 +43,7 @@ from engine.speculative.drafter import DraftCounts
 from engine.stats import EngineStats, PrefixInfo
 from engine.text.chat import answer_start_ids, chat_prompt_ids, fim_prompt_ids, text_prompt_ids
 from engine.text.reasoning import (
+    PromptEnd,
     ReasoningFormat,
     ReasoningSplitter,
     reasoning_format_of,
@@ -93,6 +95,7 @@ __all__ = [
     "PrefixInfo",
     "PrefixRegistry",
     "PrefixSpec",
+    "PromptEnd",
     "PromptTooLongError",
     "ReasoningFormat",
     "ReasoningSplitter",
@@ -105,6 +108,7 @@ __all__ = [
     "RequestOutput",
     "SampleLogprobs",
     "SamplingParams",
+    "ThinkFirst",
     "TokenLogprob",
     "ToolFormat",
     "answer_start_ids",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from engine.core.errors import InvalidRequestError
@@ -20,12 +20,26 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkFirst:
+    """A thinking model's think block before a constrained answer: the tags' token ids, and
+    whether the prompt already opened the block (then the answer must close it first)."""
+
+    open_id: int
+    close_id: int
+    opened: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """A constraint as the client stated it: `source` is a JSON schema (JSON text), a regex,
-    a JSON list of choice strings, or a Lark grammar (llguidance's Lark, GBNF accepted)."""
+    a JSON list of choice strings, or a Lark grammar (llguidance's Lark, GBNF accepted).
+    `think_first`: the constraint holds from the end of a think block the answer may open
+    (must close, where the prompt opened it) rather than from its first token, as vLLM's
+    structured outputs do with a reasoning parser; the reasoning itself is free text."""
 
     kind: GrammarKind
     source: str
+    think_first: ThinkFirst | None = None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool | None = None) -> GrammarSpec:
@@ -38,9 +52,15 @@ class GrammarSpec:
     def choice(cls, choices: Sequence[str]) -> GrammarSpec:
         return cls("choice", json.dumps(list(choices)))
 
+    def after_thinking(self, think_first: ThinkFirst) -> GrammarSpec:
+        return replace(self, think_first=think_first)
+
     @property
     def key(self) -> str:
-        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
+        text = f"{self.kind}\0{self.source}"
+        if (think := self.think_first) is not None:
+            text += f"\0think {think.open_id} {think.close_id} {think.opened}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

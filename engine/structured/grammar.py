@@ -17,14 +17,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 import torch
 
 from engine.core.errors import InvalidRequestError
-from engine.core.sampling_params import GRAMMAR_PARAM, GrammarSpec
+from engine.core.sampling_params import GRAMMAR_PARAM, GrammarSpec, ThinkFirst
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -44,14 +44,35 @@ def to_llguidance(spec: GrammarSpec) -> str:
     read (most grammar errors only show when compiling: see GrammarCompiler.compile)."""
     try:
         if spec.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
-        if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.source)
-        if spec.kind == "choice":
-            return _choice_grammar(json.loads(spec.source))
-        return llguidance.grammar_from("grammar", spec.source)
+            answer = llguidance.LLMatcher.grammar_from_json_schema(
+                spec.source, defaults=JSON_OPTIONS
+            )
+        elif spec.kind == "regex":
+            answer = llguidance.LLMatcher.grammar_from_regex(spec.source)
+        elif spec.kind == "choice":
+            answer = _choice_grammar(json.loads(spec.source))
+        else:
+            answer = llguidance.grammar_from("grammar", spec.source)
     except ValueError as exc:
         raise _invalid(spec, str(exc)) from exc
+    return answer if spec.think_first is None else _after_thinking(answer, spec.think_first)
+
+
+# The think block: free text up to the closing tag (a token: text never matches it), then
+# the blank lines thinking models write before the answer, a few at most.
+_THINK_RULES = "THINKING: /(.|\\n)*/\nGAP: /[ \\t\\r\\n]{0,8}/\n"
+
+
+def _after_thinking(answer: str, think: ThinkFirst) -> str:
+    """`answer` (an llguidance grammar) after a think block: llguidance's own recipe for
+    reasoning models (its syntax guide, "Reasoning/thinking"), the answer referenced as a
+    grammar of its own. The block is optional unless the prompt opened it."""
+    [grammar] = _grammars(answer)
+    block = f"THINKING <[{think.close_id}]> GAP"
+    if not think.opened:
+        block = f"(<[{think.open_id}]> {block})?"
+    start = {"lark_grammar": f"start: {block} @answer\n{_THINK_RULES}"}
+    return json.dumps({"grammars": [start, {**grammar, "name": "answer"}]})
 
 
 _NAMES = {
@@ -75,6 +96,17 @@ def _choice_grammar(choices: list[str]) -> str:
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(c) for c in choices)
     )
+
+
+def _grammars(text: str) -> list[dict[str, Any]]:
+    """The grammars of an llguidance grammar string: a JSON object of them (what llguidance
+    makes of a JSON schema or a regex) or a Lark grammar's text (what it makes of Lark)."""
+    try:
+        top = json.loads(text)
+    except ValueError:
+        return [{"lark_grammar": text}]
+    grammars: list[dict[str, Any]] = top["grammars"]
+    return grammars
 
 
 class CompiledGrammar:

@@ -15,6 +15,10 @@ off (`chat_template_kwargs: {"enable_thinking": false}` makes Qwen3's and SmolLM
 write an empty block into the prompt). An answer cut by the length limit before `</think>` is
 all reasoning. Whitespace between `</think>` and the answer is dropped.
 
+A constrained answer (a response format, a tool grammar) may think first: its grammar holds
+from the end of the block (`think_first`), as vLLM's structured outputs do with a reasoning
+parser, so a model trained to think before it calls a tool or writes JSON still does.
+
 One splitter serves streams and whole answers alike (a whole answer is one delta), so both
 give the same split; it holds back only text that may still be the start of a tag.
 """
@@ -23,33 +27,50 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from engine.core.sampling_params import ThinkFirst
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
 
 
+PromptEnd = Literal["opened", "closed", "free"]
+
+
 @dataclass(frozen=True, slots=True)
 class ReasoningFormat:
-    """The served model's thinking markup, and the opening tag's token id (a prompt that
-    opens the block ends with it)."""
+    """The served model's thinking markup, and the tags' token ids (a prompt that opens the
+    block ends with the first; a grammar reads both as tokens)."""
 
     open_tag: str
     close_tag: str
     open_id: int
+    close_id: int
 
-    def opens_in_prompt(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
-        """Whether the prompt ends inside a think block: its last token other than
-        whitespace is the opening tag (read from the end, a few tokens)."""
+    def prompt_end(self, tokenizer: Any, prompt_ids: Sequence[int]) -> PromptEnd:
+        """Where the prompt leaves the answer: inside a think block ("opened": its last token
+        other than whitespace is the opening tag), after one ("closed": the closing tag, as
+        when the client turned thinking off), or free to open one; read from the end, a few
+        tokens."""
         for token_id in reversed(prompt_ids):
             if token_id == self.open_id:
-                return True
+                return "opened"
+            if token_id == self.close_id:
+                return "closed"
             if tokenizer.decode([token_id]).strip():
-                return False
-        return False
+                return "free"
+        return "free"
 
     def splitter(self, opens_in_prompt: bool = False) -> ReasoningSplitter:
         return ReasoningSplitter(self, "opened" if opens_in_prompt else "start")
+
+    def think_first(self, prompt_end: PromptEnd) -> ThinkFirst | None:
+        """How a constrained answer may think first after a prompt ending so; None after a
+        closed block (the constraint holds from the first token)."""
+        if prompt_end == "closed":
+            return None
+        return ThinkFirst(self.open_id, self.close_id, opened=prompt_end == "opened")
 
 
 def reasoning_format_of(
@@ -62,7 +83,7 @@ def reasoning_format_of(
     open_id, close_id = added_vocab.get(OPEN_TAG), added_vocab.get(CLOSE_TAG)
     if open_id is None or close_id is None:
         return None
-    return ReasoningFormat(OPEN_TAG, CLOSE_TAG, open_id)
+    return ReasoningFormat(OPEN_TAG, CLOSE_TAG, open_id, close_id)
 
 
 @dataclass(slots=True)

@@ -445,15 +445,19 @@ class ToolFormat:
             f"<[{ids[part]}]>" if part in ids else json.dumps(part) for part in parts if part
         )
 
-    def reader(self, only: str | None, is_required: bool) -> CallReader:
+    def reader(
+        self, only: str | None, is_required: bool, opening_in_prompt: bool = True
+    ) -> CallReader:
         """How an answer under `grammar(tools, only, is_required, ...)` is read for calls:
-        with `is_required`, the start every answer has (`opening`) is in the prompt, and a
-        named function's call ends where its arguments do (its closing is not generated)."""
+        with `is_required`, the start every answer has (`opening`) is in the prompt (unless
+        not `opening_in_prompt`: a thinking model's, whose grammar writes it after the think
+        block), and a named function's call ends where its arguments do (its closing is not
+        generated)."""
         if not is_required:
             return CallReader(self)
         ends = self.closer + self.list_closer  # after the arguments' object
         closing = (ends if self.arguments_tag else "}" + ends) if only is not None else ""
-        return CallReader(self, self.opening(only), closing)
+        return CallReader(self, self.opening(only) if opening_in_prompt else "", closing)
 
     def opening(self, only: str | None) -> str:
         """What `grammar(..., only, is_required=True)` makes every answer start with: the

@@ -498,13 +498,13 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(context, dict) and isinstance(context.get("tool_format"), ToolFormat):
             self._tool_format = context["tool_format"]
 
-    @property
-    def call_reader(self) -> CallReader | None:
+    def call_reader(self, opening_in_prompt: bool) -> CallReader | None:
         """How the output is read for calls; None where no tools are in use. Its opening,
-        the start the tool grammar forces on every answer, goes in the prompt."""
+        the start the tool grammar forces on every answer, goes in the prompt unless the
+        model thinks first (`ToolFormat.reader`)."""
         if not self.uses_tools:
             return None
-        return self._tool_format.reader(self._named_function, self._is_required)
+        return self._tool_format.reader(self._named_function, self._is_required, opening_in_prompt)
 
     @property
     def _named_function(self) -> str | None:

@@ -16,8 +16,10 @@ from engine import (
     GrammarSpec,
     InvalidRequestError,
     ParsedToolCall,
+    PromptEnd,
     ReasoningFormat,
     ReasoningSplitter,
+    ThinkFirst,
     answer_start_ids,
     split_reasoning,
 )
@@ -48,7 +50,6 @@ from gateway.routes.common import (
     unless_disconnected,
     usage_of,
 )
-from gateway.state import Gateway
 from gateway.tenants import Caller
 from gateway.tool_stream import ToolCallText
 
@@ -62,41 +63,57 @@ async def _respond(request: Request, admitted: Admitted[ChatCompletionRequest]) 
     gateway, body = gateway_of(request), admitted.body
     engine = admitted.engine
     prepared = await gateway.run_blocking(
-        prepare_chat, engine, body, gateway.config.default_max_tokens, admitted.caller
+        prepare_chat,
+        engine,
+        body,
+        gateway.config.default_max_tokens,
+        admitted.caller,
+        gateway.reasoning_format,
     )
     job = Job(
         gateway,
         engine,
         admitted.ticket,
         random_id("chatcmpl"),
-        fan_out(prepared, body.n),
+        fan_out(prepared.request, body.n),
         body.affinity_key,
         request.state.request_id,
     )
-    thinking = Thinking.of(gateway, prepared.prompt_token_ids)
+    reader, thinking = prepared.reader, prepared.thinking
     if body.stream:
         events = _stream(
-            job, gateway.model_name, body.logprobs, body.include_usage, body.call_reader, thinking
+            job, gateway.model_name, body.logprobs, body.include_usage, reader, thinking
         )
         return sse_response(events, gateway, admitted.ticket)
-    completion = _complete(job, gateway.model_name, body.logprobs, body.call_reader, thinking)
+    completion = _complete(job, gateway.model_name, body.logprobs, reader, thinking)
     return await unless_disconnected(request, completion)
 
 
 @dataclass(frozen=True, slots=True)
 class Thinking:
     """How a thinking model's answers split into reasoning and content (None where the
-    served model does not think): its markup, and whether the prompt opened the block."""
+    served model does not think): its markup, and where the prompt leaves the answer."""
 
     reasoning_format: ReasoningFormat
-    opens_in_prompt: bool
+    prompt_end: PromptEnd
 
     @classmethod
-    def of(cls, gateway: Gateway, prompt_ids: list[int]) -> Thinking | None:
-        found = gateway.reasoning_format
-        if found is None:
+    def of(
+        cls, reasoning_format: ReasoningFormat | None, tokenizer: Any, prompt_ids: list[int]
+    ) -> Thinking | None:
+        if reasoning_format is None:
             return None
-        return cls(found, found.opens_in_prompt(gateway.tokenizer, prompt_ids))
+        return cls(reasoning_format, reasoning_format.prompt_end(tokenizer, prompt_ids))
+
+    @property
+    def opens_in_prompt(self) -> bool:
+        return self.prompt_end == "opened"
+
+    @property
+    def think_first(self) -> ThinkFirst | None:
+        """How a constraint on the answer lets it think first (None: it holds from the first
+        token)."""
+        return self.reasoning_format.think_first(self.prompt_end)
 
     def splitter(self) -> ReasoningSplitter:
         return self.reasoning_format.splitter(self.opens_in_prompt)
@@ -122,15 +139,35 @@ def _usage(job: Job, thinking: Thinking | None) -> UsageInfo:
     return usage
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request ready for the engine, and how its output is read: for calls (None
+    where no tools are in use) and for reasoning (None where the model does not think)."""
+
+    request: EngineRequest
+    reader: CallReader | None
+    thinking: Thinking | None
+
+
 def prepare_chat(
-    engine: EngineClient, body: ChatCompletionRequest, default_max_tokens: int, caller: Caller
-) -> EngineRequest:
+    engine: EngineClient,
+    body: ChatCompletionRequest,
+    default_max_tokens: int,
+    caller: Caller,
+    reasoning_format: ReasoningFormat | None,
+) -> PreparedChat:
     """Render and tokenize once (worker pool). Without a client max_tokens, a chat completion
     may write `default_max_tokens` (--default-max-tokens) or what is left of the context,
-    whichever is less: never the whole context by accident, for n choices at once."""
+    whichever is less: never the whole context by accident, for n choices at once.
+
+    A thinking model whose prompt leaves it free to think (or inside a think block) keeps
+    its thinking under a constraint: the grammar holds from the block's end, and a forced
+    call's opening is the grammar's to write after it rather than the prompt's."""
     prompt_ids = chat_ids(engine, body)
+    thinking = Thinking.of(reasoning_format, engine.tokenizer, prompt_ids)
+    think_first = thinking.think_first if thinking is not None else None
+    reader = body.call_reader(opening_in_prompt=think_first is None)
     # A forced call's opening (`ToolFormat.opening`): no decode step, no share of max_tokens
-    reader = body.call_reader
     opening_ids = answer_start_ids(engine.tokenizer, reader.opening if reader else "")
     prompt_ids += opening_ids
     room = max(engine.max_model_len - len(prompt_ids), 1)
@@ -138,6 +175,8 @@ def prepare_chat(
     params = body.to_sampling_params(min(default_max_tokens, room), contract)
     if opening_ids:
         params = replace(params, num_grammar_prompt_tokens=len(opening_ids))
+    if think_first is not None and params.grammar is not None:
+        params = replace(params, grammar=params.grammar.after_thinking(think_first))
     try:
         [prepared] = prepare_requests(
             engine, [prompt_ids], lambda _: params, body.engine_fields, caller, body.cache_salt
@@ -146,7 +185,7 @@ def prepare_chat(
         if exc.param == "tools":
             _blame_a_schema(engine, body)
         raise
-    return prepared
+    return PreparedChat(prepared, reader, thinking)
 
 
 def _blame_a_schema(engine: EngineClient, body: ChatCompletionRequest) -> None:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import CallReader, EngineError, EngineRequest, InvalidRequestError, ToolFormat
+from engine import CallReader, EngineError, InvalidRequestError, ReasoningFormat, ToolFormat
 from gateway import errors
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -41,7 +41,7 @@ from gateway.protocol.response_objects import (
 )
 from gateway.protocol.responses_request import NamedFunctionChoice, ResponsesRequest
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.routes.chat import Thinking, prepare_chat
+from gateway.routes.chat import PreparedChat, Thinking, prepare_chat
 from gateway.routes.common import TicketedStream, respond, unless_disconnected
 from gateway.state import Gateway
 from gateway.tenants import Caller
@@ -82,7 +82,7 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         )
         history = list(previous.conversation)
     _check_outputs_answer_calls(body, history)
-    prepared, reader = await gateway.run_blocking(
+    prepared = await gateway.run_blocking(
         _prepare,
         engine,
         body,
@@ -90,6 +90,7 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         gateway.config.default_max_tokens,
         caller,
         gateway.tool_format,
+        gateway.reasoning_format,
     )
     draft = _draft(body, gateway.model_name)
     job = Job(
@@ -97,12 +98,13 @@ async def _respond(request: Request, admitted: Admitted[ResponsesRequest]) -> Re
         engine,
         admitted.ticket,
         draft.id,
-        [prepared],
+        [prepared.request],
         body.affinity_key,
         request.state.request_id,
     )
-    thinking = Thinking.of(gateway, prepared.prompt_token_ids)
-    run = ResponseRun(job, draft, body, history, caller.tenant_name, reader, thinking)
+    run = ResponseRun(
+        job, draft, body, history, caller.tenant_name, prepared.reader, prepared.thinking
+    )
     if body.stream:
         return TicketedStream(_stream(run, gateway), admitted.ticket)
     return await unless_disconnected(request, _complete(run))
@@ -150,15 +152,15 @@ def _prepare(
     default_max_tokens: int,
     caller: Caller,
     tool_format: ToolFormat,
-) -> tuple[EngineRequest, CallReader | None]:
+    reasoning_format: ReasoningFormat | None,
+) -> PreparedChat:
     """The chat request this response is, prepared as chats are (worker pool), its tools
-    in the served model's `tool_format`, and how its output is read for calls; errors name
-    the Responses fields."""
+    in the served model's `tool_format`; errors name the Responses fields."""
     chat = errors.validate(
         ChatCompletionRequest, body.chat_payload(history), {"tool_format": tool_format}
     )
     try:
-        return prepare_chat(engine, chat, default_max_tokens, caller), chat.call_reader
+        return prepare_chat(engine, chat, default_max_tokens, caller, reasoning_format)
     except InvalidRequestError as exc:
         if exc.param is not None:
             param = exc.param.replace(".function.parameters", ".parameters")

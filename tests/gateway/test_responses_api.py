@@ -604,7 +604,7 @@ def test_a_thinking_models_reasoning_is_its_own_output_item(
     monkeypatch.setattr(gateway, "reasoning_format", None)
     raw = _post(client, body)["output"][0]["content"][0]["text"]
     middle = len(raw) // 2
-    tags = ReasoningFormat(raw[:3], raw[middle : middle + 3], -1)
+    tags = ReasoningFormat(raw[:3], raw[middle : middle + 3], -1, -2)
     thought, answer = split_reasoning(tags, raw)
     assert thought and answer, raw  # the spans split it in two
 

@@ -26,7 +26,6 @@ from engine import (
     AsyncEngine,
     EngineConfig,
     LLMEngine,
-    ReasoningFormat,
     SampleLogprobs,
     SamplingParams,
     chat_prompt_ids,
@@ -463,74 +462,6 @@ def test_chat_template_kwargs_reach_the_template(
     response = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": [1]})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "chat_template_kwargs"
-
-
-# The tiny model writes a thinking model's answer when a grammar makes it: a think block of
-# a few words, then the answer.
-THINKING_ANSWER = r"<think>[a-z]{2,5}( [a-z]{2,5}){1,3}</think>\n\n(yes|no)[.!]"
-
-
-def _streamed_answer(client: TestClient, body: dict[str, Any]) -> tuple[str, str, list[str]]:
-    """(the reasoning deltas joined, the content deltas joined, the finish reasons)."""
-    response = client.post("/v1/chat/completions", json={**body, "stream": True})
-    assert response.status_code == 200, response.text
-    *events, _ = _sse_events(response.text)
-    deltas = [json.loads(e)["choices"][0] for e in events]
-    reasoning = "".join(d["delta"].get("reasoning_content") or "" for d in deltas)
-    content = "".join(d["delta"].get("content") or "" for d in deltas)
-    return reasoning, content, [d["finish_reason"] for d in deltas if d["finish_reason"]]
-
-
-def test_a_thinking_models_reasoning_comes_apart_from_its_answer(
-    client: TestClient, app: Starlette, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where the served model thinks (its template and tokenizer say so; here the gateway is
-    told), the think block becomes `reasoning_content` and the rest `content`, whole and
-    streamed alike, and usage counts the block's tokens; an answer cut inside the block is
-    all reasoning; a model that does not think gets its text as content, tags and all."""
-    gateway = app.state.gateway
-    body = {**CHAT, "temperature": 0, "max_tokens": 40, "guided_regex": THINKING_ANSWER}
-    monkeypatch.setattr(gateway, "reasoning_format", None)
-    plain = _post(client, "/v1/chat/completions", {**body, "logprobs": True})
-    raw = plain["choices"][0]["message"]["content"]
-    assert "reasoning_content" not in plain["choices"][0]["message"]
-    assert "completion_tokens_details" not in plain["usage"]
-    match = re.fullmatch(r"<think>(.*)</think>\n\n(.*)", raw, re.S)
-    assert match is not None, raw
-    thought, answer = match.groups()
-    # the tokens whose text starts before the closing tag's end are the reasoning's
-    pieces = [entry["token"] for entry in plain["choices"][0]["logprobs"]["content"]]
-    assert "".join(pieces) == raw
-    starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
-    block_end = raw.index("</think>") + len("</think>")
-    num_reasoning = sum(1 for start in starts if start < block_end)
-
-    think = ReasoningFormat("<think>", "</think>", -1)
-    monkeypatch.setattr(gateway, "reasoning_format", think)
-    data = _post(client, "/v1/chat/completions", body)
-    message, finish = data["choices"][0]["message"], data["choices"][0]["finish_reason"]
-    assert (message["reasoning_content"], message["content"], finish) == (thought, answer, "stop")
-    assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": num_reasoning}
-    assert 0 < num_reasoning < data["usage"]["completion_tokens"]
-    assert _streamed_answer(client, body) == (thought, answer, ["stop"])
-
-    # cut inside the block: after its first word
-    opening = gateway.tokenizer.encode("<think>" + thought.split()[0], add_special_tokens=False)
-    cut = {**body, "max_tokens": len(opening)}
-    data = _post(client, "/v1/chat/completions", cut)
-    message, finish = data["choices"][0]["message"], data["choices"][0]["finish_reason"]
-    assert finish == "length" and message["content"] is None
-    assert message["reasoning_content"] and thought.startswith(message["reasoning_content"])
-    assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(opening)}
-    reasoning, content, finishes = _streamed_answer(client, cut)
-    assert (reasoning, content, finishes) == (message["reasoning_content"], "", ["length"])
-
-    no_think = {**body, "guided_regex": "(yes|no)[.!]"}
-    data = _post(client, "/v1/chat/completions", no_think)
-    message = data["choices"][0]["message"]
-    assert "reasoning_content" not in message
-    assert message["content"] in ("yes.", "yes!", "no.", "no!")
-    assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 def test_an_assistant_turns_reasoning_reaches_the_template(

@@ -12,10 +12,13 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerFast
 
 from engine import InvalidRequestError, LLMEngine, SamplingParams
-from engine.core.sampling_params import GrammarSpec
-from engine.structured.grammar import GrammarMasker
+from engine.core.sampling_params import GrammarSpec, ThinkFirst
+from engine.structured.grammar import GrammarCompiler, GrammarMasker
+from engine.text.tokenizer import Tokenizer
 from tests.helpers import assert_all_free, tiny_engine, tokens_of
 
 PROMPT = "Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 appear in text too"
@@ -313,3 +316,73 @@ def test_llguidance_sees_the_tokenizer_as_its_own_wrapper_does(tiny_llama_path: 
     text = PROMPT * 8  # longer than the truncation: a truncating view would cut it
     assert ours.tokenize_str(text) == theirs.tokenize_str(text)
     assert len(ours.tokenize_str(text)) > 32
+
+
+@pytest.fixture(scope="module")
+def thinking_compiler(tiny_tokenizer: PreTrainedTokenizerFast) -> tuple[GrammarCompiler, Any]:
+    """A compiler for the tiny tokenizer with `<think>` and `</think>` added as tokens (not
+    special, as Qwen3 has them), and that tokenizer."""
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="<|im_end|>"
+    )
+    hf.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tokenizer = Tokenizer.from_transformers(hf)
+    return GrammarCompiler(tokenizer, len(hf), frozenset({hf.eos_token_id})), tokenizer
+
+
+ANSWERS = [  # a grammar of each kind, an answer it takes, and a text it refuses
+    (GrammarSpec.json_schema(SCHEMA), '{"intent":"refund","score":3,"tags":[]}', '{"score":3}'),
+    (GrammarSpec("regex", "(yes|no)[.!]"), "no!", "maybe."),
+    (GrammarSpec.choice(["billing", "refund"]), "refund", "other"),
+    (GrammarSpec("lark", 'start: "n=" /[0-9]{1,3}/'), "n=42", "n=x"),
+]
+
+
+@pytest.mark.parametrize(("spec", "answer", "refused"), ANSWERS)
+def test_a_constraint_after_thinking_holds_from_the_end_of_the_block(
+    thinking_compiler: tuple[GrammarCompiler, Any], spec: GrammarSpec, answer: str, refused: str
+) -> None:
+    """Free text inside the block (text that would break the constraint too), the closing
+    tag, a few blank lines, then the constraint; the block may be left out unless the prompt
+    opened it, and an answer cannot close a block it never opened."""
+    compiler, tokenizer = thinking_compiler
+    vocab = tokenizer.get_added_vocab()
+    open_id, close_id = vocab["<think>"], vocab["</think>"]
+
+    def text(value: str) -> list[int]:
+        return list(tokenizer.encode(value, add_special_tokens=False))
+
+    def reads(think_first: ThinkFirst, ids: list[int]) -> str:
+        """ "accepted" (a whole answer), "open" (a start of one) or "refused"."""
+        matcher = compiler.compile(spec.after_thinking(think_first)).new_matcher()
+        if not matcher.consume_tokens(ids):
+            return "refused"
+        return "accepted" if matcher.is_accepting() else "open"
+
+    free, opened = ThinkFirst(open_id, close_id, False), ThinkFirst(open_id, close_id, True)
+    thought = text(f"Not {refused} <b>, so\n{answer}?\n")
+    gap = text("\n\n")
+    assert reads(free, [open_id, *thought, close_id, *gap, *text(answer)]) == "accepted"
+    assert reads(free, [open_id, close_id, *text(answer)]) == "accepted"
+    assert reads(free, text(answer)) == "accepted"
+    assert reads(free, [open_id, *thought, close_id, *gap, *text(refused)]) == "refused"
+    assert reads(free, [close_id]) == "refused"
+    assert reads(free, text(refused)) == "refused"
+    assert reads(opened, [*thought, close_id, *gap, *text(answer)]) == "accepted"
+    assert reads(opened, text(answer)) == "open"  # still thinking
+    assert reads(opened, [open_id]) == "refused"
+    assert reads(opened, [close_id, *text(refused)]) == "refused"
+    # each shape is a grammar of its own
+    keys = {spec.key, spec.after_thinking(free).key, spec.after_thinking(opened).key}
+    assert len(keys) == 3
+
+
+def test_a_bad_constraint_after_thinking_is_named_as_the_client_gave_it(
+    thinking_compiler: tuple[GrammarCompiler, Any],
+) -> None:
+    compiler, _ = thinking_compiler
+    think = ThinkFirst(1, 2, False)
+    with pytest.raises(InvalidRequestError, match=r"^invalid JSON schema: "):
+        compiler.compile(GrammarSpec("json_schema", '{"type": "nope"}').after_thinking(think))
+    with pytest.raises(InvalidRequestError, match=r"^invalid regex: "):
+        compiler.compile(GrammarSpec("regex", "(").after_thinking(think))

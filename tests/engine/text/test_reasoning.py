@@ -8,10 +8,11 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from engine.core.sampling_params import ThinkFirst
 from engine.text.reasoning import ReasoningFormat, reasoning_format_of, split_reasoning
 from engine.text.tokenizer import Tokenizer
 
-THINK = ReasoningFormat("<think>", "</think>", 7)
+THINK = ReasoningFormat("<think>", "</think>", 7, 8)
 QWEN3_LIKE = (
     "{{ '<|im_start|>assistant\\n' }}{% if not enable_thinking %}<think>\n\n</think>{% endif %}"
 )
@@ -82,14 +83,25 @@ def test_a_stream_holds_back_only_what_may_be_a_tag() -> None:
     assert not plain.thought
 
 
-def test_the_prompt_opens_the_block_where_its_last_token_but_spaces_is_the_tag(
+def test_where_the_prompt_leaves_the_answer_is_read_from_its_last_tag_but_spaces(
     tiny_tokenizer: PreTrainedTokenizerFast,
 ) -> None:
+    """Inside a block the prompt opened, after one it closed (thinking turned off), or free;
+    a constrained answer thinks first unless the block is closed."""
     tokenizer = Tokenizer.from_transformers(tiny_tokenizer)
     space = tokenizer.encode("\n", add_special_tokens=False)
     word = tokenizer.encode("hello", add_special_tokens=False)
-    assert THINK.opens_in_prompt(tokenizer, [*word, 7, *space, *space])
-    assert THINK.opens_in_prompt(tokenizer, [7])
-    assert not THINK.opens_in_prompt(tokenizer, [7, *word])
-    assert not THINK.opens_in_prompt(tokenizer, [7, 8, *space])
-    assert not THINK.opens_in_prompt(tokenizer, [])
+    cases = {
+        (*word, 7, *space, *space): "opened",
+        (7,): "opened",
+        (7, *word): "free",
+        (7, 8, *space): "closed",
+        (8, *space, *space): "closed",
+        (8, *word): "free",
+        (*word,): "free",
+        (): "free",
+    }
+    assert {ids: THINK.prompt_end(tokenizer, ids) for ids in cases} == cases
+    assert THINK.think_first("opened") == ThinkFirst(7, 8, opened=True)
+    assert THINK.think_first("free") == ThinkFirst(7, 8, opened=False)
+    assert THINK.think_first("closed") is None
