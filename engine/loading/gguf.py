@@ -10,7 +10,9 @@ per super-block (`ScaleFactors`; their float32 products exactly), two d per grou
 Q3_K's and Q6_K's 16-weight sub-blocks, two m for Q2_K's), so they are unpacked into codes, d
 and m with no float round trip (`group_codes`), each linear at its own type's width, a file
 mixing types per tensor included (a linear fusing a K-quant with a 32-weight type keeps float32
-products); every other type (F32, F16, BF16, IQ...) is dequantized by the `gguf` package
+products). IQ4_NL and IQ4_XS pick each weight from 16 non-uniform levels, small integers times
+d: the levels are 8-bit codes (exact, at twice the file's bits). Every other type (F32, F16,
+BF16, IQ1-IQ3, whose codebooks are vectors) is dequantized by the `gguf` package
 (`dequantize`) and, for a quantized linear, re-quantized with a warning.
 
 Names follow llama.cpp's converter, which also permuted the rows of attn_q / attn_k for
@@ -573,6 +575,44 @@ def _q2_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     return codes.reshape(*lead, 8, 32), halves, mins, factors
 
 
+# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a nibble picks one, times d.
+IQ4_LEVELS = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+
+
+def _iq4_levels(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 levels of 16 bytes of nibbles [..., 16] as 32 codes: byte j holds weight j
+    (low nibble) and weight j + 16 (high), as in Q4_0."""
+    return IQ4_LEVELS[torch.cat([packed & 0x0F, packed >> 4], dim=-1).long()]
+
+
+def _iq4_nl_codes(kind: str, blocks: torch.Tensor) -> Decoded:
+    """Codes [..., 32], d and m [...] of IQ4_NL blocks [..., 18]: d f16, 16 bytes of nibbles,
+    each an index into the 16 non-uniform levels. The levels are the codes (8-bit), so code
+    * d is GGML's `d * kvalues[q]` bit for bit; m = -0 (no min)."""
+    d = _half(blocks, 0)
+    return _iq4_levels(blocks[..., 2:18]), d, torch.full_like(d, -0.0), None
+
+
+def _iq4_xs_codes(kind: str, blocks: torch.Tensor) -> Decoded:
+    """Codes [..., 8, 32], d and m [..., 8] of IQ4_XS super-blocks [..., 136]: d f16, the
+    sub-scales' high 2 bits (uint16), their low 4 bits (4 bytes), then 16 bytes of IQ4_NL
+    nibbles per 32-weight group. Group j's d = d * (scale_j - 32) (float32, exact), codes the
+    levels: code * d is GGML's `d * (ls - 32) * kvalues[q]` bit for bit."""
+    lead = blocks.shape[:-1]
+    high = blocks[..., 2:4].contiguous().view(torch.int16)[..., 0].to(torch.int32)
+    low = blocks[..., 4:8]
+    low = torch.stack([low & 0x0F, low >> 4], dim=-1).reshape(*lead, 8).to(torch.int32)
+    shifts = torch.arange(0, 16, 2, dtype=torch.int32)
+    scale = low | (((high[..., None] >> shifts) & 3) << 4)
+    sub = (scale - 32).to(torch.int8)
+    codes = _iq4_levels(blocks[..., 8:136].reshape(*lead, 8, 16))
+    d = _half(blocks, 0)
+    factors = ScaleFactors(sub, d, torch.zeros_like(sub), torch.full_like(d, -0.0))
+    return codes, d.float()[..., None] * sub.float(), torch.full((*lead, 8), -0.0), factors
+
+
 # codes, d, m, and the K-quants' d and m in their own two levels (ScaleFactors), per block
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, ScaleFactors | None]
 Decoder = Callable[[str, torch.Tensor], Decoded]
@@ -603,14 +643,16 @@ EXACT_BLOCKS = {
     "Q6_K": BlockType(6, 210, 256, _q6_k_codes),
     "Q3_K": BlockType(6, 110, 256, _q3_k_codes),
     "Q2_K": BlockType(4, 84, 256, _q2_k_codes),
+    "IQ4_NL": BlockType(8, 18, 32, _iq4_nl_codes),
+    "IQ4_XS": BlockType(8, 136, 256, _iq4_xs_codes),
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
 # `EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
-# a warning at load (IQ types are codebooks).
+# a warning at load (IQ1-IQ3 are codebooks of vectors).
 GGML_BITS = {
     **{kind: block.bits for kind, block in EXACT_BLOCKS.items()},
     **dict.fromkeys(("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS"), 4),
-    **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"), 4),
+    **dict.fromkeys(("IQ2_S", "IQ3_XXS", "IQ3_S"), 4),
     **dict.fromkeys(("Q8_1", "Q8_K"), 8),
 }
 

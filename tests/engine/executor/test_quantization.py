@@ -292,8 +292,9 @@ def test_six_bit_codes_give_the_bits_of_the_same_codes_in_8_bit_lanes(
     """Q6_K's and Q3_K's codes (-32..31) in their own 6 bits, stored as w + 32 with 32 times
     the activation codes' sum taken off each integer sum: the same integers as the codes in
     8-bit lanes, so the same bits (the 8-bit lanes are pinned above, on every build), with
-    float32 scales and with the K-quants' factored ones alike, for every row count from 1 to
-    40 (every register block, pair and tile width) and in every layout of the scales."""
+    float32 scales and with the K-quants' factored ones alike (8-bit codes with factored
+    scales too: IQ4_XS's), for every row count from 1 to 40 (every register block, pair and
+    tile width) and in every layout of the scales."""
     gen = torch.Generator().manual_seed(6)
     n, k = 8 * 6, 512
     groups = k // GROUP_SIZE
@@ -318,14 +319,17 @@ def test_six_bit_codes_give_the_bits_of_the_same_codes_in_8_bit_lanes(
     want = wide.matmul(x)
     six = pack_weight(codes, d, m, 6)
     six_factored = pack_weight(codes, d, m, 6, factors=factors)
+    # IQ4_XS: levels as 8-bit codes with the factored scales
+    eight_factored = pack_weight(codes, d, m, 8, factors=factors)
     assert six.codes.shape[-1] == 6 * 64 and six_factored.scales.dtype == torch.int8
+    assert eight_factored.scales.dtype == torch.int8
     every = torch.arange(n)
-    assert torch.equal(dequantize_rows(six, every), dequantize_rows(wide, every))
-    assert torch.equal(dequantize_rows(six_factored, every), dequantize_rows(wide, every))
+    for weight in (six, six_factored, eight_factored):
+        assert torch.equal(dequantize_rows(weight, every), dequantize_rows(wide, every))
     for rows in range(1, 41):
-        for weight in (six, six_factored):
+        for weight in (six, six_factored, eight_factored):
             got = weight.matmul(x[:rows])
-            assert torch.equal(got, want[:rows]), (rows, weight.factors is None)
+            assert torch.equal(got, want[:rows]), (rows, weight.bits, weight.factors is None)
 
 
 def test_the_integer_dot_products_are_the_best_this_cpu_and_build_have(kernels: None) -> None:

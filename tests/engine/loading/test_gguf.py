@@ -391,8 +391,12 @@ def test_a_fused_linears_tensors_of_other_layouts_stay_row_blocks_in_their_own()
 _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
 
 
+IQ4 = (Q.IQ4_NL, Q.IQ4_XS)  # served exactly: their levels as 8-bit codes
+
+
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    "qtype",
+    [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *IQ4],
 )
 def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuantizationType) -> None:
     """Random block bytes with edge d and m (or dmin) values (zero, subnormal, the f16
@@ -401,7 +405,8 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
     zero weight into +0 (m is float32 where float16 cannot hold it: the f16 extremes of d).
     K-quants: every 6-bit sub-scale and sub-min, their groups' d and m float32; Q3_K's high
     bits both ways, its signed sub-scales' extremes (0 and 63: -32 and +31); Q2_K's 4-bit
-    sub-scales and sub-mins, a d and an m per 16-weight half."""
+    sub-scales and sub-mins, a d and an m per 16-weight half. IQ4_NL and IQ4_XS: their
+    non-uniform levels as 8-bit codes, IQ4_XS's every 6-bit sub-scale."""
     block = EXACT_BLOCKS[qtype.name]
     block_bytes, block_weights = block.block_bytes, block.block_weights
     gen = np.random.default_rng(int(qtype))
@@ -451,16 +456,18 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
 
 
 @pytest.mark.parametrize(
-    ("qtype", "bits"), [(Q.Q2_K, 4), (Q.Q3_K, 6), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6)]
+    ("qtype", "bits"),
+    [(Q.Q2_K, 4), (Q.Q3_K, 6), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6), (Q.IQ4_XS, 8)],
 )
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
 ) -> None:
-    """A K-quant tensor (written as raw super-blocks: gguf cannot quantize to them) read as
-    the kernel's groups: float32 group scales, the file's values exactly, and the kernel on
-    its packing computing them (to its 8-bit activations' rounding). Packed in the file's own
-    two levels (int8 sub-scales, a float16 factor per super-block), the scales are the same
-    numbers, and the kernel's results the same bits as from the float32 products."""
+    """A K-quant tensor (written as raw super-blocks: gguf cannot quantize to them; IQ4_XS's
+    levels as 8-bit codes) read as the kernel's groups: float32 group scales, the file's
+    values exactly, and the kernel on its packing computing them (to its 8-bit activations'
+    rounding). Packed in the file's own two levels (int8 sub-scales, a float16 factor per
+    super-block), the scales are the same numbers, and the kernel's results the same bits as
+    from the float32 products."""
     block_bytes = EXACT_BLOCKS[qtype.name].block_bytes
     rows, cols = 32, 512
     gen = np.random.default_rng(5)
