@@ -30,8 +30,9 @@ class ToolCallText:
             return text
         pending = self.held + text
         assert self.reader is not None
-        # after a forced call's opening (in the prompt) every text is a call; otherwise the
-        # text is held while it may still be the start of calls
+        # after a forced call's opening in the prompt every text is a call; otherwise (the
+        # model may answer in text, or a thinking model's grammar writes the opening after
+        # its think block) the text is held while it may still be the start of calls
         is_call = bool(self.reader.opening) or self.reader.tool_format.starts_calls(pending)
         self.held = pending if is_call is not False else None
         return "" if self.held is not None else pending

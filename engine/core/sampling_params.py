@@ -21,11 +21,13 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 
 @dataclass(frozen=True, slots=True)
 class ThinkFirst:
-    """A thinking model's think block before a constrained answer: the tags' token ids, and
-    whether the prompt already opened the block (then the answer must close it first)."""
+    """A thinking model's think block before a constrained answer: the tags' token ids, the
+    closing tag's text, and whether the prompt already opened the block (then the answer must
+    close it first)."""
 
     open_id: int
     close_id: int
+    close_tag: str
     opened: bool
 
 
@@ -59,7 +61,7 @@ class GrammarSpec:
     def key(self) -> str:
         text = f"{self.kind}\0{self.source}"
         if (think := self.think_first) is not None:
-            text += f"\0think {think.open_id} {think.close_id} {think.opened}"
+            text += f"\0think {think.open_id} {think.close_id} {think.close_tag} {think.opened}"
         return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -58,9 +59,8 @@ def to_llguidance(spec: GrammarSpec) -> str:
     return answer if spec.think_first is None else _after_thinking(answer, spec.think_first)
 
 
-# The think block: free text up to the closing tag (a token: text never matches it), then
-# the blank lines thinking models write before the answer, a few at most.
-_THINK_RULES = "THINKING: /(.|\\n)*/\nGAP: /[ \\t\\r\\n]{0,8}/\n"
+# After the block, the blank lines thinking models write before the answer: a few at most.
+_GAP = "GAP: /[ \\t\\r\\n]{0,8}/\n"
 
 
 def _after_thinking(answer: str, think: ThinkFirst) -> str:
@@ -71,7 +71,11 @@ def _after_thinking(answer: str, think: ThinkFirst) -> str:
     block = f"THINKING <[{think.close_id}]> GAP"
     if not think.opened:
         block = f"(<[{think.open_id}]> {block})?"
-    start = {"lark_grammar": f"start: {block} @answer\n{_THINK_RULES}"}
+    # the block's text: up to the closing tag (a token: text never matches it), and not
+    # spelling the tag out either (the reasoning splitter would end the block there)
+    tag = re.escape(think.close_tag).replace("/", "\\/")
+    thinking = f"THINKING: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/\n"
+    start = {"lark_grammar": f"start: {block} @answer\n{thinking}{_GAP}"}
     return json.dumps({"grammars": [start, {**grammar, "name": "answer"}]})
 
 

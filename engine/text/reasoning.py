@@ -70,7 +70,9 @@ class ReasoningFormat:
         closed block (the constraint holds from the first token)."""
         if prompt_end == "closed":
             return None
-        return ThinkFirst(self.open_id, self.close_id, opened=prompt_end == "opened")
+        return ThinkFirst(
+            self.open_id, self.close_id, self.close_tag, opened=prompt_end == "opened"
+        )
 
 
 def reasoning_format_of(

@@ -457,7 +457,9 @@ class ToolFormat:
             return CallReader(self)
         ends = self.closer + self.list_closer  # after the arguments' object
         closing = (ends if self.arguments_tag else "}" + ends) if only is not None else ""
-        return CallReader(self, self.opening(only) if opening_in_prompt else "", closing)
+        if opening_in_prompt:
+            return CallReader(self, self.opening(only), closing)
+        return CallReader(self, "", closing, written=self.opening(only))
 
     def opening(self, only: str | None) -> str:
         """What `grammar(..., only, is_required=True)` makes every answer start with: the
@@ -622,18 +624,22 @@ class ToolFormat:
 class CallReader:
     """How one request's output is read for calls (`ToolFormat.reader`): the served model's
     format; the `opening` its grammar forces, which the prompt holds ("" when the model may
-    answer in text); the `closing` a named call's grammar leaves out. The text read is the
-    opening, the output, and the closing unless the length limit cut the output."""
+    answer in text, or thinks first: then `written` is that opening, which the output holds
+    once the call has started); the `closing` a named call's grammar leaves out. The text
+    read is the opening, the output, and the closing unless the length limit cut the output
+    or it ended before its call started (a stop inside a think block)."""
 
     tool_format: ToolFormat
     opening: str = ""
     closing: str = ""
+    written: str = ""
 
     def parse(self, output: str, is_cut: bool = False) -> tuple[str | None, list[ParsedToolCall]]:
         return self.tool_format.parse(self.text(output, is_cut), is_cut)
 
     def text(self, output: str, is_cut: bool) -> str:
-        return self.opening + output + ("" if is_cut else self.closing)
+        closes = not is_cut and (not self.written or self.written in output)
+        return self.opening + output + (self.closing if closes else "")
 
 
 HERMES = ToolFormat(

@@ -317,3 +317,11 @@ def test_a_forced_call_comes_after_the_think_block(
     off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
     message = _post(client, off)["choices"][0]["message"]
     assert "reasoning_content" not in message and message["tool_calls"]
+
+    # stopped at the closing tag (a stop string): no call was written, so none is read, and
+    # a named call's closing is not put back as content
+    stopped = {**body, "stop": ["</think>"]}
+    choice = _post(client, stopped)["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert (choice["message"]["content"], choice["message"].get("tool_calls")) == (None, None)
+    assert _streamed(client, stopped)[1:] == ("", [], ["stop"])

@@ -359,7 +359,8 @@ def test_a_constraint_after_thinking_holds_from_the_end_of_the_block(
             return "refused"
         return "accepted" if matcher.is_accepting() else "open"
 
-    free, opened = ThinkFirst(open_id, close_id, False), ThinkFirst(open_id, close_id, True)
+    free = ThinkFirst(open_id, close_id, "</think>", False)
+    opened = ThinkFirst(open_id, close_id, "</think>", True)
     thought = text(f"Not {refused} <b>, so\n{answer}?\n")
     gap = text("\n\n")
     assert reads(free, [open_id, *thought, close_id, *gap, *text(answer)]) == "accepted"
@@ -372,6 +373,13 @@ def test_a_constraint_after_thinking_holds_from_the_end_of_the_block(
     assert reads(opened, text(answer)) == "open"  # still thinking
     assert reads(opened, [open_id]) == "refused"
     assert reads(opened, [close_id, *text(refused)]) == "refused"
+    # the closing tag spelled out in text does not end the block (the reasoning splitter
+    # would end it there), nor may more than a few blank lines stand before the answer
+    spelled = [*text("so </"), *text("think>")]
+    assert close_id not in spelled
+    assert reads(free, [open_id, *spelled]) == "refused"
+    assert reads(free, [open_id, close_id, *text("\n" * 8), *text(answer)]) == "accepted"
+    assert reads(free, [open_id, close_id, *text("\n" * 9)]) == "refused"
     # each shape is a grammar of its own
     keys = {spec.key, spec.after_thinking(free).key, spec.after_thinking(opened).key}
     assert len(keys) == 3
@@ -380,9 +388,14 @@ def test_a_constraint_after_thinking_holds_from_the_end_of_the_block(
 def test_a_bad_constraint_after_thinking_is_named_as_the_client_gave_it(
     thinking_compiler: tuple[GrammarCompiler, Any],
 ) -> None:
+    """Errors of the client's source (read before the grammar is composed) and of the whole
+    (compiling it, the think block around it) both name the client's kind."""
     compiler, _ = thinking_compiler
-    think = ThinkFirst(1, 2, False)
+    think = ThinkFirst(1, 2, "</think>", False)
     with pytest.raises(InvalidRequestError, match=r"^invalid JSON schema: "):
         compiler.compile(GrammarSpec("json_schema", '{"type": "nope"}').after_thinking(think))
     with pytest.raises(InvalidRequestError, match=r"^invalid regex: "):
         compiler.compile(GrammarSpec("regex", "(").after_thinking(think))
+    with pytest.raises(InvalidRequestError, match=r"^invalid grammar: .*nowhere") as raised:
+        compiler.compile(GrammarSpec("lark", "start: nowhere").after_thinking(think))
+    assert raised.value.param == "grammar"

@@ -102,6 +102,6 @@ def test_where_the_prompt_leaves_the_answer_is_read_from_its_last_tag_but_spaces
         (): "free",
     }
     assert {ids: THINK.prompt_end(tokenizer, ids) for ids in cases} == cases
-    assert THINK.think_first("opened") == ThinkFirst(7, 8, opened=True)
-    assert THINK.think_first("free") == ThinkFirst(7, 8, opened=False)
+    assert THINK.think_first("opened") == ThinkFirst(7, 8, "</think>", opened=True)
+    assert THINK.think_first("free") == ThinkFirst(7, 8, "</think>", opened=False)
     assert THINK.think_first("closed") is None

@@ -467,6 +467,24 @@ def test_a_reader_reads_the_output_after_the_opening(tool_format: ToolFormat) ->
     assert tool_format.reader("make", is_required=False) == CallReader(tool_format)
 
 
+@FORMATS
+def test_a_reader_after_thinking_reads_the_opening_from_the_output(
+    tool_format: ToolFormat,
+) -> None:
+    """A thinking model's forced call: the grammar writes the opening after the think block,
+    so the output holds it; a named call's closing is put back only once the call started (an
+    output that stopped inside the block, or before the call, has no call and no markup)."""
+    reader = tool_format.reader("make", is_required=True, opening_in_prompt=False)
+    assert reader.opening == ""
+    output = tool_format.opening("make") + '{"pet":{"age":3}}'
+    assert reader.parse(output) == (None, [ParsedToolCall("make", '{"pet": {"age": 3}}')])
+    for is_cut in (False, True):  # nothing read: no closing put back, so no call, no markup
+        assert reader.text("", is_cut) == ""
+        assert reader.parse("", is_cut)[1] == []
+    any_call = tool_format.reader(None, is_required=True, opening_in_prompt=False)
+    assert any_call.parse(output + reader.closing) == reader.parse(output)
+
+
 def test_a_template_that_takes_tools_gets_call_arguments_as_objects(
     tiny_tokenizer: PreTrainedTokenizerFast,
 ) -> None:
