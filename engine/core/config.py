@@ -144,6 +144,12 @@ class EngineConfig:
         "a Jinja chat template file for chat requests: for a model without one (a base model), "
         "or instead of its own",
     )
+    default_chat_template_kwargs: str | None = option(
+        None,
+        "a JSON object of variables for the chat template of every chat prompt, the registry's "
+        "chat entries included; a request's chat_template_kwargs override them (e.g. "
+        "'{\"enable_thinking\": false}': Qwen3 and SmolLM3 answer without thinking unless asked)",
+    )
     prefix_file: str | None = option(
         None, "prefix registry YAML (watched and hot-reloaded)", flag="--prefixes"
     )

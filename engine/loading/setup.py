@@ -50,6 +50,7 @@ from engine.loading.source import (
     shipped_weight_format,
     weight_files,
 )
+from engine.text.chat import template_defaults
 from engine.text.tool_format import tool_format_of, tool_prompt_of
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
+    defaults: dict[str, Any] = {}
+    if config.default_chat_template_kwargs is not None:  # checked before anything loads
+        try:
+            defaults = template_defaults(config.default_chat_template_kwargs)
+        except ValueError as exc:
+            raise ModelLoadError(f"--default-chat-template-kwargs: {exc}") from exc
     start = time.perf_counter()
     source = resolve_model(config.model)
     hf_config = load_hf_config(source.path)
@@ -103,6 +110,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         logger.info("chat template: the model's own")
     else:
         logger.info("chat template: none (chat requests get a 400 naming --chat-template)")
+    if defaults:
+        tokenizer.template_defaults = defaults
+        logger.info("chat template variables unless a request sets them: %s", defaults)
     if tokenizer.chat_template:
         tool_prompt = tool_prompt_of(tokenizer.chat_template)
         tool_format = tool_format_of(tokenizer.chat_template, tokenizer.get_added_vocab())

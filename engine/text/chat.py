@@ -15,6 +15,7 @@ secure mode do, while everything the template itself wrote is tokenized as befor
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 import weakref
@@ -50,8 +51,13 @@ def chat_prompt_ids(
     content beyond trimming it (its markup could then not be told from the content's).
     """
     conversation, variables = conversation_for_template(tokenizer.chat_template, messages, tools)
-    if template_kwargs:
-        variables = {**_client_variables(template_kwargs, variables), **variables}
+    # the server's defaults (--default-chat-template-kwargs; a transformers tokenizer, which
+    # tools and tests render with, has none) under the request's own, and the renderer's
+    # (the request's tools, under a name of the template's) over both
+    defaults: Mapping[str, Any] = getattr(tokenizer, "template_defaults", {})
+    if template_kwargs or defaults:
+        client = _client_variables(template_kwargs or {}, variables)
+        variables = {**defaults, **client, **variables}
     text = _render(tokenizer, conversation, add_generation_prompt, variables)
     pattern = _special_token_pattern(tokenizer)
     if pattern is None or not any(pattern.search(c) for c in _contents(conversation)):
@@ -109,6 +115,21 @@ def fim_prompt_ids(tokenizer: Tokenizer, prefix: str | list[int], suffix: str) -
 # Names a client's template variables may not take: the renderer's own, and the parameters of
 # `Tokenizer.apply_chat_template` that carry them (as vLLM refuses `chat_template`, `tokenize`).
 _RESERVED = RENDERER_VARIABLES | {"conversation", "tokenize", "chat_template"}
+
+
+def template_defaults(text: str) -> dict[str, Any]:
+    """`--default-chat-template-kwargs`: a JSON object of template variables, none of them a
+    name the renderer sets. ValueError saying what is wrong otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object of template variables, not {type(value).__name__}")
+    taken = sorted(set(value) & _RESERVED)
+    if taken:
+        raise ValueError(f"{', '.join(map(repr, taken))}: the server sets it from each request")
+    return value
 
 
 def _client_variables(

@@ -72,7 +72,9 @@ class TokenizerFacts:
 class Tokenizer:
     """Encode, decode, the vocabulary and the chat template of one model (module docstring).
 
-    `chat_template` may be replaced (`--chat-template FILE`)."""
+    `chat_template` may be replaced (`--chat-template FILE`), and `template_defaults` given:
+    the variables every chat prompt's rendering gets unless a request sets them
+    (`--default-chat-template-kwargs`)."""
 
     def __init__(self, backend: RustTokenizer, facts: TokenizerFacts) -> None:
         if backend.padding is not None:
@@ -85,6 +87,7 @@ class Tokenizer:
         self._lock = threading.Lock()
         self.facts = facts
         self.chat_template: str | None = facts.chat_template
+        self.template_defaults: dict[str, Any] = {}
 
     @classmethod
     def from_transformers(cls, tokenizer: Any) -> Tokenizer:

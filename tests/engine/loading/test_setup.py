@@ -71,6 +71,25 @@ def test_a_model_limit_the_pool_cannot_hold_is_served_at_the_pools_size(
         load_model(_config(tiny_llama_path, max_model_len=512, num_kv_blocks=40))
 
 
+def test_default_template_variables_reach_the_tokenizer_and_bad_ones_fail_the_start(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--default-chat-template-kwargs` is the tokenizer's defaults; a value that is not a
+    JSON object of free names fails the start, before the model is read."""
+    config = _config(tiny_llama_path, default_chat_template_kwargs='{"enable_thinking": false}')
+    assert load_model(config).tokenizer.template_defaults == {"enable_thinking": False}
+    assert load_model(_config(tiny_llama_path)).tokenizer.template_defaults == {}
+
+    def never(model: str | None) -> None:
+        raise AssertionError("the model was read before the flag was checked")
+
+    monkeypatch.setattr("engine.loading.setup.resolve_model", never)
+    for text, reason in (("off", "not JSON"), ('{"tools": []}', "'tools': the server sets it")):
+        config = _config(tiny_llama_path, default_chat_template_kwargs=text)
+        with pytest.raises(ModelLoadError, match=f"--default-chat-template-kwargs: {reason}"):
+            load_model(config)
+
+
 def test_explicit_sizes_win(tiny_llama_path: Path) -> None:
     assert load_model(_config(tiny_llama_path, num_kv_blocks=17)).pool.num_blocks == 17
     probe = load_model(_config(tiny_llama_path, num_kv_blocks=16)).pool.spec.bytes_per_block

@@ -21,7 +21,9 @@ from engine import (
     answer_start_ids,
     chat_prompt_ids,
 )
+from engine.registry.render import render_chat_prefix
 from engine.structured.grammar import GrammarCompiler
+from engine.text.chat import template_defaults
 from engine.text.tokenizer import Tokenizer
 from engine.text.tool_format import (
     ARGUMENT,
@@ -803,3 +805,53 @@ def test_a_client_variable_may_not_take_the_tools_name(
     assert raised.value.param == "chat_template_kwargs"
     # without tools the name is the client's to set
     chat_prompt_ids(tokenizer, turns, template_kwargs={"xml_tools": []})
+
+
+def test_server_default_template_variables_reach_requests_and_the_registry(
+    tiny_tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """`--default-chat-template-kwargs '{"enable_thinking": true}'`: every chat prompt
+    renders with it unless the request sets the variable itself, and the registry's chat
+    entries render with it too, so a registered system prompt (SmolLM3 writes /think or
+    /no_think into its system turn) is the start of the requests that continue it. A default
+    named as the request's tools' variable leaves it to the tools."""
+    tokenizer = _served(tiny_tokenizer, SMOLLM3)
+    system = [("system", "Label the intent.")]
+    turns = [{"role": "system", "content": "Label the intent."}, {"role": "user", "content": "Hi"}]
+    plain = chat_prompt_ids(tokenizer, turns)  # this template's own default: /no_think
+    on = chat_prompt_ids(tokenizer, turns, template_kwargs={"enable_thinking": True})
+    assert plain != on
+    registered_plain = render_chat_prefix(tokenizer, system)
+    tokenizer.template_defaults = {"enable_thinking": True}
+    assert chat_prompt_ids(tokenizer, turns) == on
+    off = chat_prompt_ids(tokenizer, turns, template_kwargs={"enable_thinking": False})
+    assert off == plain  # the request's own value wins
+    registered = render_chat_prefix(tokenizer, system)
+    assert on[: len(registered)] == registered != registered_plain
+    assert off[: len(registered)] != registered
+    tokenizer.template_defaults = {"xml_tools": []}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    with_tools = chat_prompt_ids(tokenizer, turns, tools=[tool])
+    tokenizer.template_defaults = {}
+    assert with_tools == chat_prompt_ids(tokenizer, turns, tools=[tool])
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("{enable_thinking: false}", "not JSON"),
+        ('["enable_thinking"]', "a JSON object of template variables, not list"),
+        ('{"messages": []}', "'messages': the server sets it"),
+        (
+            '{"add_generation_prompt": false, "tokenize": true}',
+            "'add_generation_prompt', 'tokenize'",
+        ),
+    ],
+)
+def test_server_default_template_variables_are_checked(text: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        template_defaults(text)
+    assert template_defaults('{"enable_thinking": false, "date_string": "1 May"}') == {
+        "enable_thinking": False,
+        "date_string": "1 May",
+    }
