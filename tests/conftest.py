@@ -21,8 +21,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
@@ -31,7 +29,7 @@ from engine.core.config import default_cache_dir
 from engine.loading.source import ModelSource, resolve_model
 from gateway import config as gateway_config
 from tests import kernel_variants, prewarm
-from tests.helpers import TINY_LLAMA_SHAPE
+from tests.helpers import save_tiny_llama
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -161,20 +159,7 @@ def tiny_llama_path(
     tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: PreTrainedTokenizerFast
 ) -> Path:
     """A seeded 2-layer Llama with GQA (4 query heads, 2 KV heads), saved as an HF folder."""
-    config = LlamaConfig(
-        vocab_size=len(tiny_tokenizer),
-        **TINY_LLAMA_SHAPE,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None,
-        eos_token_id=tiny_tokenizer.eos_token_id,
-        pad_token_id=tiny_tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    _save_model(LlamaForCausalLM(config), tiny_tokenizer, path)
-    return path
+    return save_tiny_llama(tiny_tokenizer, tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")

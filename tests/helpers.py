@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from starlette.applications import Starlette
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from gateway.app import create_app
@@ -20,6 +22,25 @@ TINY_LLAMA_SHAPE: dict[str, int] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+
+
+def save_tiny_llama(tokenizer: Any, path: Path, max_position_embeddings: int = 512) -> Path:
+    """A seeded 2-layer Llama with GQA (4 query heads, 2 KV heads) over `tokenizer`'s
+    vocabulary, saved with the tokenizer as an HF folder at `path`."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        **TINY_LLAMA_SHAPE,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def tiny_engine(path: Path, **overrides: Any) -> LLMEngine:

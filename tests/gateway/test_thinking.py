@@ -17,16 +17,12 @@ from typing import Any
 
 import jsonschema
 import pytest
-import torch
-from starlette.applications import Starlette
 from starlette.testclient import TestClient
 from tokenizers import AddedToken
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from engine import AsyncEngine, EngineConfig, LLMEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tests.helpers import TINY_LLAMA_SHAPE
+from tests.gateway.test_structured_outputs import SCHEMA
+from tests.helpers import save_tiny_llama, tiny_app
 
 MODEL = "tiny-thinker"
 # Qwen3's shape: `enable_thinking: false` writes an empty block into the prompt; our own
@@ -38,15 +34,6 @@ TEMPLATE = (
     "{% if open_thinking %}<think>\n{% endif %}"
     "{% endif %}"
 )
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "intent": {"enum": ["billing", "refund", "other"]},
-        "urgent": {"type": "boolean"},
-    },
-    "required": ["intent", "urgent"],
-    "additionalProperties": False,
-}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "ticket", "schema": SCHEMA}}
 TOOLS = [
     {
@@ -95,31 +82,17 @@ def thinker_path(
         [AddedToken("<think>", special=False), AddedToken("</think>", special=False)]
     )
     tokenizer.chat_template = TEMPLATE
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        **TINY_LLAMA_SHAPE,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("models") / MODEL
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tokenizer, path, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
 def client(thinker_path: Path) -> Iterator[TestClient]:
-    config = EngineConfig(
-        model=str(thinker_path), block_size=4, num_kv_blocks=1024, max_model_len=1024
-    )
-    app: Starlette = create_app(
-        GatewayConfig(engine=config, served_model_name=MODEL),
-        engine=AsyncEngine(config, engine=LLMEngine(config)),
+    app = tiny_app(
+        thinker_path,
+        {"served_model_name": MODEL},
+        num_kv_blocks=1024,
+        max_model_len=1024,  # the tools' description makes long prompts
     )
     with TestClient(app) as test_client:
         yield test_client
