@@ -43,6 +43,13 @@ BITS = {"int4": 4, "int8": 8}
 # holds its file type exactly (engine.loading.gguf), so one model mixes 4- and 8-bit linears.
 FILE_BLOCKS = "gguf"
 
+# IQ4_NL's and IQ4_XS's 16 non-uniform levels (ggml's kvalues_iq4nl): their codes are 4-bit
+# indices into these, which the kernel reads as the 8-bit codes they pick (`levels`; the op
+# takes them as `bits` LEVELS_BITS).
+IQ4_LEVELS = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+LEVELS_BITS = 12  # engine/kernels/quant_matmul.cpp's kLevels
 QUANTIZE_ROWS = 4096  # rows quantized or packed at a time; whole units (16 rows)
 
 
@@ -67,6 +74,12 @@ class QuantizedWeight:
     # [ceil(N / 16), K / 256, scale rows, 16] float16: each int8 scale's factor, per 8 groups
     factors: torch.Tensor | None = None
     halves: bool = False  # scale rows 0 and 1 are a d per 16-column half
+    levels: bool = False  # 4-bit codes that index IQ4_LEVELS (IQ4_NL, IQ4_XS)
+
+    @property
+    def op_bits(self) -> int:
+        """The kernel ops' `bits`: the code width, LEVELS_BITS for level indices."""
+        return LEVELS_BITS if self.levels else self.bits
 
     @property
     def num_bytes(self) -> int:
@@ -94,7 +107,7 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (float32 or bf16, contiguous) times this weight: [M, N], on the kernel."""
         out: torch.Tensor = torch.ops.prefixgate.quant_matmul(
-            x, self.codes, self.scales, self.bits, self.out_features, self.factors, self.halves
+            x, self.codes, self.scales, self.op_bits, self.out_features, self.factors, self.halves
         )
         return out
 
@@ -103,7 +116,13 @@ class QuantizedWeight:
         values bit for bit, in one op instead of ~100 small torch ops (0.24 ms for one row
         of a 1B's head, a decode step's embedding)."""
         out: torch.Tensor = torch.ops.prefixgate.dequantize_rows(
-            self.codes, self.scales, self.bits, self.out_features, ids, self.factors, self.halves
+            self.codes,
+            self.scales,
+            self.op_bits,
+            self.out_features,
+            ids,
+            self.factors,
+            self.halves,
         )
         return out
 
@@ -123,6 +142,8 @@ class QuantizedWeight:
         if self.factors is not None:
             state[f"{prefix}.factors"] = self.factors
         state[f"{prefix}.halves"] = torch.tensor(self.halves)
+        if self.levels:
+            state[f"{prefix}.levels"] = torch.tensor(True)
         return state
 
     @classmethod
@@ -140,6 +161,7 @@ class QuantizedWeight:
             out_features,
             state.pop(f"{prefix}.factors", None),
             bool(state.pop(f"{prefix}.halves")),
+            bool(state.pop(f"{prefix}.levels", False)),
         )
 
 
@@ -236,11 +258,13 @@ def pack_weight(
     bits: int,
     with_min: bool | None = None,
     factors: ScaleFactors | None = None,
+    levels: bool = False,
 ) -> QuantizedWeight:
     """Codes [N, K / 32, 32] (0..15 for 4 bits, 0..31 for 5, -32..31 for 6, -127..127 for 8,
-    any dtype) with d and m [N, K / 32] into the kernel's layout: tiles of 8 rows, each group
-    as 8 steps of 4 columns with the 8 rows side by side in a step, two tiles to a unit
-    stored group by group (engine/kernels/quant_matmul.cpp). The scales stay float32 where d
+    any dtype; with `levels`, 4-bit indices into IQ4_LEVELS) with d and m [N, K / 32] into
+    the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns with the 8 rows
+    side by side in a step, two tiles to a unit stored group by group
+    (engine/kernels/quant_matmul.cpp). The scales stay float32 where d
     or m is (a K-quant's exact products), else float16. `scale` [N, K / 32, 2] gives each
     group a d per 16-column half (Q6_K's sub-blocks), then the kernel's halves; `low`
     [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).
@@ -254,9 +278,10 @@ def pack_weight(
     layout decided once for all of it: whole, a 1B's 128,256-row head took ~1 GB of
     temporaries (bytes per code, nibbles, bit planes) on top of its codes, most of a first
     start's peak."""
+    assert not levels or bits == 4, "level indices are 4-bit codes"
     rows = scale.shape[0]
     if rows <= QUANTIZE_ROWS:
-        return _pack_rows(codes, scale, low, bits, with_min, factors)
+        return _pack_rows(codes, scale, low, bits, with_min, factors, levels)
     if with_min is None and low.dim() == 2:
         with_min = bool(low.any())
     unit_rows = UNIT_TILES * TILE_ROWS
@@ -276,6 +301,7 @@ def pack_weight(
             bits,
             with_min,
             None if factors is None else factors.rows(start, end),
+            levels,
         )
         if whole is None:  # every chunk has the first one's layout: the whole's tensors
             factors_out = None if chunk.factors is None else empty(chunk.factors)
@@ -300,6 +326,7 @@ def _pack_rows(
     bits: int,
     with_min: bool | None,
     factors: ScaleFactors | None,
+    levels: bool = False,
 ) -> QuantizedWeight:
     rows, groups = scale.shape[:2]
     tiles = rows // TILE_ROWS
@@ -355,11 +382,17 @@ def _pack_rows(
         subs = [pick(factors.d_sub, factors.m_sub, row) for row in rows_of]
         supers = [factors.d_super if row[0] == "d" else factors.m_super for row in rows_of]
         return QuantizedWeight(
-            codes_out, tiled(subs, torch.int8), bits, rows, tiled(supers, torch.float16), halves
+            codes_out,
+            tiled(subs, torch.int8),
+            bits,
+            rows,
+            tiled(supers, torch.float16),
+            halves,
+            levels,
         )
     parts = [pick(scale, low, row).to(torch.float32) for row in rows_of]
     scales_out = tiled(parts, torch.float32 if wide else torch.float16)
-    return QuantizedWeight(codes_out, scales_out, bits, rows, halves=halves)
+    return QuantizedWeight(codes_out, scales_out, bits, rows, halves=halves, levels=levels)
 
 
 @dataclass(frozen=True)
@@ -577,6 +610,8 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
             plane = plane[torch.arange(n), :, row]  # [n, G, 4]
             high = (plane[:, :, None] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
             codes = codes | (high.reshape(n, groups, GROUP_SIZE) << bit)  # [n, G, s, i]
+        if weight.levels:  # indices of the levels
+            codes = IQ4_LEVELS[codes.long()]
         codes = codes.float() - (32 if weight.bits == 6 else 0)  # 6 bits: stored as w + 32
     else:
         packed = mine.view(torch.int8).view(n, groups, 8, TILE_ROWS, 4)

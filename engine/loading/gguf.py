@@ -11,7 +11,8 @@ Q3_K's and Q6_K's 16-weight sub-blocks, two m for Q2_K's), so they are unpacked 
 and m with no float round trip (`group_codes`), each linear at its own type's width, a file
 mixing types per tensor included (a linear fusing a K-quant with a 32-weight type keeps float32
 products). IQ4_NL and IQ4_XS pick each weight from 16 non-uniform levels, small integers times
-d: the levels are 8-bit codes (exact, at twice the file's bits). Every other type (F32, F16,
+d: their 4-bit indices are the codes (`GroupCodes.levels`), which the kernel reads as the
+levels they pick, exactly and in the file's 4 bits. Every other type (F32, F16,
 BF16, IQ1-IQ3, whose codebooks are vectors) is dequantized by the `gguf` package
 (`dequantize`) and, for a quantized linear, re-quantized with a warning.
 
@@ -40,6 +41,7 @@ from engine.core.memory import return_freed_memory
 from engine.executor.quantization import (
     BITS,
     GROUP_SIZE,
+    IQ4_LEVELS,
     QUANTIZE_ROWS,
     TILE_ROWS,
     ScaleFactors,
@@ -118,13 +120,20 @@ class GroupCodes:
     bits: int
     # a K-quant's d and m in the file's own two levels (exactly d and m): what the kernel reads
     factors: ScaleFactors | None = None
+    levels: bool = False  # 4-bit codes that index IQ4_LEVELS (IQ4_NL, IQ4_XS)
 
     def widened(self, bits: int) -> GroupCodes:
         """The same weights in `bits`-wide codes: 4- and 5-bit codes (0..15, 0..31) are wider
         codes as they are, so a fused linear whose parts differ in width keeps every part's
-        values."""
+        values; level indices become the 8-bit levels they index."""
         if bits == self.bits:
             return self
+        if self.levels:
+            if bits != 8:
+                raise ValueError(f"IQ4 levels do not fit in {bits} bits")
+            return dataclasses.replace(
+                self, codes=IQ4_LEVELS[self.codes.long()], bits=8, levels=False
+            )
         if (self.bits, bits) not in ((4, 5), (4, 6), (4, 8), (5, 6), (5, 8), (6, 8)):
             raise ValueError(f"{self.bits}-bit codes do not fit in {bits} bits")
         return dataclasses.replace(
@@ -133,8 +142,10 @@ class GroupCodes:
 
     @staticmethod
     def cat(parts: list[GroupCodes]) -> GroupCodes:
-        """Rows of `parts` one after another, at the widest of their code widths."""
-        bits = max(p.bits for p in parts)
+        """Rows of `parts` one after another, at the widest of their code widths (8 bits
+        where level indices join other codes)."""
+        levels = all(p.levels for p in parts)
+        bits = 8 if any(p.levels for p in parts) and not levels else max(p.bits for p in parts)
         parts = [p.widened(bits) for p in parts]
         # float16 widens exactly; a float32 m (Q4_0's or Q5_0's beyond float16) stays one
         wide = any(torch.float32 in (p.d.dtype, p.m.dtype) for p in parts)
@@ -152,6 +163,7 @@ class GroupCodes:
             ScaleFactors.cat([f.per_half(halves, half_mins) for f in factors])
             if len(factors) == len(parts)
             else None,
+            levels,
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -167,7 +179,7 @@ class GroupCodes:
         """The same kind of weight holding `tensors` (in `tensors()`' order)."""
         codes, d, m, *rest = tensors
         factors = None if self.factors is None else ScaleFactors(*rest)
-        return GroupCodes(codes, d, m, self.bits, factors)
+        return GroupCodes(codes, d, m, self.bits, factors, self.levels)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """w = codes * d + m in float32 (as GGML computes it), stored in `dtype`, a few
@@ -177,7 +189,9 @@ class GroupCodes:
         out = torch.empty(rows, groups * GROUP_SIZE, dtype=dtype)
         for start in range(0, rows, QUANTIZE_ROWS):
             end = start + QUANTIZE_ROWS
-            w = self.codes[start:end].float().mul_(_per_column(self.d[start:end]))
+            codes = self.codes[start:end]
+            codes = IQ4_LEVELS[codes.long()] if self.levels else codes
+            w = codes.float().mul_(_per_column(self.d[start:end]))
             out[start:end] = w.add_(_per_column(self.m[start:end])).flatten(1)
         return out
 
@@ -575,31 +589,25 @@ def _q2_k_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     return codes.reshape(*lead, 8, 32), halves, mins, factors
 
 
-# IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a nibble picks one, times d.
-IQ4_LEVELS = torch.tensor(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
-)
-
-
-def _iq4_levels(packed: torch.Tensor) -> torch.Tensor:
-    """The int8 levels of 16 bytes of nibbles [..., 16] as 32 codes: byte j holds weight j
-    (low nibble) and weight j + 16 (high), as in Q4_0."""
-    return IQ4_LEVELS[torch.cat([packed & 0x0F, packed >> 4], dim=-1).long()]
+def _iq4_indices(packed: torch.Tensor) -> torch.Tensor:
+    """The 32 level indices of 16 bytes of nibbles [..., 16]: byte j holds weight j (low
+    nibble) and weight j + 16 (high), as in Q4_0."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
 def _iq4_nl_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 32], d and m [...] of IQ4_NL blocks [..., 18]: d f16, 16 bytes of nibbles,
-    each an index into the 16 non-uniform levels. The levels are the codes (8-bit), so code
-    * d is GGML's `d * kvalues[q]` bit for bit; m = -0 (no min)."""
+    each an index into the 16 non-uniform levels (the codes: `BlockType.levels`), so
+    IQ4_LEVELS[code] * d is GGML's `d * kvalues[q]` bit for bit; m = -0 (no min)."""
     d = _half(blocks, 0)
-    return _iq4_levels(blocks[..., 2:18]), d, torch.full_like(d, -0.0), None
+    return _iq4_indices(blocks[..., 2:18]), d, torch.full_like(d, -0.0), None
 
 
 def _iq4_xs_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     """Codes [..., 8, 32], d and m [..., 8] of IQ4_XS super-blocks [..., 136]: d f16, the
     sub-scales' high 2 bits (uint16), their low 4 bits (4 bytes), then 16 bytes of IQ4_NL
     nibbles per 32-weight group. Group j's d = d * (scale_j - 32) (float32, exact), codes the
-    levels: code * d is GGML's `d * (ls - 32) * kvalues[q]` bit for bit."""
+    level indices: IQ4_LEVELS[code] * d is GGML's `d * (ls - 32) * kvalues[q]` bit for bit."""
     lead = blocks.shape[:-1]
     high = blocks[..., 2:4].contiguous().view(torch.int16)[..., 0].to(torch.int32)
     low = blocks[..., 4:8]
@@ -607,7 +615,7 @@ def _iq4_xs_codes(kind: str, blocks: torch.Tensor) -> Decoded:
     shifts = torch.arange(0, 16, 2, dtype=torch.int32)
     scale = low | (((high[..., None] >> shifts) & 3) << 4)
     sub = (scale - 32).to(torch.int8)
-    codes = _iq4_levels(blocks[..., 8:136].reshape(*lead, 8, 16))
+    codes = _iq4_indices(blocks[..., 8:136].reshape(*lead, 8, 16))
     d = _half(blocks, 0)
     factors = ScaleFactors(sub, d, torch.zeros_like(sub), torch.full_like(d, -0.0))
     return codes, d.float()[..., None] * sub.float(), torch.full((*lead, 8), -0.0), factors
@@ -627,6 +635,7 @@ class BlockType:
     block_bytes: int
     block_weights: int  # 32, or a K-quant super-block's 256 (8 groups)
     decode: Decoder
+    levels: bool = False  # the codes index IQ4_LEVELS
 
 
 # K-quant groups' d and m are float32 products (super-block d times a 6-bit sub-scale), exact
@@ -643,8 +652,8 @@ EXACT_BLOCKS = {
     "Q6_K": BlockType(6, 210, 256, _q6_k_codes),
     "Q3_K": BlockType(6, 110, 256, _q3_k_codes),
     "Q2_K": BlockType(4, 84, 256, _q2_k_codes),
-    "IQ4_NL": BlockType(8, 18, 32, _iq4_nl_codes),
-    "IQ4_XS": BlockType(8, 136, 256, _iq4_xs_codes),
+    "IQ4_NL": BlockType(4, 18, 32, _iq4_nl_codes, levels=True),
+    "IQ4_XS": BlockType(4, 136, 256, _iq4_xs_codes, levels=True),
 }
 # Every quantized GGML type by the kernel code width that serves it: its own blocks where
 # `EXACT_BLOCKS` has it; the others re-quantized from their values to the nearest width, with
@@ -697,7 +706,12 @@ def _decoded_rows(kind: str, blocks: torch.Tensor, cols: int) -> GroupCodes:
             factors.m_super.reshape(rows, groups // 8),
         )
     return GroupCodes(
-        codes.reshape(rows, groups, GROUP_SIZE), per_group(d), per_group(m), block.bits, factors
+        codes.reshape(rows, groups, GROUP_SIZE),
+        per_group(d),
+        per_group(m),
+        block.bits,
+        factors,
+        block.levels,
     )
 
 
@@ -740,7 +754,10 @@ def blocks_quantized_state(
             # the head's codes are the embedding's values: it is read from them
             # (`HeadRowsEmbedding`), with no float copy of the table
             del sources["embed_tokens.weight"]
-        packed = [pack_weight(c.codes, c.d, c.m, c.bits, factors=c.factors) for c in blocks]
+        packed = [
+            pack_weight(c.codes, c.d, c.m, c.bits, factors=c.factors, levels=c.levels)
+            for c in blocks
+        ]
         state.update(parts_state(packed, f"{full}.quantized"))
         if weights.dense_copies:
             dense = [codes.dequantize(dtype) for codes in blocks]
@@ -789,8 +806,8 @@ def row_blocks(parts: list[GroupCodes]) -> list[GroupCodes]:
     return [run[0] if len(run) == 1 else GroupCodes.cat(run) for run in runs]
 
 
-def _layout(codes: GroupCodes) -> tuple[int, bool]:
-    return codes.bits, codes.factors is not None
+def _layout(codes: GroupCodes) -> tuple[int, bool, bool]:
+    return codes.bits, codes.factors is not None, codes.levels
 
 
 def _quantized(w: torch.Tensor, bits: int) -> GroupCodes:

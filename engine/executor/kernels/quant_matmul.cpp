@@ -26,7 +26,10 @@
 //            8.5). bits 6: bits 5's 160 bytes, then 32 bytes of 6th bits alike; a code w in
 //            -32..31 stored as w + 32, the 32 * sum(activation codes) taken off each integer
 //            sum (Q6_K as its file holds it, 6 bits and not 8: the same integers, so the
-//            same bits as its codes in 8-bit lanes).
+//            same bits as its codes in 8-bit lanes). bits 12 (kLevels): bits 4's bytes,
+//            each nibble an index into the 16 non-uniform levels of IQ4_NL and IQ4_XS
+//            (-127..113), which are the codes the sums take: 4 bits a weight read, the
+//            same integers (so the same bits) as the levels in 8-bit lanes.
 //     scales [ceil(N / 16), K / 32, 2, 16] float16 or float32: per unit and group, the d
 //            then the m of its 16 rows (tile 0's 8, then tile 1's). float16 is what
 //            Q4_0/Q4_1/Q5_x/Q8_0 blocks carry; float32 holds the K-quants' per-group
@@ -107,13 +110,22 @@ constexpr bool kVnniBuild = false;
 
 namespace {
 
+// IQ4_NL's and IQ4_XS's codes: 4-bit indices into these levels (ggml's kvalues_iq4nl), stored
+// as 4-bit codes are and read as the 8-bit codes they index (the op's `bits` for them).
+constexpr int kLevels = 12;
+constexpr int8_t kLevelValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 32-byte chunks a tile's group takes: `bits` (levels: the 4 of their indices).
+constexpr int code_chunks(int bits) { return bits == kLevels ? 4 : bits; }
+
 // The c of weight codes that the vector paths take as w + c: 6-bit codes are stored so, and
 // VNNI's multiply-add takes 8-bit ones unsigned; each such integer sum starts from -c times
 // its activation codes' sum (QuantizedActivations::offset). 0 for the other widths and in the
 // portable loop, which reads signed codes.
 constexpr int32_t code_offset([[maybe_unused]] int bits) {
 #if PREFIXGATE_QMM_AVX2
-  return bits == 6 ? 32 : bits == 8 && kVnniBuild ? 128 : 0;
+  return bits == 6 ? 32 : (bits == 8 || bits == kLevels) && kVnniBuild ? 128 : 0;
 #else
   return 0;
 #endif
@@ -296,14 +308,14 @@ constexpr int scale_rows(bool halves, int mins) { return (halves ? 2 : 1) + mins
 // known at compile time: the hot loops' addresses are then constant strides.
 template <int BITS, int ROWS>
 struct TileSpan {
-  const uint8_t* codes;  // [G, BITS, 2, 32]: group g's chunk c of tile t, 32 bytes
+  const uint8_t* codes;  // [G, chunks, 2, 32]: group g's chunk c of tile t, 32 bytes
   const void* scales;    // [G, ROWS, 16]: at::Half, float or int8, by `form`
   ScaleForm form;
   const at::Half* factors;  // kFactored: [G / 8, ROWS, 16] float16
 
   // Tile t's chunk c of group g (tile 1's follows tile 0's).
   const uint8_t* chunk(int t, int64_t g, int64_t c) const {
-    return codes + ((g * BITS + c) * 2 + t) * 32;
+    return codes + ((g * code_chunks(BITS) + c) * 2 + t) * 32;
   }
 
   // Where tile t's 8 scales of scale row `row` in group g start (tile 1's follow tile 0's).
@@ -319,7 +331,7 @@ struct TileSpan {
   // Unit u's span, counted from this one.
   TileSpan unit(int64_t u, int64_t groups) const {
     const int64_t unit_scales = groups * ROWS * 16;
-    return {codes + u * groups * BITS * 64,
+    return {codes + u * groups * code_chunks(BITS) * 64,
             static_cast<const char*>(scales) + u * unit_scales * scale_bytes(), form,
             factors == nullptr ? nullptr : factors + u * unit_scales / 8};
   }
@@ -337,7 +349,7 @@ using LayoutSpan = TileSpan<BITS, scale_rows(HALVES, MINS)>;
 template <int BITS, int ROWS>
 inline void prefetch_ahead(const TileSpan<BITS, ROWS>& span, int64_t g) {
   const uint8_t* ahead = span.chunk(0, g + kPrefetchGroups, 0);
-  for (int c = 0; c < BITS; ++c) __builtin_prefetch(ahead + 64 * c);
+  for (int c = 0; c < code_chunks(BITS); ++c) __builtin_prefetch(ahead + 64 * c);
 }
 
 // Lane r of tile t's scales of scale row `row` in group g, as float (exact in every form:
@@ -368,6 +380,7 @@ inline int32_t code_at(const TileSpan<BITS, ROWS>& span, int t, int64_t g, int64
   } else {
     const uint8_t byte = span.chunk(t, g, j / 2)[i];
     int32_t code = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+    if constexpr (BITS == kLevels) return kLevelValues[code];
     if constexpr (BITS >= 5) code |= ((span.chunk(t, g, 4)[i] >> j) & 1) << 4;
     if constexpr (BITS == 6) code = (code | ((span.chunk(t, g, 5)[i] >> j) & 1) << 5) - 32;
     return code;
@@ -417,6 +430,16 @@ inline __m256i step_codes(__m256i packed, [[maybe_unused]] __m256i fifths,
     u = _mm256_or_si256(u, _mm256_and_si256(sixth, _mm256_set1_epi8(0x20)));
   }
   return u;
+}
+#endif
+
+#if PREFIXGATE_QMM_AVX2
+// Step j's codes of a levels tile group (kLevels): its indices' levels as signed bytes, one
+// byte shuffle (the table in both 128-bit lanes).
+inline __m256i level_codes(__m256i packed, int j) {
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
+  return _mm256_shuffle_epi8(table, step_codes<4>(packed, __m256i{}, __m256i{}, j));
 }
 #endif
 
@@ -527,16 +550,20 @@ void block_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActiva
         __m256i u[T];                      // the multiply-add's unsigned operand, per tile
         [[maybe_unused]] __m256i sign[T];  // 8 bits without VNNI: the codes, for their signs
         for (int t = 0; t < T; ++t) {
-          if constexpr (BITS != 8)
+          if constexpr (BITS != 8 && BITS != kLevels)
             u[t] = step_codes<BITS>(packed[t], BITS >= 5 ? fifths[t] : __m256i{},
                                     BITS == 6 ? sixths[t] : __m256i{}, j);
-          if constexpr (BITS == 8) {
+          if constexpr (BITS == 8 || BITS == kLevels) {
             // 8-bit codes are signed and the multiply-add takes its first operand unsigned:
             // with VNNI, w + 128 (its top bit flipped), the 128 * sum(activation codes) it
             // adds taken off the integer sum after; without, |w|, w's sign moved onto the
             // activation (llama.cpp's trick: maddubs' pair sums of 127 * 127 stay in int16).
-            const __m256i codes8 =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, j)));
+            // Levels: their indices looked up, the same bytes as the levels stored.
+            __m256i codes8;
+            if constexpr (BITS == kLevels)
+              codes8 = level_codes(packed[t], j);
+            else
+              codes8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, j)));
             if constexpr (kVnni) {
               u[t] = _mm256_xor_si256(codes8, _mm256_set1_epi8(static_cast<char>(0x80)));
             } else {
@@ -726,6 +753,10 @@ void pair_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivat
     if constexpr (MB <= kPrefetchRows) prefetch_ahead(span, g);
     // the group's chunks in address order (4-6 bits: the nibbles' four, then the planes)
     [[maybe_unused]] __m512i packed[4], fifths{}, sixths{};
+    // levels: the table of w + 128 (w's top bit flipped) in every 128-bit lane
+    [[maybe_unused]] const __m512i biased_levels = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues))),
+        _mm512_set1_epi8(static_cast<char>(0x80)));
     if constexpr (BITS != 8)
       for (int c = 0; c < 4; ++c) packed[c] = pair_bytes(span, g, c);
     if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes(span, g, 4);
@@ -746,6 +777,9 @@ void pair_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivat
           if constexpr (BITS == 8) {  // w + 128, as block_dot's VNNI loop
             u = _mm512_xor_si512(pair_bytes(span, g, j),
                                  _mm512_set1_epi8(static_cast<char>(0x80)));
+          } else if constexpr (BITS == kLevels) {  // the levels + 128, looked up
+            u = _mm512_shuffle_epi8(biased_levels,
+                                    pair_step_codes<4>(packed[pair], fifths, sixths, j));
           } else {
             u = pair_step_codes<BITS>(packed[pair], fifths, sixths, j);
           }
@@ -876,7 +910,11 @@ void prepare_pair(const LayoutSpan<BITS, HALVES, MINS>& span, int64_t groups,
       for (int j = 0; j < kSteps; ++j) {
         __m256i step = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(span.chunk(t, g, BITS == 8 ? j : j / 2)));
-        if constexpr (BITS != 8) step = step_codes<BITS>(step, fifths, sixths, j);
+        if constexpr (BITS == kLevels) {
+          step = level_codes(step, j);
+        } else if constexpr (BITS != 8) {
+          step = step_codes<BITS>(step, fifths, sixths, j);
+        }
         // 6-bit codes are stored as w + 32: the tiles multiply signed bytes, w itself
         if constexpr (BITS == 6) step = _mm256_sub_epi8(step, _mm256_set1_epi8(32));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(steps + j * 64 + t * 32), step);
@@ -1062,7 +1100,8 @@ void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
   const int64_t tile_rows = amx_serves(rows) ? rows / kAmxRows * kAmxRows : 0;
   const TileSpan<BITS, kScaleRows> base{codes, scales, form, factors};
   const int64_t unit_bytes =
-      kTileBlock * groups * (kTile * kGroup * BITS / 8 + kScaleRows * kTile * base.scale_bytes());
+      kTileBlock * groups *
+      (kTile * kGroup * code_chunks(BITS) / 8 + kScaleRows * kTile * base.scale_bytes());
   const int64_t block_units = std::max<int64_t>(1, kWeightBlockBytes / unit_bytes);
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
 #if PREFIXGATE_QMM_AMX
@@ -1134,12 +1173,12 @@ struct WeightLayout {
 // (a one-line probe showed it; docs/benchmarks.md), where a literal one raises.
 WeightLayout check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                           int64_t n, const std::optional<at::Tensor>& factors, bool halves) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
-              "quantized weight: bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8 || bits == kLevels,
+              "quantized weight: bits must be 4, 5, 6, 8 or 12 (IQ4 levels)");
   TORCH_CHECK(n >= 0 && n % kTile == 0, "quantized weight: N must be a multiple of 8");
   const int64_t units = (n + 2 * kTile - 1) / (2 * kTile);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
-                  codes.size(0) == units && codes.size(2) == 64 * bits,
+                  codes.size(0) == units && codes.size(2) == 64 * code_chunks(bits),
               "quantized weight: codes must be a contiguous uint8 [ceil(N / 16), K / 32, "
               "64 * bits]");
   const int64_t groups = codes.size(1);
@@ -1193,6 +1232,8 @@ void with_layout(int64_t bits, bool halves, int64_t mins, const F& f) {
     by_rows(std::integral_constant<int, 5>{});
   } else if (bits == 6) {
     by_rows(std::integral_constant<int, 6>{});
+  } else if (bits == kLevels) {
+    by_rows(std::integral_constant<int, kLevels>{});
   } else {
     by_rows(std::integral_constant<int, 8>{});
   }

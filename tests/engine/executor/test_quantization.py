@@ -15,6 +15,7 @@ from engine.core.cpu import CpuFeatures, auto_dtype
 from engine.executor.kernels import load_cpu_kernels
 from engine.executor.quantization import (
     GROUP_SIZE,
+    IQ4_LEVELS,
     QUANTIZE_ROWS,
     TILE_ROWS,
     QuantizedLinear,
@@ -330,6 +331,49 @@ def test_six_bit_codes_give_the_bits_of_the_same_codes_in_8_bit_lanes(
         for weight in (six, six_factored, eight_factored):
             got = weight.matmul(x[:rows])
             assert torch.equal(got, want[:rows]), (rows, weight.bits, weight.factors is None)
+
+
+@pytest.mark.parametrize("form", ["half", "float", "factored"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_level_indices_give_the_bits_of_their_levels_in_8_bit_lanes(
+    kernels: None, dtype: torch.dtype, form: str
+) -> None:
+    """IQ4_NL's and IQ4_XS's codes: 4-bit indices into 16 non-uniform levels, read as the
+    levels they pick. The same integers as the levels stored as 8-bit codes, so the same bits
+    (the 8-bit lanes are pinned above, on every build), at half the code bytes: with float16
+    scales (IQ4_NL), float32 ones and factored ones (IQ4_XS's sub-scale times d), for every
+    row count from 1 to 40 (every register block, pair and tile width) and at 512; and the
+    same rows read back out (a tied embedding's)."""
+    gen = torch.Generator().manual_seed(12)
+    n, k = 8 * 5, 512  # an odd last tile: the 256-bit path beside the 512-bit one
+    groups = k // GROUP_SIZE
+    indices = torch.randint(0, 16, (n, groups, GROUP_SIZE), generator=gen).to(torch.uint8)
+    indices[0, 0], indices[1, 0] = 0, 15  # the extreme levels, a whole group each
+    levels = IQ4_LEVELS[indices.long()]
+    factors = None
+    if form == "factored":
+        d_sub = torch.randint(-32, 32, (n, groups), generator=gen).to(torch.int8)
+        d_super = (torch.randint(1, 2000, (n, groups // 8), generator=gen).float() / 2**20).half()
+        factors = ScaleFactors(
+            d_sub, d_super, torch.zeros_like(d_sub), torch.full_like(d_super, -0.0)
+        )
+        d = d_sub.float() * d_super.float().repeat_interleave(8, 1)
+    else:
+        d = torch.rand((n, groups), generator=gen) / 64 + 1e-4
+        d = d.half() if form == "half" else d
+    m = torch.full_like(d, -0.0)
+    eight = pack_weight(levels, d, m, 8, factors=factors)
+    four = pack_weight(indices, d, m, 4, factors=factors, levels=True)
+    assert four.levels and four.codes.nbytes * 2 == eight.codes.nbytes
+    x = (torch.randint(-4096, 4096, (512, k), generator=gen).float() / 1024).to(dtype)
+    want = eight.matmul(x)
+    for rows in [*range(1, 41), 512]:
+        assert torch.equal(four.matmul(x[:rows]), want[:rows]), rows
+    every = torch.arange(n)
+    assert torch.equal(dequantize_rows(four, every), dequantize_rows(eight, every))
+    assert torch.equal(four.rows(every), eight.rows(every))
+    back = QuantizedWeight.from_state(dict(four.state("w")), "w", n)
+    assert back.levels and torch.equal(back.matmul(x[:3]), want[:3])
 
 
 def test_the_integer_dot_products_are_the_best_this_cpu_and_build_have(kernels: None) -> None:

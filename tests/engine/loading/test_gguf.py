@@ -391,7 +391,7 @@ def test_a_fused_linears_tensors_of_other_layouts_stay_row_blocks_in_their_own()
 _EDGE_D = np.array([0.0125, -0.003, 0.0, -0.0, 6e-8, 1e-5, -65504.0, 65504.0], np.float16)
 
 
-IQ4 = (Q.IQ4_NL, Q.IQ4_XS)  # served exactly: their levels as 8-bit codes
+IQ4 = (Q.IQ4_NL, Q.IQ4_XS)  # served exactly: 4-bit indices of their levels
 
 
 @pytest.mark.parametrize(
@@ -448,7 +448,10 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
         assert torch.equal(ours.view(torch.int32), ggml.view(torch.int32))
     # read back out of the kernel's layout (a tied embedding's rows), in torch and on the
     # kernel: the same floats, edge values included
-    packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
+    assert codes.levels == (qtype in IQ4)
+    packed = pack_weight(
+        codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors, levels=codes.levels
+    )
     order = torch.randperm(64, generator=torch.Generator().manual_seed(3))
     assert load_cpu_kernels(default_cache_dir())
     for rows in (dequantize_rows(packed, order), packed.rows(order)):
@@ -457,7 +460,7 @@ def test_crafted_blocks_dequantize_to_ggmls_values_bit_for_bit(qtype: GGMLQuanti
 
 @pytest.mark.parametrize(
     ("qtype", "bits"),
-    [(Q.Q2_K, 4), (Q.Q3_K, 6), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6), (Q.IQ4_XS, 8)],
+    [(Q.Q2_K, 4), (Q.Q3_K, 6), (Q.Q4_K, 4), (Q.Q5_K, 5), (Q.Q6_K, 6), (Q.IQ4_XS, 4)],
 )
 def test_k_quant_tensors_are_served_in_their_own_blocks(
     tmp_path: Path, qtype: GGMLQuantizationType, bits: int
@@ -493,7 +496,7 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     expected = torch.from_numpy(dequantize(blocks.reshape(rows, -1), qtype).astype(np.float32))
     dense = codes.dequantize(torch.float32)
     assert torch.equal(dense.view(torch.int32), expected.view(torch.int32))
-    packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits)
+    packed = pack_weight(codes.codes, codes.d, codes.m, codes.bits, levels=codes.levels)
     assert packed.scales.dtype == torch.float32
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
     unpacked = dequantize_rows(packed, order)  # the rows back out of the kernel's layout
@@ -507,7 +510,9 @@ def test_k_quant_tensors_are_served_in_their_own_blocks(
     torch.testing.assert_close(out, reference, rtol=0.02, atol=0.02 * reference.abs().max())
 
     assert codes.factors is not None
-    factored = pack_weight(codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors)
+    factored = pack_weight(
+        codes.codes, codes.d, codes.m, codes.bits, factors=codes.factors, levels=codes.levels
+    )
     assert factored.scales.dtype == torch.int8 and factored.factors is not None
     assert factored.factors.dtype == torch.float16
     # a byte per scale and 2 a factor per 8 of them: 5/16 of float32's 4 bytes a scale
