@@ -434,11 +434,15 @@ inline __m256i step_codes(__m256i packed, [[maybe_unused]] __m256i fifths,
 #endif
 
 #if PREFIXGATE_QMM_AVX2
-// Step j's codes of a levels tile group (kLevels): its indices' levels as signed bytes, one
-// byte shuffle (the table in both 128-bit lanes).
-inline __m256i level_codes(__m256i packed, int j) {
-  const __m256i table = _mm256_broadcastsi128_si256(
+// kLevelValues in both 128-bit lanes: the table of level_codes' shuffle, loaded once a loop.
+inline __m256i level_table() {
+  return _mm256_broadcastsi128_si256(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues)));
+}
+
+// Step j's codes of a levels tile group (kLevels): its indices' levels as signed bytes, one
+// byte shuffle of `table` (level_table()).
+inline __m256i level_codes(__m256i table, __m256i packed, int j) {
   return _mm256_shuffle_epi8(table, step_codes<4>(packed, __m256i{}, __m256i{}, j));
 }
 #endif
@@ -502,6 +506,7 @@ void block_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActiva
   __m256 acc[MB][T];
   for (int mb = 0; mb < MB; ++mb)
     for (int t = 0; t < T; ++t) acc[mb][t] = _mm256_setzero_ps();
+  [[maybe_unused]] const __m256i levels = level_table();  // kLevels' lookup
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (MB <= kPrefetchRows) prefetch_ahead(span, g);
     // With VNNI one dpbusd waits ~5 cycles on the one before it into the same register:
@@ -561,7 +566,7 @@ void block_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActiva
             // Levels: their indices looked up, the same bytes as the levels stored.
             __m256i codes8;
             if constexpr (BITS == kLevels)
-              codes8 = level_codes(packed[t], j);
+              codes8 = level_codes(levels, packed[t], j);
             else
               codes8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(span.chunk(t, g, j)));
             if constexpr (kVnni) {
@@ -745,6 +750,10 @@ void pair_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivat
   // Factored scales: each scale row's factors widened once per super-block of 8 groups.
   const bool factored = span.form == ScaleForm::kFactored;
   __m512 factors[kScaleRows] = {};
+  // levels: the table of w + 128 (w's top bit flipped) in every 128-bit lane
+  [[maybe_unused]] const __m512i biased_levels = _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues))),
+      _mm512_set1_epi8(static_cast<char>(0x80)));
   for (int64_t g = 0; g < groups; ++g) {
     if (factored && g % 8 == 0)
       for (int r = 0; r < kScaleRows; ++r)
@@ -753,10 +762,6 @@ void pair_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivat
     if constexpr (MB <= kPrefetchRows) prefetch_ahead(span, g);
     // the group's chunks in address order (4-6 bits: the nibbles' four, then the planes)
     [[maybe_unused]] __m512i packed[4], fifths{}, sixths{};
-    // levels: the table of w + 128 (w's top bit flipped) in every 128-bit lane
-    [[maybe_unused]] const __m512i biased_levels = _mm512_xor_si512(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevelValues))),
-        _mm512_set1_epi8(static_cast<char>(0x80)));
     if constexpr (BITS != 8)
       for (int c = 0; c < 4; ++c) packed[c] = pair_bytes(span, g, c);
     if constexpr (BITS == 5 || BITS == 6) fifths = pair_bytes(span, g, 4);
@@ -779,7 +784,7 @@ void pair_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActivat
                                  _mm512_set1_epi8(static_cast<char>(0x80)));
           } else if constexpr (BITS == kLevels) {  // the levels + 128, looked up
             u = _mm512_shuffle_epi8(biased_levels,
-                                    pair_step_codes<4>(packed[pair], fifths, sixths, j));
+                                    pair_step_codes<4>(packed[pair], __m512i{}, __m512i{}, j));
           } else {
             u = pair_step_codes<BITS>(packed[pair], fifths, sixths, j);
           }
@@ -897,6 +902,7 @@ void prepare_pair(const LayoutSpan<BITS, HALVES, MINS>& span, int64_t groups,
   constexpr int kParts = scale_rows(HALVES, MINS);  // the scale rows, in their order
   pair.steps.resize(groups * kSteps * 64);
   pair.scales.resize(groups * kParts * 16);
+  [[maybe_unused]] const __m256i levels = level_table();  // kLevels' lookup
   for (int64_t g = 0; g < groups; ++g) {
     int8_t* steps = pair.steps.data() + g * kSteps * 64;
     for (int t = 0; t < 2; ++t) {
@@ -911,7 +917,7 @@ void prepare_pair(const LayoutSpan<BITS, HALVES, MINS>& span, int64_t groups,
         __m256i step = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(span.chunk(t, g, BITS == 8 ? j : j / 2)));
         if constexpr (BITS == kLevels) {
-          step = level_codes(step, j);
+          step = level_codes(levels, step, j);
         } else if constexpr (BITS != 8) {
           step = step_codes<BITS>(step, fifths, sixths, j);
         }
