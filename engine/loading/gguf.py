@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.core.memory import return_freed_memory
 from engine.executor.quantization import (
     BITS,
     GROUP_SIZE,
@@ -53,6 +52,7 @@ from engine.executor.quantization import (
     quantize_int4,
     quantize_int8,
 )
+from engine.loading.gguf_header import read_header, tensor_values
 
 logger = logging.getLogger(__name__)
 
@@ -226,35 +226,25 @@ class GGUFTable:
 
     @classmethod
     def parse(cls, path: Path) -> GGUFTable:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        arch = str(reader.fields["general.architecture"].contents())
+        """ValueError where `path` is not a GGUF file this engine reads."""
+        header = read_header(path)
+        arch = header.arch
         tensors = {
-            t.name: TensorEntry(
-                t.tensor_type.name,
-                tuple(int(n) for n in reversed(t.shape.tolist())),
-                int(t.data_offset),
-                int(t.n_bytes),
-            )
-            for t in reader.tensors
+            t.name: TensorEntry(t.kind, t.shape, t.offset, t.num_bytes) for t in header.tensors
         }
         prefix = f"{arch}.rope."
         rope: dict[str, Any] = {
-            key.removeprefix(prefix): field.contents()
-            for key, field in reader.fields.items()
+            key.removeprefix(prefix): value
+            for key, value in header.metadata.items()
             if key.startswith(prefix)
         }
-        for t in reader.tensors:
+        for t in header.tensors:
             stem = t.name.removesuffix(".weight")
             if stem in ROPE_FACTOR_TENSORS:
-                rope[stem] = np.asarray(t.data, dtype=np.float32).ravel().tolist()
-        key_length = reader.fields.get(f"{arch}.attention.key_length")
-        head_dim = int(key_length.contents()) if key_length is not None else None
-        table = cls(arch, tensors, rope, head_dim)
-        del reader
-        return_freed_memory()
-        return table
+                rope[stem] = tensor_values(path, t).tolist()
+        key_length = header.metadata.get(f"{arch}.attention.key_length")
+        head_dim = int(key_length) if key_length is not None else None
+        return cls(arch, tensors, rope, head_dim)
 
     def to_json(self) -> str:
         return json.dumps({"arch": self.arch, "rope": self.rope, "head_dim": self.head_dim,
@@ -339,9 +329,8 @@ def rope_parameters(table: GGUFTable, config: Any) -> dict[str, Any]:
 
 def gguf_table(gguf_path: Path, folder: Path) -> GGUFTable:
     """The table recorded in `folder` (the file's conversion, keyed by its content), else
-    parsed from the file and recorded there. Why: `GGUFReader` parses every metadata field,
-    the 49k-token vocabulary included: ~3 s and ~160 MB of small arrays, ~20 MB of which
-    stayed in the heap of the process that parsed it."""
+    parsed from the file and recorded there. Why: a start reads one small JSON file, not the
+    header with its vocabulary (tens of MB for Gemma 3's)."""
     record = folder / TABLE_RECORD
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         return GGUFTable.from_json(record.read_text(encoding="utf-8"))

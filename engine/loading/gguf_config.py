@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engine.loading.gguf_header import read_header
+
 # llama.cpp's src/models/smollm3.cpp: layer il skips RoPE where (il + 1) % 4 == 0; the file
 # carries no key for it.
 SMOLLM3_NO_ROPE_INTERVAL = 4
@@ -23,18 +25,10 @@ OWN_CONFIG_ARCHS = {"smollm3": "smollm3"}
 
 
 def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """The file's scalar and string metadata (arrays as their lengths) and its tensor names,
-    by the `gguf` package's reader."""
-    from gguf import GGUFReader, GGUFValueType
-
-    reader = GGUFReader(path)
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            metadata[key] = len(field.data)
-        else:
-            metadata[key] = field.contents()
-    return metadata, [tensor.name for tensor in reader.tensors]
+    """The file's scalar and string metadata (arrays as their lengths) and its tensor names."""
+    header = read_header(path)
+    metadata = {**header.metadata, **header.array_lengths}
+    return metadata, [tensor.name for tensor in header.tensors]
 
 
 def config_dict(metadata: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
