@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine.loading.source import ModelSource, load_float_weights, load_hf_config
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
@@ -22,6 +23,20 @@ TINY_LLAMA_SHAPE: dict[str, int] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+
+
+def float_reference(source: ModelSource) -> Any:
+    """transformers' model of `source` in float32 over its float weights: a GGUF's values
+    dequantized from the file (its conversion keeps no float copy), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source.path, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    weights = load_float_weights(source, load_hf_config(source.path))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = ["lm_head.weight"] if config.tie_word_embeddings else []
+    assert (missing, unexpected) == (tied, []), (missing, unexpected)
+    return model
 
 
 def save_tiny_llama(tokenizer: Any, path: Path, max_position_embeddings: int = 512) -> Path:

@@ -22,7 +22,7 @@ from engine.executor import quantization
 from engine.executor.models import CausalLM
 from engine.executor.quantization import WeightFormat, quantized_state
 from engine.loading import gguf, safetensors_io
-from engine.loading.source import ModelSource, weight_files
+from engine.loading.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -
     same on every CPU."""
     key = f"v{CACHE_VERSION}|{_layout_digest()}|{source.path}|{weights}|{dtype}|{torch.__version__}"
     digest = hashlib.sha256(key.encode())
-    for file in weight_files(source.path):
+    for file in source.identity_files():
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     name = f"{source.path.name}-{digest.hexdigest()[:16]}.safetensors"

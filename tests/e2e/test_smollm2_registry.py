@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, SamplingParams, chat_prompt_ids, text_prompt_ids
 from engine.loading.source import ModelSource
 from tests.e2e.conftest import registry_chat
-from tests.helpers import run_staggered, tokens_of
+from tests.helpers import float_reference, run_staggered, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +28,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 def _engine(source: ModelSource, cached: bool) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=str(source.path),
+            model=str(source.gguf_path),
+            quantization="none",  # the file's values as float32 weights, as the reference's
             dtype="float32",  # hits equal recomputation token for token
             kv_cache_memory=512 << 20,
             max_model_len=2048,
@@ -77,7 +77,7 @@ def cases(registry_engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]
 
 @pytest.fixture(scope="module")
 def expected(smollm2_source: ModelSource, cases: dict[str, Any]) -> dict[str, list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(smollm2_source.path, dtype=torch.float32).eval()
+    model = float_reference(smollm2_source)
     results = {}
     for name, (prompt, _) in cases.items():
         ids = torch.tensor([prompt])

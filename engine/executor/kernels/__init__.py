@@ -109,7 +109,7 @@ def load_cpu_kernels(cache_dir: Path) -> bool:
 
 @cache
 def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
-    """Register `torch.ops.prefixgate.*`, compiling on first use (about 30 s on 2 cores).
+    """Register `torch.ops.prefixgate.*`, compiling on first use (about a minute on 2 cores).
 
     A failed build is logged as a warning and reported, not raised: the engine then serves
     on its torch paths."""
@@ -118,7 +118,7 @@ def build_cpu_kernels(cache_dir: Path) -> KernelBuild:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
-            logger.info("compiling the CPU kernels once into %s (about 30 s)", build_dir)
+            logger.info("compiling the CPU kernels once into %s (about a minute)", build_dir)
         compile_and_load(cache_dir)
     except (OSError, RuntimeError, ImportError) as exc:
         build = KernelBuild(kernel_target(), False, _one_line(exc))

@@ -17,6 +17,7 @@ from gguf.quants import dequantize, quantize
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoTokenizer,
     Gemma3TextConfig,
     LlamaConfig,
     Phi3Config,
@@ -761,7 +762,6 @@ def test_a_damaged_gguf_fails_the_load_with_a_model_load_error(
     folder = tmp_path / "conversion"
     folder.mkdir()
     gguf_table(path, folder)  # what the conversion recorded
-    (folder / "model.safetensors").write_bytes(b"")  # the cache key reads its size and mtime
     path.write_bytes(path.read_bytes()[:-100])
     monkeypatch.setenv("PREFIXGATE_CACHE_DIR", str(tmp_path / "cache"))
     source = ModelSource(name="tiny", path=folder, gguf_path=path)
@@ -990,6 +990,47 @@ def test_a_smollm3_gguf_is_served_as_llama_cpp_reads_it(
     every_layer.no_rope_layers = [1, 1, 1, 1]
     rotated_a, _, expected_a, _ = _file_and_reference_logits(path, table, every_layer, hf)
     assert not torch.allclose(rotated_a, expected_a, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("arch", "model"),
+    [("llama", "llama-gqa"), ("qwen3", "qwen3-qk-norm"), ("phi3", "phi3-longrope-partial")],
+)
+def test_a_conversion_keeps_the_weights_in_the_file(
+    tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerBase, arch: str, model: str
+) -> None:
+    """A file read directly converts to its config and tokenizer alone: no float32 copy of
+    its weights (a 1B Q4_K_M's was 4.7 GB beside the 0.8 GB file). Its float weights, where
+    a start wants them, are the file's values read from it; its tokenizer is the class
+    `AutoTokenizer` picks for the file (Qwen's own for Qwen3), with the same vocabulary,
+    although it was picked without reading the file's config a second time."""
+    from engine.loading import source
+
+    torch.manual_seed(0)
+    hf = ARCHITECTURES[model]().eval()
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_like_llama_cpp(path, hf, arch, tiny_tokenizer)
+    out = tmp_path / "converted"
+    out.mkdir()
+    source._convert_gguf(path, out)
+    assert not list(out.glob("*.safetensors"))
+
+    expected = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert saved["tokenizer_class"] == type(expected).__name__
+    assert (arch == "qwen3") == (type(expected).__name__ == "Qwen2Tokenizer")
+    text = "Hello there, how are the tokens today?\n  indented"
+    assert source.load_tokenizer(out, tmp_path / "cache").encode(text) == expected.encode(text)
+
+    converted = ModelSource(name="tiny", path=out, gguf_path=path)
+    config = source.load_hf_config(out, tmp_path / "cache")
+    weights = source.load_float_weights(converted, config)
+    originals = hf.state_dict()
+    if config.tie_word_embeddings:
+        del originals["lm_head.weight"]
+    assert weights.keys() == originals.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, originals[name]), name
 
 
 def test_a_qwen3_gguf_keeps_its_head_width_through_conversion(tmp_path: Path) -> None:

@@ -114,8 +114,8 @@ def test_quantized_weights_are_cached_and_restored_exactly(
     config = _config(tiny_llama_path, quantization="int4")
     first = load_model(config)
     [cached] = (tmp_path / "quantized").glob("*.safetensors")
-    read_float_weights = model_setup.load_state_dict
-    monkeypatch.setattr(model_setup, "load_state_dict", _never)
+    read_float_weights = model_setup.load_float_weights
+    monkeypatch.setattr(model_setup, "load_float_weights", _never)
     second = load_model(config)
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(second.model)) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down), head
@@ -127,7 +127,7 @@ def test_quantized_weights_are_cached_and_restored_exactly(
                 x = torch.randn(num_rows, a.quantized.in_features, generator=gen)
                 assert torch.equal(a(x), b(x))
     cached.write_bytes(cached.read_bytes()[:100])  # truncated
-    monkeypatch.setattr(model_setup, "load_state_dict", read_float_weights)
+    monkeypatch.setattr(model_setup, "load_float_weights", read_float_weights)
 
     with caplog.at_level(logging.WARNING):
         third = load_model(config)
@@ -206,16 +206,16 @@ def test_a_gguf_models_first_start_reads_its_blocks_not_float_weights(
     smollm2_source: ModelSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With no quantized cache, the embedded model is built from the GGUF's own Q4_1 / Q8_0
-    blocks (engine/gguf_weights.py), never from the converted float32 weights, and cached;
-    the second start reads that cache and builds the same model."""
+    blocks (engine/loading/gguf.py), never from float weights, and cached; the second start
+    reads that cache and builds the same model, without reading the file's blocks."""
     monkeypatch.setattr(quantized_cache, "default_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(model_setup, "load_state_dict", _never)
+    monkeypatch.setattr(model_setup, "load_float_weights", _never)
     config = EngineConfig(max_model_len=256, kv_cache_memory=64 << 20)
     first = load_model(config)
     assert [p.parent for p in (tmp_path / "quantized").glob("*.safetensors")] == [
         tmp_path / "quantized"
     ]
-    monkeypatch.setattr(model_setup, "GGUFWeights", _never)
+    monkeypatch.setattr(model_setup, "direct_gguf", _never)
     second = load_model(config)
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(first.model)) == 4 * 30 + 1  # qkv, o, gate_up, down per layer; head

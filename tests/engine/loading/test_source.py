@@ -13,12 +13,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from engine.core.errors import ModelLoadError
 from engine.executor.quantization import FILE_BLOCKS, WeightFormat
 from engine.loading import source as loader
-from engine.loading.gguf import GGUFTable, TensorEntry
+from engine.loading.gguf import TABLE_RECORD, GGUFTable, TensorEntry
 from engine.loading.source import (
     DEFAULT_GGUF_FILE,
     DEFAULT_MODEL_NAME,
     ModelSource,
     default_cache_dir,
+    load_float_weights,
     load_hf_config,
     load_state_dict,
     load_tokenizer,
@@ -309,7 +310,8 @@ def test_default_model_is_converted_once(
     assert smollm2_source.name == DEFAULT_MODEL_NAME
     assert smollm2_source.path.parent == default_cache_dir()
     names = {p.name for p in smollm2_source.path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", TABLE_RECORD} <= names
+    assert not any(name.endswith(".safetensors") for name in names)  # weights stay in the file
 
     _forbid_conversion(monkeypatch)
     caplog.set_level(logging.INFO, logger="engine.loading.source")
@@ -323,7 +325,7 @@ def test_default_model_folder_loads(smollm2_source: ModelSource) -> None:
     config = load_hf_config(smollm2_source.path)
     assert (config.model_type, config.tie_word_embeddings) == ("llama", True)
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
-    state_dict = load_state_dict(smollm2_source.path)
+    state_dict = load_float_weights(smollm2_source, config)
     assert len(state_dict) == 2 + 9 * config.num_hidden_layers  # embed, final norm, 9 per layer
     assert "lm_head.weight" not in state_dict
     assert {t.dtype for t in state_dict.values()} == {torch.float32}
@@ -374,13 +376,14 @@ def test_a_conversion_that_fails_in_its_process_raises_here(tmp_path: Path) -> N
 def test_default_model_conversion_equals_transformers_gguf_loader(
     smollm2_source: ModelSource,
 ) -> None:
-    """Our tensor-by-tensor conversion (engine/gguf_weights.py) writes what transformers'
-    GGUF loader dequantizes, bit for bit, with the same config."""
+    """Our tensor-by-tensor reading of the file (engine/loading/gguf.py) gives the float
+    weights transformers' GGUF loader dequantizes, bit for bit, and the conversion's config
+    is its config."""
     gguf_path = loader._default_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
-    ours = load_state_dict(smollm2_source.path)
+    ours = load_float_weights(smollm2_source, load_hf_config(smollm2_source.path))
     theirs = {n: t for n, t in reference.state_dict().items() if n != "lm_head.weight"}  # tied
     _assert_same_tensors(ours, theirs)
     config = load_hf_config(smollm2_source.path).to_dict()
