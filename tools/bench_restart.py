@@ -71,7 +71,7 @@ def main() -> None:
         registries = {"shipped": REPO / "prefixes.yaml", f"long-{args.long}": long_file}
         starts = {name: _starts(args, path, folder / name) for name, path in registries.items()}
         conversation = _conversation(args, registries["shipped"], folder / "conversation")
-    report = {
+    report: dict[str, object] = {
         "command": " ".join(["python", "-m", "tools.bench_restart", *sys.argv[1:]]),
         "git": git_revision(),
         "cpu": cpu_features().describe(),
@@ -109,7 +109,7 @@ def _starts(args: argparse.Namespace, prefixes: Path, folder: Path) -> list[dict
             {
                 "kind": "cold" if i == 0 else "warm",
                 "health_200_s": round(ready_s, 2),
-                "breakdown_s": _breakdown(text, spawned, ready_s),
+                "breakdown_s": breakdown(text, spawned, ready_s),
                 "registry_tokens": sum(map(int, _REGISTERED.findall(text))),
                 "restored_prefixes": text.count("restored from its KV snapshot"),
                 "hot_blocks_restored": _hot_blocks(text),
@@ -164,8 +164,13 @@ def _cached(result: dict[str, Any]) -> int:
     return int(result["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def _breakdown(log: str, spawned: float, ready_s: float) -> dict[str, float | None]:
-    """Seconds of each milestone (see MILESTONES), from the log's timestamps."""
+def breakdown(
+    log: str,
+    spawned: float,
+    ready_s: float,
+    milestones: tuple[tuple[str, str], ...] = MILESTONES,
+) -> dict[str, float | None]:
+    """Seconds of each of `milestones` (see MILESTONES), from the log's timestamps."""
     stamps: list[tuple[float, str]] = []
     for line in log.splitlines():
         match = _STAMP.match(line)
@@ -174,7 +179,7 @@ def _breakdown(log: str, spawned: float, ready_s: float) -> dict[str, float | No
             stamps.append((when, line))
     result: dict[str, float | None] = {}
     previous, position = spawned, 0
-    for name, needle in MILESTONES:
+    for name, needle in milestones:
         hits = [i for i in range(position, len(stamps)) if needle in stamps[i][1]]
         if not hits:
             result[name] = None
