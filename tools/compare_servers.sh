@@ -115,7 +115,8 @@ if wants llamacpp || wants llamacpp-nocache; then
 fi
 
 if wants transformers; then
-  MODEL_DIR=$(ls -d ~/.cache/prefixgate/SmolLM2-135M-Instruct.Q4_1-* | head -1)
+  # the float32 folder the peer is pinned to (written once by the project's venv)
+  MODEL_DIR=$($PY -c "import sys; sys.path.insert(0, 'tools'); import peers; print(peers.find_hf_folder())" | tail -1)
   $PY tools/peers.py start transformers --port 8082 --continuous-batching --no-build
   RATES=$SWEEP_SLOW bench transformers-serve-cb --base-url http://127.0.0.1:8082/v1 --model "$MODEL_DIR" \
     --no-ignore-eos

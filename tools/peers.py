@@ -122,27 +122,28 @@ def find_gguf(explicit: str | None = None) -> Path:
 
 
 def find_hf_folder(explicit: str | None = None) -> Path:
-    """A float32 Hugging Face folder of the default GGUF, for the transformers peer: made
-    once by the project (`export_float_folder`: prefixgate's own conversion keeps the
-    weights in the file) under `$PREFIXGATE_CACHE_DIR/peers/`."""
+    """A float32 Hugging Face folder of the default GGUF, for the transformers peer: written
+    once per conversion by the project (`export_float_folder`: prefixgate's own conversion
+    keeps the weights in the file) under `$PREFIXGATE_CACHE_DIR/peers/`."""
     if explicit:
         return _existing(Path(explicit).expanduser(), "model folder")
     env = os.environ.get("PREFIXGATE_CACHE_DIR")
     cache = Path(env).expanduser() if env else Path.home() / ".cache" / "prefixgate"
-    folder = cache / "peers" / f"{GGUF_FILE[: -len('.gguf')]}-float32"
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
-        return folder
     py = REPO / ".venv" / "bin" / "python"
     if not py.exists():
-        sys.exit(f"no float folder at {folder} and no {py} to write one; pass --model")
-    print(f"writing the default model as a float32 folder with {py} (once) ...", flush=True)
+        sys.exit(f"no {py} to write the default model as a float folder; pass --model")
+    print(f"the default model as a float32 folder, by {py} (written once) ...", flush=True)
     code = (
         "import sys; from pathlib import Path; "
         "from engine.loading.source import export_float_folder, resolve_model; "
         "print(export_float_folder(resolve_model(None), Path(sys.argv[1])))"
     )
     out = subprocess.run(
-        [str(py), "-c", code, str(folder)], cwd=REPO, check=True, capture_output=True, text=True
+        [str(py), "-c", code, str(cache / "peers")],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return Path(out.stdout.strip().splitlines()[-1])
 

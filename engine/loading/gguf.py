@@ -243,7 +243,9 @@ class GGUFTable:
             if stem in ROPE_FACTOR_TENSORS:
                 rope[stem] = tensor_values(path, t).tolist()
         key_length = header.metadata.get(f"{arch}.attention.key_length")
-        head_dim = int(key_length) if key_length is not None else None
+        if key_length is not None and not isinstance(key_length, int):
+            raise ValueError(f"{path}: {arch}.attention.key_length is not an integer")
+        head_dim = key_length
         return cls(arch, tensors, rope, head_dim)
 
     def to_json(self) -> str:

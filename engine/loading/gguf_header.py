@@ -28,7 +28,7 @@ _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # what GGUFReader reads; v1 counted in 32 bits and is gone from the wild
 _DEFAULT_ALIGNMENT = 32
 
-_STRING, _ARRAY = 8, 9
+_UINT32, _STRING, _ARRAY = 4, 8, 9
 # The fixed-width value types: GGUFValueType's number -> struct format (little-endian).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
@@ -103,6 +103,8 @@ class _Parser:
             if key in metadata or key in lengths:
                 raise ValueError(f"the metadata key {key!r} appears twice")
             kind = self._unpack("<I")
+            if key == "general.alignment" and kind != _UINT32:
+                raise ValueError("general.alignment is not a uint32")
             if kind == _ARRAY:
                 item_kind, length = self._unpack("<I"), self._unpack("<Q")
                 lengths[key] = length
@@ -115,6 +117,9 @@ class _Parser:
         if "general.architecture" not in metadata:
             raise ValueError("no general.architecture in the metadata")
         entries = [self._tensor_entry() for _ in range(self._count(tensor_count, 24))]
+        names = {name for name, *_ in entries}
+        if len(names) < len(entries):
+            raise ValueError("a tensor name appears twice")
         alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
@@ -148,17 +153,16 @@ class _Parser:
     def _value(self, kind: int) -> Any:
         if kind == _STRING:
             return self._string()
-        if kind == _ARRAY:
-            item_kind, length = self._unpack("<I"), self._unpack("<Q")
-            return self._array(item_kind, length)
         fmt = _SCALARS.get(kind)
         if fmt is None:
             raise ValueError(f"unknown metadata value type {kind}")
         return self._unpack(fmt)
 
     def _array(self, kind: int, length: int) -> list[Any]:
+        if kind == _ARRAY:  # as llama.cpp's reader, which refuses them too
+            raise ValueError("an array of arrays in the metadata")
         dtype = _NUMPY.get(kind)
-        if dtype is None:  # strings, or arrays of arrays
+        if dtype is None:  # strings
             return [self._value(kind) for _ in range(self._count(length, 8))]
         values = np.frombuffer(self.blob, dtype, self._count(length, dtype.itemsize), self.pos)
         self.pos += values.nbytes
@@ -197,10 +201,9 @@ def _num_bytes(kind: str, shape: tuple[int, ...]) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    elements = prod(shape)
-    if elements % block:
-        raise ValueError(f"a {kind} tensor of shape {shape} is not whole blocks of {block}")
-    return elements // block * block_bytes
+    if shape and shape[-1] % block:  # a row of whole blocks, as llama.cpp checks
+        raise ValueError(f"a {kind} tensor of shape {shape}: rows not whole blocks of {block}")
+    return prod(shape) // block * block_bytes
 
 
 def tensor_values(path: Path, tensor: HeaderTensor) -> np.ndarray:

@@ -55,14 +55,12 @@ def read(path: Path, weights: WeightFormat) -> dict[str, torch.Tensor]:
 
 
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
-    """Keyed by the weight files (name, size, mtime), the format, the dtype, torch's version
-    and the layout code's source. The layout is ours (engine/kernels/quant_matmul.cpp), the
+    """Keyed by the weights (`ModelSource.weights_identity`), the format, the dtype, torch's
+    version and the layout code's source. The layout is ours (engine/kernels/quant_matmul.cpp), the
     same on every CPU."""
     key = f"v{CACHE_VERSION}|{_layout_digest()}|{source.path}|{weights}|{dtype}|{torch.__version__}"
     digest = hashlib.sha256(key.encode())
-    for file in source.identity_files():
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest.update(source.weights_identity().encode())
     name = f"{source.path.name}-{digest.hexdigest()[:16]}.safetensors"
     return default_cache_dir() / "quantized" / name
 

@@ -206,14 +206,12 @@ def kv_identity(
     has_cpu_kernels: bool,
 ) -> dict[str, str]:
     """What decides the bits of the KV this engine computes, fact by fact (a snapshot's
-    mismatch is logged by name). The model's files are known by name, size and mtime, as the
-    quantized cache knows them: hashing a 1 GB file at every start would cost seconds. The
+    mismatch is logged by name). The weights are known as the quantized cache knows them
+    (`ModelSource.weights_identity`: a GGUF by its content, a folder's files by name, size
+    and mtime). The
     config (RoPE base and scaling, norms' eps), transformers (scaled RoPE's tables) and the
     context length (LongRoPE picks its factors by it) decide the rotation of every K."""
-    digest = hashlib.sha256()
-    for file in source.identity_files():
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(source.weights_identity().encode())
     device = config.torch_device
     model_config = hashlib.sha256(hf_config.to_json_string(use_diff=False).encode())
     return {

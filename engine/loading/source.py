@@ -92,10 +92,19 @@ class ModelSource:
     path: Path
     gguf_path: Path | None = None
 
-    def identity_files(self) -> list[Path]:
-        """The files whose name, size and mtime stand for the weights in cache keys: the GGUF
-        file (its conversion folder is keyed by its content), else the folder's weights."""
-        return [self.gguf_path] if self.gguf_path is not None else weight_files(self.path)
+    def weights_identity(self) -> str:
+        """What stands for the weights in cache keys. A GGUF's: its conversion folder's name,
+        keyed by the file's content (a reinstalled or touched file keeps its caches, one
+        rewritten in place gets another folder whatever its size and mtime). A folder's: each
+        weight file's name, size and mtime (hashing gigabytes at every start would cost
+        seconds)."""
+        if self.gguf_path is not None:
+            return f"gguf {self.path.name}"
+        return " ".join(
+            f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}"
+            for file in weight_files(self.path)
+            for stat in [file.stat()]
+        )
 
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelSource:
@@ -166,19 +175,29 @@ def load_float_weights(source: ModelSource, hf_config: Any) -> dict[str, torch.T
         raise ModelLoadError(f"cannot read the weights of {source.gguf_path}: {exc}") from exc
 
 
-def export_float_folder(source: ModelSource, dest: Path) -> Path:
-    """`source` as a plain Hugging Face folder with float32 weights at `dest` (for tools that
-    serve one: tools/peers.py's transformers server). A folder source is its own."""
+def export_float_folder(source: ModelSource, parent: Path) -> Path:
+    """`source` as a plain Hugging Face folder with float32 weights under `parent`, named
+    after its conversion (for tools that serve one: tools/peers.py's transformers server);
+    written once, into a temporary folder renamed into place. A folder source is its own."""
     gguf = direct_gguf(source, load_hf_config(source.path))
     if gguf is None:
         return source.path
-    dest.mkdir(parents=True, exist_ok=True)
-    for file in source.path.iterdir():
-        if file.is_file() and file.name != TABLE_RECORD:
-            shutil.copy2(file, dest / file.name)
-    safetensors_io.write_stream(
-        gguf.float_specs(), gguf.float_tensors(), dest / "model.safetensors"
-    )
+    dest = parent / f"{source.path.name}-float32"
+    if (dest / "model.safetensors").is_file():
+        return dest
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=parent))
+    try:
+        for file in source.path.iterdir():
+            if file.is_file() and file.name != TABLE_RECORD:
+                shutil.copy2(file, tmp / file.name)
+        safetensors_io.write_stream(
+            gguf.float_specs(), gguf.float_tensors(), tmp / "model.safetensors"
+        )
+        _make_readable(tmp)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -482,10 +501,12 @@ def _load_gguf_header(
 
 
 def _gguf_tokenizer_class(config: PretrainedConfig) -> Any:
-    """The class `AutoTokenizer` picks for a GGUF of `config`'s model type (the file holds no
-    tokenizer config to name another): the model type's registered class, else the fast
-    tokenizer. Picked here because `AutoTokenizer` would read the file's config again first
-    (transformers' GGUF config reading parses every metadata array: Gemma 3's ~12 s)."""
+    """The class `AutoTokenizer` picks for a GGUF of `config`'s model type: the model type's
+    registered class, else the fast tokenizer. Picked here because `AutoTokenizer` would read
+    the file's config again first (transformers' GGUF config reading parses every metadata
+    array: Gemma 3's ~12 s). One difference, on purpose: `AutoTokenizer` would also take the
+    class a `tokenizer_config.json` beside the file names, and a GGUF holds its own tokenizer
+    (a folder of downloads may hold another model's config)."""
     from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 

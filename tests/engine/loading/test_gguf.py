@@ -1003,7 +1003,8 @@ def test_a_conversion_keeps_the_weights_in_the_file(
     its weights (a 1B Q4_K_M's was 4.7 GB beside the 0.8 GB file). Its float weights, where
     a start wants them, are the file's values read from it; its tokenizer is the class
     `AutoTokenizer` picks for the file (Qwen's own for Qwen3), with the same vocabulary,
-    although it was picked without reading the file's config a second time."""
+    although it was picked without reading the file's config a second time. Tools that serve
+    a float folder get one written from the file (`export_float_folder`)."""
     from engine.loading import source
 
     torch.manual_seed(0)
@@ -1031,6 +1032,15 @@ def test_a_conversion_keeps_the_weights_in_the_file(
     assert weights.keys() == originals.keys()
     for name, tensor in weights.items():
         assert torch.equal(tensor, originals[name]), name
+    # a float folder for tools that serve one (tools/peers.py), written once
+    exported = source.export_float_folder(converted, tmp_path / "peers")
+    written = (exported / "model.safetensors").stat().st_mtime_ns
+    assert source.export_float_folder(converted, tmp_path / "peers") == exported
+    assert (exported / "model.safetensors").stat().st_mtime_ns == written
+    assert [p.name for p in (tmp_path / "peers").iterdir()] == [exported.name]  # no temp left
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).state_dict()
+    for name, tensor in originals.items():
+        assert torch.equal(reloaded[name], tensor), name
 
 
 def test_a_qwen3_gguf_keeps_its_head_width_through_conversion(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -265,6 +266,26 @@ def test_changed_gguf_converts_again(fake_gguf: Path, tmp_path: Path) -> None:
     second = resolve_model(str(fake_gguf), cache_dir=tmp_path / "cache")
     assert second.path != first.path
     assert (second.path / "model.safetensors").is_file()
+
+
+def test_a_ggufs_caches_follow_its_content_not_its_mtime(fake_gguf: Path, tmp_path: Path) -> None:
+    """The weights' identity in the quantized cache's and the KV snapshots' keys: a touched
+    (or reinstalled) file keeps it; one rewritten in place, its size and mtime kept as
+    `cp -p` keeps them, does not."""
+    cache = tmp_path / "cache"
+    first = resolve_model(str(fake_gguf), cache_dir=cache)
+    stat = fake_gguf.stat()
+    os.utime(fake_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert resolve_model(str(fake_gguf), cache_dir=cache).weights_identity() == (
+        first.weights_identity()
+    )
+    data = bytearray(fake_gguf.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte
+    fake_gguf.write_bytes(bytes(data))
+    os.utime(fake_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fake_gguf.stat().st_size == stat.st_size
+    rewritten = resolve_model(str(fake_gguf), cache_dir=cache)
+    assert rewritten.weights_identity() != first.weights_identity()
 
 
 def test_failed_conversion_leaves_nothing(
