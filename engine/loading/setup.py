@@ -7,7 +7,9 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         except ValueError as exc:
             raise ModelLoadError(f"--default-chat-template-kwargs: {exc}") from exc
     start = time.perf_counter()
+    kernel_build = _start_kernel_build(config)
     source = resolve_model(config.model)
     hf_config = load_hf_config(source.path)
     tokenizer = load_tokenizer(source.path)
@@ -127,11 +130,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     spec = _kv_spec(config, on_meta(hf_config, 1, config.torch_dtype))
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, spec, max_model_len)
     max_model_len = _fitted_max_model_len(config, max_model_len, num_blocks)
-    kernels = (
-        build_cpu_kernels(default_cache_dir())
-        if config.enable_compile and config.torch_device.type == "cpu"
-        else NOT_BUILT
-    )
+    kernels = kernel_build.result() if kernel_build is not None else NOT_BUILT
     kernels_built = kernels.is_built
     if config.torch_device.type == "cuda":
         logger.info("attention on CUDA: %s", use_cuda_sdpa_without_cudnn())
@@ -194,6 +193,25 @@ def load_model(config: EngineConfig) -> LoadedModel:
             config, source, hf_config, max_model_len, weights, spec, has_cpu_kernels
         ),
     )
+
+
+def _start_kernel_build(config: EngineConfig) -> Future[KernelBuild] | None:
+    """The CPU kernels, built (about a minute on 2 cores, the first time on a machine) while
+    the model is resolved: its compiler runs in child processes, as a GGUF's conversion does,
+    and the weights' layout waits for the answer (the kernels or the dense copies). A daemon
+    thread: a start that fails meanwhile exits without waiting for the compiler."""
+    if not (config.enable_compile and config.torch_device.type == "cpu"):
+        return None
+    future: Future[KernelBuild] = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(build_cpu_kernels(default_cache_dir()))
+        except BaseException as exc:  # handed to the waiting thread
+            future.set_exception(exc)
+
+    threading.Thread(target=build, name="kernel-build", daemon=True).start()
+    return future
 
 
 def kv_identity(

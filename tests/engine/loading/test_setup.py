@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from engine import EngineConfig
 from engine.core.config import default_cache_dir
 from engine.core.errors import ModelLoadError
 from engine.core.memory import huge_page_bytes, huge_pages_available, transparent_huge_pages
-from engine.executor.kernels import build_cpu_kernels
+from engine.executor.kernels import NOT_BUILT, KernelBuild, build_cpu_kernels
 from engine.executor.quantization import QuantizedLinear, WeightFormat
 from engine.loading import quantized_cache
 from engine.loading import setup as model_setup
@@ -303,3 +304,46 @@ def test_the_quantized_cache_key_follows_the_layout_code(
     assert quantized_cache.cache_file(source, weights, torch.float32) == before
     layout.write_text("LAYOUT = 2\n")
     assert quantized_cache.cache_file(source, weights, torch.float32) != before
+
+
+def test_the_kernels_build_while_the_model_is_resolved(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first start compiles the kernels (about a minute) while the model is resolved (a
+    GGUF's conversion: seconds to a minute), not after: each side here waits for the other
+    to have begun."""
+    building, resolved = threading.Event(), threading.Event()
+    build, resolve = model_setup.build_cpu_kernels, model_setup.resolve_model
+
+    def build_while_resolving(cache_dir: Path) -> KernelBuild:
+        building.set()
+        assert resolved.wait(timeout=20), "the model was not resolved while the kernels built"
+        return build(cache_dir)
+
+    def resolve_while_building(spec: str | None) -> ModelSource:
+        assert building.wait(timeout=20), "the kernels were not building"
+        source = resolve(spec)
+        resolved.set()
+        return source
+
+    monkeypatch.setattr(model_setup, "build_cpu_kernels", build_while_resolving)
+    monkeypatch.setattr(model_setup, "resolve_model", resolve_while_building)
+    assert load_model(_config(tiny_llama_path)).has_cpu_kernels
+
+
+def test_a_start_that_fails_does_not_wait_for_the_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model that cannot be served fails the start at once, the compiler still running."""
+    release = threading.Event()
+
+    def never_done(cache_dir: Path) -> KernelBuild:
+        release.wait(timeout=60)
+        return NOT_BUILT
+
+    monkeypatch.setattr(model_setup, "build_cpu_kernels", never_done)
+    try:
+        with pytest.raises(ModelLoadError, match="does not exist"):
+            load_model(_config(tmp_path / "nowhere"))
+    finally:
+        release.set()
