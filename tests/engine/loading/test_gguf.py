@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -1041,6 +1042,37 @@ def test_a_conversion_keeps_the_weights_in_the_file(
     reloaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).state_dict()
     for name, tensor in originals.items():
         assert torch.equal(reloaded[name], tensor), name
+
+
+def test_a_new_conversion_names_the_float_copies_of_earlier_ones(
+    tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerBase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Conversions before version 4 wrote float32 weights that nothing reads now (4.9 GB for
+    a 1B): converting the file again names each such folder of the same file name, read
+    directly, once; another file's, or an architecture read through transformers (whose
+    folder still holds its weights), is not named, and nothing is deleted."""
+    from engine.loading import source
+
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.gguf"
+    _write_like_llama_cpp(path, ARCHITECTURES["llama-gqa"]().eval(), "llama", tiny_tokenizer)
+    cache = tmp_path / "cache"
+    earlier = {}
+    for name, arch in [("tiny-00000000000000aa", "llama"), ("tiny-00000000000000bb", "gpt2"),
+                       ("tiny-v2-00000000000000cc", "llama")]:  # fmt: skip
+        folder = cache / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes(1000))
+        (folder / TABLE_RECORD).write_text(GGUFTable(arch, {}).to_json())
+        earlier[name] = folder
+    caplog.set_level(logging.INFO, logger="engine.loading.source")
+    source.resolve_model(str(path), cache_dir=cache)
+    named = [r.getMessage() for r in caplog.records if "earlier conversion" in r.getMessage()]
+    assert len(named) == 1 and str(earlier["tiny-00000000000000aa"]) in named[0]
+    assert all((folder / "model.safetensors").is_file() for folder in earlier.values())
+    caplog.clear()
+    source.resolve_model(str(path), cache_dir=cache)  # converted: named no more
+    assert "earlier conversion" not in caplog.text
 
 
 def test_a_qwen3_gguf_keeps_its_head_width_through_conversion(tmp_path: Path) -> None:
