@@ -73,7 +73,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted folder's layout changes: the cache key changes, so old folders are
 # ignored rather than half-understood.
 # 2: Llama-family tensors read directly; 3: the file's RoPE kept; 4: no float32 copy of the
-# weights read directly (a 1B Q4_K_M's was 4.7 GB beside a 0.8 GB file)
+# weights read directly (a 1B Q4_K_M's was 4.9 GB beside a 0.8 GB file)
 _CONVERSION_VERSION = 4
 _HASH_WINDOW_BYTES = 1 << 20
 _STALE_TEMP_SECONDS = 3600.0
