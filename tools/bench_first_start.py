@@ -39,7 +39,7 @@ MILESTONES = (
 )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--chat-template", default=None)
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--out", type=Path, help="write the JSON report here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     kernels = default_cache_dir() / "kernels"
     if not build_cpu_kernels(default_cache_dir()).is_built:
         sys.exit("the CPU kernels do not build here: nothing comparable to measure")
@@ -62,13 +62,14 @@ def main() -> None:
             rounds.append({"first": first, "second": second, "cache_mb": _sizes(cache)})
         print(json.dumps(rounds[-1]), flush=True)
     report: dict[str, object] = {
-        "command": " ".join(["python", "-m", "tools.bench_first_start", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "tools.bench_first_start", *(argv or sys.argv[1:])]),
         "git": git_revision(),
         "cpu": cpu_features().describe(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rounds": rounds,
     }
     write_report(report, args.out)
+    return report
 
 
 def _start(args: argparse.Namespace, cache: Path, name: str) -> dict[str, Any]:
