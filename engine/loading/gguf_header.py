@@ -121,7 +121,7 @@ class _Parser:
         if len(names) < len(entries):
             raise ValueError("a tensor name appears twice")
         alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if alignment <= 0 or alignment & (alignment - 1):  # a uint32, checked above
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         data_start = -(-self.pos // alignment) * alignment
         tensors = tuple(

@@ -226,9 +226,9 @@ def kv_identity(
     """What decides the bits of the KV this engine computes, fact by fact (a snapshot's
     mismatch is logged by name). The weights are known as the quantized cache knows them
     (`ModelSource.weights_identity`: a GGUF by its content, a folder's files by name, size
-    and mtime). The
-    config (RoPE base and scaling, norms' eps), transformers (scaled RoPE's tables) and the
-    context length (LongRoPE picks its factors by it) decide the rotation of every K."""
+    and mtime). The config (RoPE base and scaling, norms' eps), transformers (scaled RoPE's
+    tables) and the context length (LongRoPE picks its factors by it) decide the rotation of
+    every K."""
     digest = hashlib.sha256(source.weights_identity().encode())
     device = config.torch_device
     model_config = hashlib.sha256(hf_config.to_json_string(use_diff=False).encode())

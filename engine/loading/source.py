@@ -197,7 +197,7 @@ def export_float_folder(source: ModelSource, parent: Path) -> Path:
             gguf.float_specs(), gguf.float_tensors(), tmp / "model.safetensors"
         )
         _make_readable(tmp)
-        os.replace(tmp, dest)
+        _publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
