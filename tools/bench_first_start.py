@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--out", type=Path, help="write the JSON report here too")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     kernels = default_cache_dir() / "kernels"
     if not build_cpu_kernels(default_cache_dir()).is_built:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             rounds.append({"first": first, "second": second, "cache_mb": _sizes(cache)})
         print(json.dumps(rounds[-1]), flush=True)
     report: dict[str, object] = {
-        "command": " ".join(["python", "-m", "tools.bench_first_start", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "-m", "tools.bench_first_start", *argv]),
         "git": git_revision(),
         "cpu": cpu_features().describe(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
