@@ -6,8 +6,8 @@ timed in turns.
 
 Why: on a shared 2-core VM the same kernel's speed drifts by 30% or more from one minute to
 the next, so two runs of a benchmark, one per build, compare the machine's moods more than the
-code. Here both builds are loaded side by side (each revision's quant_matmul.cpp and
-paged_attention.cpp, with its own vec.h, compiled into an op namespace of its own) and every
+code. Here both builds are loaded side by side (each revision's kernel sources and headers,
+compiled into an op namespace and a C++ namespace of their own) and every
 round times each build once on the same inputs; the best round of each is reported. The two
 builds' outputs are compared bit for bit too ("same_bits"): a blocking or scheduling change
 must not move a result.
@@ -43,9 +43,20 @@ from engine.executor.quantization import quantize_weight
 from tools.provenance import REPO, git_revision, write_report
 
 KERNELS = Path("engine/executor/kernels")
-SOURCES = ("quant_matmul.cpp", "paged_attention.cpp")
 LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def kernel_files(revision: str | None) -> list[str]:
+    """The kernel folder's sources and headers, as this checkout has them (None) or as
+    `revision` had them (the set changed: register_ops.cpp and ops.h came in 2026-11)."""
+    if revision is None:
+        names = [path.name for path in (REPO / KERNELS).iterdir()]
+    else:
+        names = subprocess.check_output(
+            ["git", "ls-tree", "--name-only", f"{revision}:{KERNELS}"], cwd=REPO, text=True
+        ).split()
+    return sorted(name for name in names if name.endswith((".cpp", ".h")))
 
 
 def source_text(revision: str | None, name: str) -> str:
@@ -58,18 +69,19 @@ def source_text(revision: str | None, name: str) -> str:
 
 
 def build(revision: str | None) -> object:
-    """The revision's kernels as torch.ops.<namespace>, built once per `build_key`."""
-    texts = {name: source_text(revision, name) for name in (*SOURCES, "vec.h")}
+    """The revision's kernels as torch.ops.<namespace>, built once per `build_key`. Their ops
+    are registered under that namespace and their entry points' C++ namespace renamed too, so
+    that neither library's symbols can stand in for the other's."""
+    texts = {name: source_text(revision, name) for name in kernel_files(revision)}
     namespace = f"bench_{build_key([text.encode() for text in texts.values()])[:12]}"
     folder = default_cache_dir() / "bench_kernels" / namespace
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vec.h").write_text(texts["vec.h"])
-    for name in SOURCES:
-        text = texts[name]
+    for name, text in texts.items():
         for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT(", "TORCH_LIBRARY_IMPL("):
             text = text.replace(f"{macro}prefixgate", f"{macro}{namespace}")
-        (folder / name).write_text(text)
-    load_extension(namespace, tuple(folder / name for name in SOURCES), folder, (folder,))
+        (folder / name).write_text(text.replace("prefixgate::ops", f"{namespace}::ops"))
+    sources = tuple(folder / name for name in texts if name.endswith(".cpp"))
+    load_extension(namespace, sources, folder, (folder,))
     return getattr(torch.ops, namespace)
 
 

@@ -33,9 +33,16 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_matmul.cpp", "sampling_ops.cpp")
+    for name in (
+        "quant_matmul.cpp",  # the longest to compile: first, so that it never starts last
+        "paged_attention.cpp",
+        "layer_ops.cpp",
+        "sampling_ops.cpp",
+        "register_ops.cpp",
+    )
 )
-HEADERS = (Path(__file__).with_name("vec.h"),)  # part of the cache key, not compiled alone
+# part of the cache key, not compiled alone
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "ops.h"))
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.
 # -ffp-contract=off: no a * b + c fused behind our back, differently in different places (see

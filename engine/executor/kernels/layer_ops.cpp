@@ -14,12 +14,13 @@
 //       dims of each head: all of it, or Phi's partial rotary) and writes k and v into the
 //       paged cache at their slots
 //
-// Registered under torch.ops.prefixgate next to the decode attention kernel.
+// Registered under torch.ops.prefixgate by register_ops.cpp.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <cmath>
@@ -100,31 +101,6 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
               "bfloat16 or float32 only");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
-  at::Tensor out = at::empty_like(x);
-  if (x.scalar_type() == at::kBFloat16) {
-    norm_rows<c10::BFloat16>(x, nullptr, weight, eps, out, nullptr);
-  } else {
-    norm_rows<float>(x, nullptr, weight, eps, out, nullptr);
-  }
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous());
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type());
-  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
-  if (x.scalar_type() == at::kBFloat16) {
-    norm_rows<c10::BFloat16>(x, &residual, weight, eps, out, &sum);
-  } else {
-    norm_rows<float>(x, &residual, weight, eps, out, &sum);
-  }
-  return {out, sum};
-}
-
 // The activation as gate / (1 + exp(z)): silu's z = -g; tanh-GELU's 0.5 g (1 + tanh(y)) is
 // g * sigmoid(2y), y = sqrt(2 / pi) (g + 0.044715 g^3), so z = -g (c1 + c2 g^2).
 template <bool GELU>
@@ -190,10 +166,6 @@ at::Tensor glu_and_mul(const at::Tensor& gate_up) {
   }
   return out;
 }
-
-at::Tensor silu_and_mul(const at::Tensor& gate_up) { return glu_and_mul<false>(gate_up); }
-
-at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return glu_and_mul<true>(gate_up); }
 
 // n values into the cache's storage type (rounded to nearest even where it is narrower).
 template <typename T, typename KV>
@@ -274,6 +246,39 @@ void rope_cache_typed(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   }
 }
 
+}  // namespace
+
+namespace prefixgate::ops {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_rows<c10::BFloat16>(x, nullptr, weight, eps, out, nullptr);
+  } else {
+    norm_rows<float>(x, nullptr, weight, eps, out, nullptr);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type());
+  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_rows<c10::BFloat16>(x, &residual, weight, eps, out, &sum);
+  } else {
+    norm_rows<float>(x, &residual, weight, eps, out, &sum);
+  }
+  return {out, sum};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return glu_and_mul<false>(gate_up); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return glu_and_mul<true>(gate_up); }
+
 void rope_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                     int64_t num_heads) {
@@ -299,22 +304,4 @@ void rope_and_cache(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
-  m.def(
-      "rope_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
-      "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
-  m.impl("rope_and_cache", &rope_and_cache);
-}
+}  // namespace prefixgate::ops

@@ -31,10 +31,11 @@
 //
 // Compiled at run time by engine/executor/kernels/__init__.py.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 // bf16 pair products (VDPBF16PS: AVX512-BF16, Zen 4 and Cooper Lake on; -march=native says so
@@ -89,65 +90,6 @@ inline const float* float_row(const S* src, float* buffer, int64_t n) {
 // The first key a query at position p attends to: 0, or the window's first.
 inline int64_t first_key(int64_t p, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& block_tables,
-                                                              const at::Tensor& seq_rows,
-                                                              const at::Tensor& positions,
-                                                              int64_t block_size,
-                                                              int64_t window) {
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong);
-  TORCH_CHECK(seq_rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong);
-  TORCH_CHECK(seq_rows.numel() == positions.numel() && block_size > 0 && window >= 0);
-  const at::Tensor tables = block_tables.contiguous(), rows = seq_rows.contiguous(),
-                   pos = positions.contiguous();
-  const int64_t num_queries = pos.numel(), num_rows = tables.size(0), cols = tables.size(1);
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  // Blocks each sequence row holds this step: entries past them may be stale.
-  std::vector<int64_t> used(num_rows, 0);
-  for (int64_t t = 0; t < num_queries; ++t) {
-    TORCH_CHECK(row[t] >= 0 && row[t] < num_rows && p[t] >= 0, "bad sequence row or position");
-    used[row[t]] = std::max(used[row[t]], p[t] / block_size + 1);
-  }
-  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(used[r] <= cols, "block table too short");
-  at::Tensor part_start = at::empty({num_queries + 1}, pos.options());
-  int64_t* starts = part_start.data_ptr<int64_t>();
-  starts[0] = 0;
-  // (chunk, the chunk's block ids) -> the queries reading them, in query order
-  std::map<std::vector<int64_t>, std::vector<int64_t>> readers;
-  std::vector<const std::vector<int64_t>*> order;
-  std::vector<int64_t> key;
-  for (int64_t t = 0; t < num_queries; ++t) {
-    const int64_t first_chunk = first_key(p[t], window) / kChunkTokens;
-    const int64_t chunks = p[t] / kChunkTokens + 1;
-    starts[t + 1] = starts[t] + chunks - first_chunk;
-    for (int64_t c = first_chunk; c < chunks; ++c) {
-      const int64_t first = c * kChunkTokens / block_size;
-      const int64_t last = std::min(((c + 1) * kChunkTokens + block_size - 1) / block_size,
-                                    used[row[t]]);
-      key.assign(1, c);
-      key.insert(key.end(), table + row[t] * cols + first, table + row[t] * cols + last);
-      auto [it, fresh] = readers.try_emplace(key);
-      if (fresh) order.push_back(&it->first);
-      it->second.push_back(t);
-    }
-  }
-  std::vector<int64_t> items, members;
-  for (const std::vector<int64_t>* k : order) {
-    const std::vector<int64_t>& queries = readers[*k];
-    for (size_t i = 0; i < queries.size(); i += kTileQueries) {
-      const int64_t count = std::min<int64_t>(kTileQueries, queries.size() - i);
-      items.insert(items.end(), {(*k)[0], static_cast<int64_t>(members.size()), count});
-      members.insert(members.end(), queries.begin() + i, queries.begin() + i + count);
-    }
-  }
-  at::Tensor item_tensor = at::empty({static_cast<int64_t>(items.size() / 3), 3}, pos.options());
-  at::Tensor member_tensor = at::empty({static_cast<int64_t>(members.size())}, pos.options());
-  std::copy(items.begin(), items.end(), item_tensor.data_ptr<int64_t>());
-  std::copy(members.begin(), members.end(), member_tensor.data_ptr<int64_t>());
-  return {item_tensor, member_tensor, part_start};
 }
 
 // Scores of NH query heads (sharing a KV head) against keys 0..n-1, the keys transposed (key
@@ -952,6 +894,69 @@ void dispatch_cache_dtype(const at::Tensor& q, const at::Tensor& k_cache,
   }
 }
 
+}  // namespace
+
+namespace prefixgate::ops {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& block_tables,
+                                                              const at::Tensor& seq_rows,
+                                                              const at::Tensor& positions,
+                                                              int64_t block_size,
+                                                              int64_t window) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong);
+  TORCH_CHECK(seq_rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong);
+  TORCH_CHECK(seq_rows.numel() == positions.numel() && block_size > 0 && window >= 0);
+  const at::Tensor tables = block_tables.contiguous(), rows = seq_rows.contiguous(),
+                   pos = positions.contiguous();
+  const int64_t num_queries = pos.numel(), num_rows = tables.size(0), cols = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  // Blocks each sequence row holds this step: entries past them may be stale.
+  std::vector<int64_t> used(num_rows, 0);
+  for (int64_t t = 0; t < num_queries; ++t) {
+    TORCH_CHECK(row[t] >= 0 && row[t] < num_rows && p[t] >= 0, "bad sequence row or position");
+    used[row[t]] = std::max(used[row[t]], p[t] / block_size + 1);
+  }
+  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(used[r] <= cols, "block table too short");
+  at::Tensor part_start = at::empty({num_queries + 1}, pos.options());
+  int64_t* starts = part_start.data_ptr<int64_t>();
+  starts[0] = 0;
+  // (chunk, the chunk's block ids) -> the queries reading them, in query order
+  std::map<std::vector<int64_t>, std::vector<int64_t>> readers;
+  std::vector<const std::vector<int64_t>*> order;
+  std::vector<int64_t> key;
+  for (int64_t t = 0; t < num_queries; ++t) {
+    const int64_t first_chunk = first_key(p[t], window) / kChunkTokens;
+    const int64_t chunks = p[t] / kChunkTokens + 1;
+    starts[t + 1] = starts[t] + chunks - first_chunk;
+    for (int64_t c = first_chunk; c < chunks; ++c) {
+      const int64_t first = c * kChunkTokens / block_size;
+      const int64_t last = std::min(((c + 1) * kChunkTokens + block_size - 1) / block_size,
+                                    used[row[t]]);
+      key.assign(1, c);
+      key.insert(key.end(), table + row[t] * cols + first, table + row[t] * cols + last);
+      auto [it, fresh] = readers.try_emplace(key);
+      if (fresh) order.push_back(&it->first);
+      it->second.push_back(t);
+    }
+  }
+  std::vector<int64_t> items, members;
+  for (const std::vector<int64_t>* k : order) {
+    const std::vector<int64_t>& queries = readers[*k];
+    for (size_t i = 0; i < queries.size(); i += kTileQueries) {
+      const int64_t count = std::min<int64_t>(kTileQueries, queries.size() - i);
+      items.insert(items.end(), {(*k)[0], static_cast<int64_t>(members.size()), count});
+      members.insert(members.end(), queries.begin() + i, queries.begin() + i + count);
+    }
+  }
+  at::Tensor item_tensor = at::empty({static_cast<int64_t>(items.size() / 3), 3}, pos.options());
+  at::Tensor member_tensor = at::empty({static_cast<int64_t>(members.size())}, pos.options());
+  std::copy(items.begin(), items.end(), item_tensor.data_ptr<int64_t>());
+  std::copy(members.begin(), members.end(), member_tensor.data_ptr<int64_t>());
+  return {item_tensor, member_tensor, part_start};
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_rows, const at::Tensor& positions,
@@ -997,23 +1002,4 @@ std::string attention_path() {
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY(prefixgate, m) {
-  m.def(
-      "attention_plan(Tensor block_tables, Tensor seq_rows, Tensor positions, int block_size, "
-      "int window=0) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_rows, Tensor positions, Tensor items, Tensor members, Tensor part_start, "
-      "float scale, int window=0) -> Tensor");
-  m.def("attention_path() -> str", &attention_path);
-}
-
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-}
-
-TORCH_LIBRARY_IMPL(prefixgate, CompositeExplicitAutograd, m) {
-  m.impl("attention_plan", &attention_plan);
-}
+}  // namespace prefixgate::ops

@@ -71,10 +71,10 @@
 // Sapphire Rapids), blocks of 16 rows go to its tiles instead (amx_rows). Every path gives
 // the same bits. engine/quantization.py packs the layout.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -1072,20 +1072,6 @@ inline bool amx_serves(int64_t rows) {
 #endif
 }
 
-// Which integer dot products this build runs, for the start-up line: "amx+avx512-vnni" (AMX
-// tiles for blocks of 16 rows, VNNI for the rest), "avx512-vnni", "avx2" or "portable".
-std::string quant_matmul_path() {
-#if PREFIXGATE_QMM_AMX
-  if (amx_ready()) return "amx+avx512-vnni";
-#endif
-  if (kVnniBuild) return "avx512-vnni";
-#if PREFIXGATE_QMM_AVX2
-  return "avx2";
-#else
-  return "portable";
-#endif
-}
-
 template <int BITS, bool HALVES, int MINS, typename OUT>
 void quant_matmul_impl(const QuantizedActivations& act, const uint8_t* codes,
                        const void* scales, ScaleForm form, const at::Half* factors,
@@ -1249,6 +1235,24 @@ void with_layout(int64_t bits, bool halves, int64_t mins, const F& f) {
   }
 }
 
+}  // namespace
+
+namespace prefixgate::ops {
+
+// Which integer dot products this build runs, for the start-up line: "amx+avx512-vnni" (AMX
+// tiles for blocks of 16 rows, VNNI for the rest), "avx512-vnni", "avx2" or "portable".
+std::string quant_matmul_path() {
+#if PREFIXGATE_QMM_AMX
+  if (amx_ready()) return "amx+avx512-vnni";
+#endif
+  if (kVnniBuild) return "avx512-vnni";
+#if PREFIXGATE_QMM_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                            int64_t n, const at::Tensor& ids,
                            const std::optional<at::Tensor>& factors, bool halves) {
@@ -1306,19 +1310,4 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(prefixgate, m) {
-  m.def(
-      "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, int n, Tensor? factors=None, "
-      "bool halves=False) -> Tensor");
-  m.def(
-      "dequantize_rows(Tensor codes, Tensor scales, int bits, int n, Tensor rows, "
-      "Tensor? factors=None, bool halves=False) -> Tensor");
-  m.def("quant_matmul_path() -> str", &quant_matmul_path);
-}
-
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
-  m.impl("quant_matmul", &quant_matmul);
-  m.impl("dequantize_rows", &dequantize_rows);
-}
+}  // namespace prefixgate::ops

@@ -10,12 +10,12 @@
 //     +0.0 are equal), and where the row holds a NaN the first NaN's index (torch's max
 //     propagates NaN).
 //
-// Registered under torch.ops.prefixgate next to the decode attention kernel.
+// Registered under torch.ops.prefixgate by register_ops.cpp.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <cmath>
@@ -96,6 +96,10 @@ void argmax_typed(const at::Tensor& logits, at::Tensor& out) {
   });
 }
 
+}  // namespace
+
+namespace prefixgate::ops {
+
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows: [rows, vocab], vocab > 0");
   const at::Tensor x = logits.contiguous();
@@ -109,8 +113,4 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(prefixgate, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+}  // namespace prefixgate::ops
