@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -47,12 +48,30 @@ class Answer:
     logprobs: tuple[SampleLogprobs, ...]
 
 
+# Where the engines of `served_engine` keep the shipped registry's KV snapshots: the session's
+# first such engine prefills the 1,936 registry tokens (~4 s on a 2-core AVX2 CPU) and writes
+# them; the next ones (a dozen across the modules) read them back in ~0.1 s. A restored
+# prefix has the bits of a computed one (tests/e2e/test_smollm2_restart.py and
+# tests/engine/test_kv_snapshots.py check that), so no answer here depends on which engine
+# filled it. Set by `_shared_registry_snapshots`.
+_registry_snapshots: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_registry_snapshots(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _registry_snapshots[:] = [tmp_path_factory.mktemp("e2e-registry-kv")]
+
+
 def served_engine(source: ModelSource, **overrides: Any) -> LLMEngine:
     """An in-process engine on the GGUF itself, as `prefixgate serve` serves the embedded
     model (its own Q4_1 blocks), with the shipped prefixes and the block accounting checked
     every step: its converted folder would be served with dense float weights
     (`--quantization none`), whose oneDNN GEMMs are not batch invariant
-    (docs/architecture.md)."""
+    (docs/architecture.md).
+
+    The registry's KV comes from the session's shared snapshots where an earlier engine of
+    the same identity wrote them; no hot set is kept (budget 0), so the automatic cache of
+    each engine starts empty whatever ran before."""
     assert source.gguf_path is not None
     settings: dict[str, Any] = {
         "model": str(source.gguf_path),
@@ -60,6 +79,8 @@ def served_engine(source: ModelSource, **overrides: Any) -> LLMEngine:
         "max_model_len": 2048,
         "prefix_file": str(SHIPPED_PREFIXES),
         "debug_check_integrity": True,
+        "kv_snapshot_dir": str(_registry_snapshots[0]),
+        "kv_snapshot_budget": 0,
     }
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
