@@ -50,7 +50,7 @@ TORCH_LIBRARY_IMPL(prefixgate, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
 }
 
-// The plan only reads index tensors; it runs on whatever device holds them.
+// Registered as it was beside the attention kernel; it reads CPU index tensors in place.
 TORCH_LIBRARY_IMPL(prefixgate, CompositeExplicitAutograd, m) {
   m.impl("attention_plan", &prefixgate::ops::attention_plan);
 }
