@@ -105,6 +105,9 @@ class ReplicaSet:
         self._is_stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._poll_requested = asyncio.Event()
+        self._polls_begun = 0  # numbers the polls, so a caller can wait for a later one
+        self._newest_poll_ended = 0
+        self._poll_ended = asyncio.Condition()
         self._streaming: Counter[str] = Counter()  # by replica: requests taken, not ended
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -275,7 +278,7 @@ class ReplicaSet:
                 errors.append(f"replica {name}: {status.error}")
         if len(statuses) < self.num_replicas and not errors:
             errors.append(f"only {len(statuses)} of {self.num_replicas} replicas reloaded")
-        self._poll_soon()
+        await self._fresh_poll()
         return ReloadStatus(
             time=max((s.time or 0.0 for s in statuses), default=time.time()),
             ok=not errors,
@@ -343,7 +346,7 @@ class ReplicaSet:
         task.add_done_callback(self._tasks.discard)
 
     async def _poll_loop(self) -> None:
-        """One poll at a time: every `poll_interval`, or sooner when `_poll_soon` asks, and
+        """One poll at a time: every `poll_interval`, or sooner when `_fresh_poll` asks, and
         every `DEGRADED_POLL_INTERVAL` for up to `DEGRADED_POLL_WINDOW` seconds after fewer
         replicas report than should: requests go to the replicas the last poll heard from,
         so a replacement takes requests from the first poll after it is up (up to half a
@@ -365,16 +368,39 @@ class ReplicaSet:
             except Exception:  # keep polling: /health reports the silence
                 logger.exception("polling the engine replicas failed")
 
-    def _poll_soon(self) -> None:
+    async def _fresh_poll(self) -> None:
+        """Wait for a poll begun after this call, so what an operator reads right after a
+        reload (the listing, /health, /metrics) shows its outcome, not the replicas' state
+        before it. Bounded: a stopped poll loop or silent replicas do not hold the answer."""
+        wanted = self._polls_begun + 1
         self._poll_requested.set()
+        async with self._poll_ended:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._poll_ended.wait_for(lambda: self._newest_poll_ended >= wanted),
+                    2 * self._poll_timeout,
+                )
+
+    @property
+    def _poll_timeout(self) -> float:
+        return max(self.poll_interval * 4, 2.0)
 
     async def _poll(self) -> None:
         """Every replica's report; one that does not answer within the poll's timeout is
         listed with that error and the others still count. A replica sends its prefix
         entries only when they are not the ones this ingress holds (`specs_digest`)."""
+        self._polls_begun += 1
+        number = self._polls_begun
+        try:
+            await self._take_reports()
+        finally:
+            async with self._poll_ended:
+                self._newest_poll_ended = max(self._newest_poll_ended, number)
+                self._poll_ended.notify_all()
+
+    async def _take_reports(self) -> None:
         answers = await each_replica(
-            self._handle.broadcast("report", self._specs_digest),
-            max(self.poll_interval * 4, 2.0),
+            self._handle.broadcast("report", self._specs_digest), self._poll_timeout
         )
         reports = {r.name: r for r in answers if isinstance(r, ReplicaReport)}
         self._poll_errors = [repr(r) for r in answers if isinstance(r, BaseException)]

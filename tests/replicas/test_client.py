@@ -17,7 +17,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from engine import PrefixContract, PrefixSpec, PromptTooLongError, SamplingParams
 from engine.core.errors import EngineDeadError, EngineUnavailableError
-from engine.registry.registry import registry_digest
+from engine.registry.registry import ReloadStatus, registry_digest
 from engine.request_checker import RequestLimits
 from replicas import client
 from replicas.client import ReplicaSet, replica_fault
@@ -60,11 +60,15 @@ class _Broadcast:
     async def _fetch_replica_results_async(self) -> list[_Result]:
         return self.results
 
+    async def results_async(self, return_exceptions: bool = False) -> list[Any]:
+        assert return_exceptions
+        return [r.value for r in self.results]
+
 
 class FakeHandle:
     """What ReplicaSet asks of Serve's handle outside requests: `facts`, `explain` and the
-    `report` broadcast. `facts_answers`: what the first calls of `facts` give (an exception,
-    or a delay past the timeout) before the facts."""
+    `report` and `reload` broadcasts. `facts_answers`: what the first calls of `facts` give
+    (an exception, or a delay past the timeout) before the facts."""
 
     def __init__(
         self,
@@ -79,6 +83,7 @@ class FakeHandle:
         self.explain_ = explain
         self.known_digests: list[str | None] = []
         self.delays: dict[str, float] = {}
+        self.reloads: list[tuple[str, ReloadStatus]] = []
 
     @property
     def facts(self) -> Any:
@@ -102,6 +107,8 @@ class FakeHandle:
         return _Method()
 
     def broadcast(self, method: str, known_digest: str | None = None) -> _Broadcast:
+        if method == "reload":
+            return _Broadcast([_Result(answer) for answer in self.reloads])
         assert method == "report"
         self.known_digests.append(known_digest)
         return _Broadcast(
@@ -502,3 +509,32 @@ def test_explain_maps_a_fault_and_silence_to_unavailable(facts: ModelFacts) -> N
 async def _open_and_explain(replicas: ReplicaSet) -> None:
     await replicas.open()
     await replicas.explain_prefix_match([1, 2, 3])
+
+
+def test_a_reload_answers_once_the_replicas_report_its_outcome(facts: ModelFacts) -> None:
+    """An operator lists the registry right after a failed reload: each replica's card must
+    show that failure, not the state the last poll saw (30 s ago here, at the usual
+    interval) before it."""
+    handle = FakeHandle(facts, [report("a"), report("b")])
+    replicas = ReplicaSet(handle, num_replicas=2, poll_interval=30.0)  # type: ignore[arg-type]
+    failed = ReloadStatus(time=99.0, ok=False, error="bad yaml", num_prefixes=1)
+
+    async def reload() -> tuple[ReloadStatus, list[bool | None]]:
+        await replicas.open()
+        handle.reports = [
+            report(name, last_reload_ok=False, last_reload_error="bad yaml") for name in "ab"
+        ]
+        handle.reloads = [("a", failed), ("b", failed)]
+        status = await replicas.reload_prefixes()
+        return status, [
+            s.stats.last_reload_ok if s.stats else None for s in replicas.replica_states()
+        ]
+
+    try:
+        status, oks = asyncio.run(reload())
+        assert status.ok is False
+        assert status.error == "replica a: bad yaml; replica b: bad yaml"
+        assert oks == [False, False]
+        assert replicas.stats().last_reload_ok is False
+    finally:
+        replicas.shutdown()
