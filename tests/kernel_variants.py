@@ -7,11 +7,13 @@ suite leaves a core idle, and the build needs nothing from the tests: so when th
 selected, it runs last and its builds start in the background at the lowest CPU priority,
 into the cache the test then finds them in.
 
-Not beside the end-to-end tests, though: even at nice 19 (or SCHED_IDLE) a compiler on a
-2-core machine made a real-model engine's requests up to 15x slower (a Responses test took
-31 s instead of 2 s): the engine's two threads meet at a barrier after every parallel
-section, and one of them waiting for a core stalls both. The builds start with the first test
-that does not run the real model (tests/conftest.py).
+Not beside the tests that run the engine's parallel code, though: even at nice 19 (or
+SCHED_IDLE) a compiler on a 2-core machine made a real-model engine's requests up to 15x
+slower (a Responses test took 31 s instead of 2 s), and the engine's own tests ~2x slower
+(the attention kernel's: 61 s instead of 5): the two threads meet at a barrier after every
+parallel section, and one of them waiting for a core stalls both. The builds start with the
+first test past tests/e2e and tests/engine (tests/conftest.py): the servers' tests, which
+mostly wait on sockets and processes.
 """
 
 from __future__ import annotations
