@@ -25,6 +25,7 @@ bf16, whose AMX tiles then serve them; float32 over float16 elsewhere). Prints a
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -68,18 +69,22 @@ def source_text(revision: str | None, name: str) -> str:
     )
 
 
+def renamed(text: str, namespace: str) -> str:
+    """A kernel source with every `prefixgate` name (not PREFIXGATE_ macros) in `namespace`."""
+    return re.sub(r"\bprefixgate\b", namespace, text)
+
+
 def build(revision: str | None) -> object:
-    """The revision's kernels as torch.ops.<namespace>, built once per `build_key`. Their ops
-    are registered under that namespace and their entry points' C++ namespace renamed too, so
-    that neither library's symbols can stand in for the other's."""
+    """The revision's kernels as torch.ops.<namespace>, built once per `build_key`. Every
+    `prefixgate` name of the sources is renamed to that namespace (the op library and the
+    C++ namespaces of the entry points, the kernels and their helpers), so that neither
+    library's symbols can stand in for the other's."""
     texts = {name: source_text(revision, name) for name in kernel_files(revision)}
     namespace = f"bench_{build_key([text.encode() for text in texts.values()])[:12]}"
     folder = default_cache_dir() / "bench_kernels" / namespace
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
-        for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT(", "TORCH_LIBRARY_IMPL("):
-            text = text.replace(f"{macro}prefixgate", f"{macro}{namespace}")
-        (folder / name).write_text(text.replace("prefixgate::ops", f"{namespace}::ops"))
+        (folder / name).write_text(renamed(text, namespace))
     sources = tuple(folder / name for name in texts if name.endswith(".cpp"))
     load_extension(namespace, sources, folder, (folder,))
     return getattr(torch.ops, namespace)

@@ -3,9 +3,9 @@
 Why: a batch-1 decode step streams every weight once, so its time is the weights' size over
 memory bandwidth. SmolLM2's linears and head in bf16 are 269 MB; as 4-bit codes with a scale
 and a min per group of 32 (8-bit for the head) they are ~100 MB, and
-`torch.ops.prefixgate.quant_matmul` (engine/kernels/quant_matmul.cpp) multiplies them by
-activations quantized to 8 bits per group, llama.cpp's scheme, at close to memory bandwidth
-on AVX2 as on AVX-512 (docs/benchmarks.md, "Issue 12, third session").
+`torch.ops.prefixgate.quant_matmul` (engine/executor/kernels/quant_matmul_kernel.h)
+multiplies them by activations quantized to 8 bits per group, llama.cpp's scheme, at close
+to memory bandwidth on AVX2 as on AVX-512 (docs/benchmarks.md, "Issue 12, third session").
 
 The two schemes are GGML's own: `int4` is Q4_1 (per group, d = (max - min) / 15, m = min,
 q = round((w - m) / d)) and `int8` is Q8_0 (d = absmax / 127, q = round(w / d)). Applied to
@@ -49,13 +49,13 @@ FILE_BLOCKS = "gguf"
 IQ4_LEVELS = torch.tensor(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
 )
-LEVELS_BITS = 12  # engine/kernels/quant_matmul.cpp's kLevels
+LEVELS_BITS = 12  # engine/executor/kernels/quant_matmul_kernel.h's kLevels
 QUANTIZE_ROWS = 4096  # rows quantized or packed at a time; whole units (16 rows)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight in the kernel's layout (see engine/kernels/quant_matmul.cpp)."""
+    """A weight in the kernel's layout (see engine/executor/kernels/quant_matmul_kernel.h)."""
 
     # [ceil(N / 16), K / 32, 64 * bits] uint8: units of two tiles of 8 rows (an odd last tile
     # alone, its partner's slot zeros), group by group, each group's 32-byte chunks of tile 0
@@ -264,7 +264,7 @@ def pack_weight(
     any dtype; with `levels`, 4-bit indices into IQ4_LEVELS) with d and m [N, K / 32] into
     the kernel's layout: tiles of 8 rows, each group as 8 steps of 4 columns with the 8 rows
     side by side in a step, two tiles to a unit stored group by group
-    (engine/kernels/quant_matmul.cpp). The scales stay float32 where d
+    (engine/executor/kernels/quant_matmul_kernel.h). The scales stay float32 where d
     or m is (a K-quant's exact products), else float16. `scale` [N, K / 32, 2] gives each
     group a d per 16-column half (Q6_K's sub-blocks), then the kernel's halves; `low`
     [N, K / 32, 2] (with such a `scale`) an m per half too (Q2_K's).

@@ -57,7 +57,7 @@ def read(path: Path, weights: WeightFormat) -> dict[str, torch.Tensor]:
 def cache_file(source: ModelSource, weights: WeightFormat, dtype: torch.dtype) -> Path:
     """Keyed by the weights (`ModelSource.weights_identity`), the format, the dtype, torch's
     version and the layout code's source. The layout is ours
-    (engine/kernels/quant_matmul.cpp), the same on every CPU."""
+    (engine/executor/kernels/quant_matmul_kernel.h), the same on every CPU."""
     key = f"v{CACHE_VERSION}|{_layout_digest()}|{source.path}|{weights}|{dtype}|{torch.__version__}"
     digest = hashlib.sha256(key.encode())
     digest.update(source.weights_identity().encode())

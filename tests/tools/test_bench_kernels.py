@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,21 @@ def test_a_revisions_files_are_read_from_git_and_the_checkouts_from_disk() -> No
     )
     assert "quant_matmul.cpp" in bench_kernels.kernel_files("HEAD")
     assert "TORCH_LIBRARY" in bench_kernels.source_text("HEAD", "register_ops.cpp")
+
+
+def test_renaming_leaves_no_name_of_ours_for_two_builds_to_share() -> None:
+    """Two builds in one process must not resolve each other's symbols: after renaming, no
+    source names the `prefixgate` op library or any C++ namespace of that name."""
+    texts = {
+        name: bench_kernels.source_text(None, name) for name in bench_kernels.kernel_files(None)
+    }
+    out = {name: bench_kernels.renamed(text, "bench_x") for name, text in texts.items()}
+    assert not [name for name, text in out.items() if re.search(r"\bprefixgate\b", text)]
+    assert "TORCH_LIBRARY(bench_x," in out["register_ops.cpp"]
+    assert "namespace bench_x::ops {" in out["quant_matmul.cpp"]
+    assert "namespace bench_x::qmm {" in out["quant_matmul_kernel.h"]
+    assert "bench_x::amx_ready()" in out["paged_attention.cpp"]
+    assert "PREFIXGATE_QMM_WIDTH(" in out["quant_matmul_kernel.h"]  # macros keep their names
 
 
 @pytest.mark.bench

@@ -34,15 +34,19 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "quant_matmul.cpp",  # the longest to compile: first, so that it never starts last
-        "paged_attention.cpp",
+        "paged_attention.cpp",  # the longest to compile: first, so that it never starts last
+        "quant_matmul_4_5_iq4.cpp",
+        "quant_matmul_6_8.cpp",
+        "quant_matmul.cpp",
         "layer_ops.cpp",
         "sampling_ops.cpp",
         "register_ops.cpp",
     )
 )
 # part of the cache key, not compiled alone
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "ops.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("vec.h", "ops.h", "quant_matmul_kernel.h")
+)
 # -fopenmp: at::parallel_for is inline OpenMP; the extension then binds to the libgomp.so.1
 # torch already loaded (same soname), so there is one thread pool.
 # -ffp-contract=off: no a * b + c fused behind our back, differently in different places (see
