@@ -90,7 +90,8 @@ WeightLayout check_weight(const at::Tensor& codes, const at::Tensor& scales, int
 template <typename F>
 void with_layout(int64_t bits, bool halves, int64_t mins, const F& f) {
   with_width(bits, [&](auto bits_tag) {
-    with_rows(halves, mins, [&](auto halves_tag, auto mins_tag) { f(bits_tag, halves_tag, mins_tag); });
+    with_rows(halves, mins,
+              [&](auto halves_tag, auto mins_tag) { f(bits_tag, halves_tag, mins_tag); });
   });
 }
 

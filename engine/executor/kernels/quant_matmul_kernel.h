@@ -73,9 +73,9 @@
 //
 // This header holds the kernel; quant_matmul.cpp the op's entry points (checks, activation
 // quantization, the dispatch by code width), and quant_matmul_4_5_iq4.cpp and
-// quant_matmul_6_8.cpp the code widths' instances (matmul_width), ~26 and ~20 s of one core
-// at -O3 on the AVX2 EPYC: in one source they made the last ~40 s of a cold build on 2 cores
-// a single compiler's.
+// quant_matmul_6_8.cpp the code widths' instances (matmul_width), ~29 and ~22 s of one core
+// at -O3 on the AVX2 EPYC (each width compiled alone, summed): in one source they made the
+// last ~40 s of a cold build on 2 cores a single compiler's.
 
 #pragma once
 
@@ -109,8 +109,6 @@ constexpr bool kVnniBuild = false;
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
-#include <optional>
-#include <string>
 #include <type_traits>
 #include <vector>
 
