@@ -92,35 +92,33 @@ inline int64_t first_key(int64_t p, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
 }
 
-// Scores of NH query heads (sharing a KV head) against keys 0..n-1, the keys transposed (key
-// k's dim d at keys_t[d * kScoreStride + k]): a key per lane, BLOCKS vectors of L's width at a
-// time, each score one FMA chain over the dims in order, s = fma(q[d], k[d], s), d = 0, 1, ...
-// The chains of a block share every load; no lane depends on another (a scalar loop of fmaf
-// gives the same bits, at any width).
+// Scores of NH query heads (sharing a KV head) against the block of keys k0.. (BLOCKS vectors
+// of L's width), the keys transposed (key k's dim d at keys_t[d * kScoreStride + k]): a key
+// per lane, each score one FMA chain over the dims in order, s = fma(q[d], k[d], s), d = 0,
+// 1, ... The chains of a block share every load; no lane depends on another (a scalar loop of
+// fmaf gives the same bits, at any width).
 template <typename L, int64_t HEAD_DIM, int NH, int BLOCKS>
-inline void score_keys(const float* const* q, const float* keys_t, int64_t n,
+inline void score_keys(const float* const* q, const float* keys_t, int64_t k0,
                        int64_t head_dim_rt, float* const* out) {
   using V = typename L::V;
   constexpr int64_t kStep = L::kWidth * BLOCKS;
   static_assert((kChunkTokens + kStep - 1) / kStep * kStep <= kScoreStride,
                 "a chunk's last block of keys, padding lanes included, must fit kScoreStride");
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  for (int64_t k0 = 0; k0 < n; k0 += kStep) {  // past n: padding lanes, never read
-    V acc[NH][BLOCKS];
-    for (int h = 0; h < NH; ++h)
-      for (int j = 0; j < BLOCKS; ++j) acc[h][j] = V{};
-    const float* column = keys_t + k0;
-    for (int64_t d = 0; d < head_dim; ++d, column += kScoreStride) {
-      V keys[BLOCKS];
-      for (int j = 0; j < BLOCKS; ++j) keys[j] = L::load(column + L::kWidth * j);
-      for (int h = 0; h < NH; ++h) {
-        const V qd = L::splat(q[h][d]);
-        for (int j = 0; j < BLOCKS; ++j) acc[h][j] = L::fma(qd, keys[j], acc[h][j]);
-      }
+  V acc[NH][BLOCKS];
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < BLOCKS; ++j) acc[h][j] = V{};
+  const float* column = keys_t + k0;
+  for (int64_t d = 0; d < head_dim; ++d, column += kScoreStride) {
+    V keys[BLOCKS];
+    for (int j = 0; j < BLOCKS; ++j) keys[j] = L::load(column + L::kWidth * j);
+    for (int h = 0; h < NH; ++h) {
+      const V qd = L::splat(q[h][d]);
+      for (int j = 0; j < BLOCKS; ++j) acc[h][j] = L::fma(qd, keys[j], acc[h][j]);
     }
-    for (int h = 0; h < NH; ++h)
-      for (int j = 0; j < BLOCKS; ++j) L::store(out[h] + k0 + L::kWidth * j, acc[h][j]);
   }
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < BLOCKS; ++j) L::store(out[h] + k0 + L::kWidth * j, acc[h][j]);
 }
 
 // acc[h] += weights[h][k] * rows[k][offset..] for k < n, FMA by FMA in key order, for NH
@@ -182,16 +180,28 @@ inline void score_rows(const float* const* q, const float* keys_t, const int64_t
   using W = prefixgate::WideLanes;
   constexpr int kRows = W::kWidth == 8 ? 3 : 6;
   constexpr int kBlocks = W::kWidth == 8 ? 3 : 4;
+  constexpr int64_t kStep = W::kWidth * kBlocks;
   const auto longest = [&](int64_t first, int64_t rows) {
     return *std::max_element(n + first, n + first + rows);
   };
-  int64_t r = 0;
-  for (; r + kRows <= count; r += kRows)
-    score_keys<W, HEAD_DIM, kRows, kBlocks>(q + r, keys_t, longest(r, kRows), head_dim, out + r);
+  // Key block outside, row blocks inside: a block of keys (head_dim x kStep floats, 6 KB for
+  // 64 dims on AVX2) stays in L1 for every row block that reads it, where the chunk's whole
+  // transposed keys (40 KB) would be streamed from L2 again for each.
+  const int64_t whole = count / kRows * kRows;
+  if (whole > 0) {
+    const int64_t all = longest(0, whole);
+    for (int64_t k0 = 0; k0 < all; k0 += kStep)  // past a row's n: padding lanes, never read
+      for (int64_t r = 0; r < whole; r += kRows)
+        if (k0 < longest(r, kRows))
+          score_keys<W, HEAD_DIM, kRows, kBlocks>(q + r, keys_t, k0, head_dim, out + r);
+  }
+  const int64_t r = whole;
   const auto rest = [&](auto rows) {
     constexpr int kRest = decltype(rows)::value;
-    score_keys<W, HEAD_DIM, kRest, (kRest <= 2 ? 4 : kBlocks)>(
-        q + r, keys_t, longest(r, kRest), head_dim, out + r);
+    constexpr int kRestBlocks = kRest <= 2 ? 4 : kBlocks;
+    const int64_t last = longest(r, kRest);
+    for (int64_t k0 = 0; k0 < last; k0 += W::kWidth * kRestBlocks)
+      score_keys<W, HEAD_DIM, kRest, kRestBlocks>(q + r, keys_t, k0, head_dim, out + r);
   };
   prefixgate::with_count<kRows>(count - r, rest);
 }
@@ -487,6 +497,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
   at::parallel_for(0, items.size(0), 1, [&](int64_t begin, int64_t end) {
     const int64_t q_row = num_heads * head_dim, kv_row = num_kv_heads * head_dim;
+    // Consecutive items of one chunk (the plan lists a chunk's tiles together) reuse its keys
+    // and values as the last item laid them out (transposed, widened or paired): the same
+    // blocks, and at least as many keys. A 77-token suffix after a registry hit is 5 tiles a
+    // chunk: the vector path widened and transposed each chunk 5 times.
+    int64_t laid_chunk = -1, laid_keys = 0;
+    static thread_local std::vector<int64_t> laid_blocks;  // its capacity kept between calls
 #if PREFIXGATE_ATTN_PAIRS
     // The pair paths' buffers: queries per KV head [kv_heads][rows][HEAD_DIM] bf16, the
     // chunk's keys as dim pairs [kv_heads][HEAD_DIM / 2][kChunkTokens], its values as key
@@ -498,10 +514,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     uint32_t *tkeys = nullptr, *tvalues = nullptr;
     uint16_t* tprobs = nullptr;
     float* block_out = nullptr;
-    // Consecutive items of one chunk (the plan lists a chunk's tiles together) reuse its keys
-    // and values as the last item laid them out: the same blocks, and at least as many keys.
-    int64_t laid_chunk = -1, laid_keys = 0;
-    std::vector<int64_t> laid_blocks;
     if (pairs) {
       const size_t q_words = num_kv_heads * tile_rows * head_dim / 2;
       const size_t kv_words = num_kv_heads * head_dim / 2 * kChunkTokens;
@@ -543,8 +555,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     const float* pv_weights[kTileQueries * kMaxGroup];
     float* pv_acc[kTileQueries * kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
-      [[maybe_unused]] bool laid_out = false;  // the tile path: this chunk's keys and values are
-                                               // in place from the item before
       const int64_t chunk = item_ptr[3 * item], count = item_ptr[3 * item + 2];
       const int64_t* tile = member_ptr + item_ptr[3 * item + 1];
       const int64_t start = chunk * kChunkTokens;
@@ -566,20 +576,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t p = start + k;
         return table[p / block_size] * block_stride + p % block_size * token_stride;
       };
+      // This chunk's keys and values in place from the item before (see laid_chunk)?
+      const int64_t* first_block = table + start / block_size;
+      const int64_t num_blocks = (start + longest - 1) / block_size - start / block_size + 1;
+      const bool laid_out = chunk == laid_chunk && longest <= laid_keys &&
+                            std::equal(first_block, first_block + num_blocks, laid_blocks.begin());
+      if (!laid_out) {
+        laid_chunk = chunk;
+        laid_keys = longest;
+        laid_blocks.assign(first_block, first_block + num_blocks);
+      }
 #if PREFIXGATE_ATTN_PAIRS
       if constexpr (pairs) {
         const int64_t key_tiles = (longest + 15) / 16, rows_per_head = count * group;
         const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
         const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_ptr);
-        const int64_t* first_block = table + start / block_size;
-        const int64_t num_blocks = (start + longest - 1) / block_size - start / block_size + 1;
-        laid_out = chunk == laid_chunk && longest <= laid_keys &&
-                   std::equal(first_block, first_block + num_blocks, laid_blocks.begin());
-        if (!laid_out) {
-          laid_chunk = chunk;
-          laid_keys = longest;
-          laid_blocks.assign(first_block, first_block + num_blocks);
-        }
         // B: the keys' dim pairs transposed, 8 keys x 8 pairs at a time, every KV head of
         // those 8 keys before the next 8 (past the last key: it again, as on the vector path;
         // those scores are never read). Key rows in the order they lie in memory: one KV
@@ -636,8 +647,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #endif
       if (!pairs) {
       // Keys transposed (a key per lane: [kv_head][dim][key]), 8 keys at a time; values as
-      // rows (widened once where stored in 16 bits).
-      for (int64_t k0 = 0; k0 < longest; k0 += 8) {
+      // rows (widened once where stored in 16 bits); not again where the item before laid
+      // them out. The lanes past this item's keys then hold the chunk's later keys instead of
+      // the last key repeated: their scores are never read either way.
+      for (int64_t k0 = 0; k0 < (laid_out ? 0 : longest); k0 += 8) {
         const float* group_keys[8];
         for (int64_t j = 0; j < 8; ++j) {
           const int64_t p = start + std::min(k0 + j, longest - 1);  // pad: repeat a key
@@ -653,7 +666,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                                    kScoreStride);
           }
       }
-      for (int64_t k = 0; k < longest; ++k) {
+      for (int64_t k = 0; k < (laid_out ? 0 : longest); ++k) {
         const int64_t offset = cache_offset(k);
         if constexpr (std::is_same_v<KV, float>) {
           value_rows[k] = v_ptr + offset;
@@ -728,8 +741,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int lane = 0; lane < 8; ++lane) sum += sums[lane];
           part_max[part * num_heads + head] = m;
           part_sum[part * num_heads + head] = sum;
+          // cleared in vectors: std::fill's memset of 256 bytes was a `rep stos`, ~4% of
+          // this loop
           float* acc = part_acc + (part * num_heads + head) * head_dim;
-          std::fill(acc, acc + head_dim, 0.f);
+          for (int64_t d = 0; d < head_dim; d += 8) prefixgate::store8(acc + d, f8{});
         }
       }
 #if PREFIXGATE_ATTN_PAIRS
@@ -944,7 +959,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_plan(const at::Tensor& 
   std::vector<int64_t> items, members;
   for (const std::vector<int64_t>* k : order) {
     const std::vector<int64_t>& queries = readers[*k];
-    for (size_t i = 0; i < queries.size(); i += kTileQueries) {
+    // Tiles of 16 in query order, listed last tile first: within a sequence a later query
+    // reads at least as many of the chunk's keys, so every tile after the first finds the
+    // keys and values it needs already laid out by the one before (attend's laid_chunk).
+    const int64_t num_tiles =
+        (static_cast<int64_t>(queries.size()) + kTileQueries - 1) / kTileQueries;
+    for (int64_t tile = num_tiles - 1; tile >= 0; --tile) {
+      const size_t i = tile * kTileQueries;
       const int64_t count = std::min<int64_t>(kTileQueries, queries.size() - i);
       items.insert(items.end(), {(*k)[0], static_cast<int64_t>(members.size()), count});
       members.insert(members.end(), queries.begin() + i, queries.begin() + i + count);
