@@ -7,7 +7,7 @@
 // 128 tokens ([0, 128), [128, 256), ...; the chunks before lo's are not read, the keys of
 // lo's chunk before lo weigh nothing), each chunk's
 // partial softmax computed by the same arithmetic (each score one FMA chain over the dims in
-// order, a key per vector lane, against the chunk's keys transposed once per work item; the
+// order, a key per vector lane, against the chunk's keys transposed once per run of tiles; the
 // chunk's max, exponentials and sums; value accumulation FMA by FMA in key order), and the
 // chunks merged in chunk order. Nothing in that depends on how many queries, sequences or
 // shared blocks the call holds: those only decide which queries share one read of a chunk's
@@ -753,8 +753,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t padded_rows = (rows_per_head + kTileRows - 1) / kTileRows * kTileRows;
         // B: values as key pairs (dim d of keys 2j, 2j + 1 in one 32-bit word), every KV
         // head of a key pair before the next (rows in memory order, as the keys); past the
-        // chunk's last key, zeros (the tiles read whole steps of 32 keys, the vector pairs
-        // the keys there are)
+        // laying item's last key, zeros (the tiles read whole steps of 32 keys, the vector
+        // pairs the keys there are). An item that reuses the layout may have fewer keys: its
+        // numerators past them are zeros, which weigh the later keys' values by nothing
         const int64_t value_pairs = tiles ? key_steps * 16 : (longest + 1) / 2;
         for (int64_t pair = 0; pair < (laid_out ? 0 : value_pairs); ++pair) {
           const int64_t k = 2 * pair;
