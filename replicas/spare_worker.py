@@ -7,11 +7,18 @@ can even load. Ray prestarts such workers when a driver starts, but those are ta
 controller, the proxy and the first replicas, and Ray does not replace them.
 
 `SpareWorkerKeeper` keeps one: every `interval` seconds it asks the node's raylet how many
-worker processes never ran anything and, when none, asks it to start one for this job
+worker processes that could take our actors never ran anything and, when none, asks it to
+start one for this job
 (`PrestartWorkers`, the RPC Ray's own prestarts use) with our actors' runtime env
 (`ACTOR_RUNTIME_ENV`): Ray gives an actor only a worker started with the runtime env the actor
 asks for, and that env makes `replicas.preload` import this package as the worker starts. The
 replacement's actor then starts on the spare and goes straight to loading the engine.
+
+Which idle workers could take our actors is read from each one's environment: Ray's own
+prestarts (`enable_worker_prestart`: one a CPU, with the job's default runtime env) cannot.
+On 2 CPUs the controller and the proxy take those. On a 16-core host most of them stay idle;
+counted as spares, they kept the keeper from starting any, and every replacement there
+started cold (its first log line 6-11 s after the kill, against ~0.5 s on a spare).
 
 The RPCs are Ray's internal node-manager service (as `ray._private.internal_api` calls it);
 anything that fails here is logged once and ends the keeper, never the server.
@@ -23,7 +30,9 @@ import importlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -34,6 +43,18 @@ logger = logging.getLogger(__name__)
 PRELOAD_MODULES = ["replicas.preload"]
 PRELOAD_ENV_VAR = "PREFIXGATE_PRELOAD"
 ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {PRELOAD_ENV_VAR: "1"}}
+
+
+def started_for_our_actors(pid: int) -> bool:
+    """Whether worker process `pid` was started with ACTOR_RUNTIME_ENV: Ray puts a runtime
+    env's env_vars in the environment a worker starts with, which /proc keeps (the keeper runs
+    on the node it counts). One whose environment cannot be read counts as ours, so that it
+    can only leave a spare missing, never start one too many."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return True
+    return f"{PRELOAD_ENV_VAR}=1".encode() in environ.split(b"\0")
 
 
 @dataclass(frozen=True)
@@ -52,9 +73,15 @@ class SpareWorkerKeeper:
     the node's raylet (`NodeManagerServiceStub`); `for_this_node` builds it from Ray."""
 
     def __init__(
-        self, stub: Any, job_id: bytes, runtime_env: Any, config: SpareWorkerConfig
+        self,
+        stub: Any,
+        job_id: bytes,
+        runtime_env: Any,
+        config: SpareWorkerConfig,
+        ours: Callable[[int], bool] = started_for_our_actors,
     ) -> None:
         self._stub = stub
+        self._ours = ours  # whether a worker's pid could take our actors
         self._job_id = job_id
         self._runtime_env = runtime_env
         self.config = config
@@ -83,8 +110,9 @@ class SpareWorkerKeeper:
         )
 
     def idle_workers(self) -> int:
-        """Worker processes on this node that never ran anything: the raylet reports them
-        with no actor and no task executed. A worker whose stats did not come back (the
+        """Worker processes on this node that never ran anything and could take our actors:
+        the raylet reports them with no actor and no task executed, and each was started with
+        our actors' runtime env (`ours`). A worker whose stats did not come back (the
         raylet counts it in `num_workers` but lists no stats) is taken for idle too, so an
         unanswered poll can only leave a spare missing, never start one too many."""
         reply = self._stub.GetNodeStats(
@@ -98,6 +126,7 @@ class SpareWorkerKeeper:
             and worker.num_executed_tasks == 0
             and worker.num_running_tasks == 0
             and worker.actor_id.strip(b"\xff") == b""  # Ray's nil id is all 0xff
+            and self._ours(worker.pid)
         ]
         return len(unused) + max(0, int(reply.num_workers) - len(stats))
 

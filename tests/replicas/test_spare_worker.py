@@ -16,17 +16,35 @@ from ray._private.utils import get_runtime_env_info
 from ray.core.generated import common_pb2, node_manager_pb2
 from ray.runtime_env import RuntimeEnv
 
-from replicas.spare_worker import PRELOAD_ENV_VAR, SpareWorkerConfig, SpareWorkerKeeper
+from replicas.spare_worker import (
+    PRELOAD_ENV_VAR,
+    SpareWorkerConfig,
+    SpareWorkerKeeper,
+    started_for_our_actors,
+)
 
 NIL = b"\xff" * 16
 JOB = bytes.fromhex("01000000")
 
 
+# pids the fake node's workers carry: ours were started with our actors' runtime env, Ray's
+# own prestarts (one a CPU, the job's default env) were not
+OURS, RAYS = 100, 200
+
+
 def worker(
-    kind: int = common_pb2.WORKER, actor: bytes = NIL, tasks: int = 0, running: int = 0
+    kind: int = common_pb2.WORKER,
+    actor: bytes = NIL,
+    tasks: int = 0,
+    running: int = 0,
+    pid: int = OURS,
 ) -> Any:
     return common_pb2.CoreWorkerStats(
-        worker_type=kind, actor_id=actor, num_executed_tasks=tasks, num_running_tasks=running
+        worker_type=kind,
+        actor_id=actor,
+        num_executed_tasks=tasks,
+        num_running_tasks=running,
+        pid=pid,
     )
 
 
@@ -67,7 +85,9 @@ class FakeRaylet:
 
 def keeper(raylet: FakeRaylet, **config: Any) -> SpareWorkerKeeper:
     runtime_env = get_runtime_env_info(RuntimeEnv(env_vars={"A": "1"}))
-    return SpareWorkerKeeper(raylet, JOB, runtime_env, SpareWorkerConfig(**config))
+    return SpareWorkerKeeper(
+        raylet, JOB, runtime_env, SpareWorkerConfig(**config), ours=lambda pid: pid == OURS
+    )
 
 
 class Polls:
@@ -93,6 +113,34 @@ def test_only_workers_that_never_ran_anything_count_as_spare() -> None:
     assert keeper(raylet).idle_workers() == 0
     raylet.workers += [worker(), worker(actor=b"")]
     assert keeper(raylet).idle_workers() == 2
+
+
+def test_rays_own_idle_prestarts_are_not_spares_so_one_of_ours_is_started() -> None:
+    # a 16-core node: Ray prestarted 16 workers with the job's default runtime env; the
+    # controller and the proxy took 2, the other 14 idle ones cannot take our actors
+    rays = [worker(pid=RAYS) for _ in range(14)]
+    raylet = FakeRaylet([DRIVER, REPLICA, *rays], registers_after=1)
+    k = keeper(raylet)
+    assert k.idle_workers() == 0
+    run(k, 4)
+    assert [r.num_workers for r in raylet.prestarts] == [1]
+    assert k.idle_workers() == 1
+
+
+def test_a_worker_started_with_our_runtime_env_is_told_by_its_environment() -> None:
+    env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV_VAR}
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleep, env={**env, PRELOAD_ENV_VAR: "1"})
+    rays = subprocess.Popen(sleep, env={**env, f"NOT_{PRELOAD_ENV_VAR}": "1"})
+    try:
+        assert started_for_our_actors(ours.pid)
+        assert not started_for_our_actors(rays.pid)
+    finally:
+        for process in (ours, rays):
+            process.kill()
+            process.wait()
+    # gone (or never there): counted as ours, so that no spare is started too many
+    assert started_for_our_actors(ours.pid)
 
 
 def test_a_worker_without_stats_counts_as_spare_so_none_is_started_too_many() -> None:
