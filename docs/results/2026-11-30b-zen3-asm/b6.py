@@ -1,0 +1,32 @@
+"""6-bit (Q6_K-like, halves, factored scales) quant_matmul: working tree vs a revision, in turns.
+
+    OMP_NUM_THREADS=1 .venv/bin/python b6.py REV ROWS,.. NxK,..   (from the repository root)
+"""
+import sys, os
+sys.path.insert(0, os.getcwd())
+from functools import partial
+import torch
+from tools.bench_kernels import build, in_turns
+from engine.executor.quantization import pack_weight, ScaleFactors
+against = sys.argv[1]; rows_list = [int(r) for r in sys.argv[2].split(",")]
+shapes = [tuple(int(v) for v in s.split("x")) for s in sys.argv[3].split(",")]
+ops = [build(against), build(None)]
+gen = torch.Generator().manual_seed(6)
+for rows in rows_list:
+    tot = [0.0, 0.0]; same = True; macs = 0
+    for n, k in shapes:
+        groups = k // 32
+        codes = torch.randint(-32, 32, (n, groups, 32), generator=gen).to(torch.int8)
+        d_sub = torch.randint(-128, 128, (n, groups, 2), generator=gen).to(torch.int8)
+        m_sub = torch.zeros((n, groups), dtype=torch.int8)
+        d_super = (torch.randint(1, 2000, (n, groups // 8), generator=gen).float() / 2**20).half()
+        m_super = torch.full((n, groups // 8), -0.0).half()
+        f = ScaleFactors(d_sub, d_super, m_sub, m_super)
+        d = d_sub.float() * d_super.float().repeat_interleave(8, 1)[..., None]
+        m = torch.zeros((n, groups))
+        w = pack_weight(codes, d, m, 6, factors=f)
+        x = torch.randn(rows, k, generator=gen)
+        calls = [partial(op.quant_matmul, x, w.codes, w.scales, w.op_bits, n, w.factors, w.halves) for op in ops]
+        best, eq = in_turns(calls, int(os.environ.get("ROUNDS", 15)))
+        tot = [a + b for a, b in zip(tot, best)]; same = same and eq; macs += rows * n * k
+    print({"rows": rows, "ms": [round(t * 1e3, 2) for t in tot], "gmac": [round(macs / t / 1e9, 1) for t in tot], "same_bits": same, "threads": torch.get_num_threads()})
