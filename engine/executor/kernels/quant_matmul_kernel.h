@@ -143,8 +143,11 @@ constexpr int64_t kSteps = 8;     // 4-column steps per group
 // once, meet all T of them (one broadcast per T multiply-adds). MB x T integer accumulators:
 // 4-bit codes accumulate 16-bit pair sums (5 x 2 = 10 of the 16 AVX2 registers, with the codes,
 // the broadcast and the nibble mask); 8-bit codes keep 32-bit sums and a second, unsigned
-// copy of each tile's codes, so 2 x 2; 5-bit codes 16-bit sums over 4 steps, widened into 32,
-// 2 x 2 as well (3 x 2 measured no faster). Measured on an AVX2 EPYC (Zen 3), one thread, 1000
+// copy of each tile's codes, so 2 x 2; 5-bit codes 16-bit sums over 4 steps, widened into 32:
+// 2 x 2 where the compiler places the registers (3 x 2 measured no faster), 5 x 2 on AVX2
+// without VNNI, where q5_group_sums_5x2 does (Zen 3, Gemma 3 270M's shapes at 77 rows, one
+// thread: 39.3 -> 50.3 G multiply-adds/s without a min, 35.9 -> 43.2 with one; two threads,
+// 1000 rows: 56.2 -> 61.7, 61.7 -> 71.5). Measured on an AVX2 EPYC (Zen 3), one thread, 1000
 // rows of K = 576: 4-bit 5 x 2 ~72 G multiply-adds/s against ~48 for the former 4 x 1 blocks.
 // 6-bit codes 4 x 2: their unpacking (nibble and two bit planes) is per tile, so it is shared
 // by more rows, and the compiler keeps the float accumulators, touched once a group, in
@@ -152,7 +155,7 @@ constexpr int64_t kSteps = 8;     // 4-column steps per group
 // the same EPYC, two threads (5 x 2: no faster than 4).
 // Each row's arithmetic is the same whichever block, and whichever tile, it falls in.
 template <int BITS>
-constexpr int kRowBlock = BITS == 4 ? 5 : BITS == 6 ? 4 : 2;
+constexpr int kRowBlock = BITS == 4 || (BITS == 5 && !kVnniBuild) ? 5 : BITS == 6 ? 4 : 2;
 constexpr int kTileBlock = 2;
 // Rows are taken in chunks whose activation codes (~16 KB) stay in L1 while every tile of a
 // task passes over them: with all 1000 rows of a prefill at once, each tile streamed ~576 KB
@@ -553,6 +556,76 @@ __attribute__((always_inline)) inline void q4_group_sums_5x2(const uint8_t* code
       : "memory");
 }
 #undef PG_Q4_PAIR
+
+// The same for 5-bit codes (Q5_0, Q5_1, Q5_K), in a block of 5 rows x 2 tiles where the
+// compiler's code took 2 x 2 (the unpacking, a nibble and the 5th bits' plane, is per tile and
+// then serves 5 rows instead of 2). 16-bit pair sums hold 4 steps (4 * 2 * 31 * 127), so the
+// first 4 steps' sums wait in `stash` while the last 4 accumulate; each 16-bit sum is then
+// widened (pairs added into 32 bits) and the two added: the integers of block_dot's loop, the
+// group's 32-bit sums. Masks and ones as memory operands (kAsmConstants).
+alignas(32) inline constexpr uint64_t kAsmConstants[3][4] = {
+    {0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F},
+    {0x1010101010101010, 0x1010101010101010, 0x1010101010101010, 0x1010101010101010},
+    {0x0001000100010001, 0x0001000100010001, 0x0001000100010001, 0x0001000100010001}};
+// Tile bytes C (the nibble chunk) and F (the 5th bits' plane), one step's codes into U:
+// NIBBLE the instructions that leave the step's nibble in U, then bit 4 from the plane
+// (shifted by FOP FN: block_dot's step_codes).
+#define PG_Q5_CODES(U, NIBBLE, F, FOP, FN)                                                  \
+  NIBBLE "vmovdqu " #F "(%[c]), %[p]\n\t" FOP " $" #FN ", %[p], %[p]\n\t"                   \
+  "vpand 32(%[mk]), %[p], %[p]\n\t"                                                         \
+  "vpor %[p], %[" U "], %[" U "]\n\t"
+#define PG_Q5_LOW(U, C) "vpand " #C "(%[c]), %[mask], %[" U "]\n\t"
+#define PG_Q5_HIGH(U, C)                                                                    \
+  "vmovdqu " #C "(%[c]), %[" U "]\n\t"                                                      \
+  "vpsrlw $4, %[" U "], %[" U "]\n\t"                                                       \
+  "vpand %[" U "], %[mask], %[" U "]\n\t"
+// Step j: both tiles' codes (NIBBLE PG_Q5_LOW or PG_Q5_HIGH of chunk C, the plane shifted by
+// FOP FN), then the rows' products from activation byte 4j (ROW: PG_Q4_ROW or, to start the
+// sums, PG_Q4_FIRST_ROW).
+#define PG_Q5_STEP(ROW, NIBBLE, C, FOP, FN, OFF)                                            \
+  PG_Q5_CODES("u0", NIBBLE("u0", C), 256, FOP, FN)                                          \
+  PG_Q5_CODES("u1", NIBBLE("u1", 32 + C), 288, FOP, FN) PG_Q4_STEP(ROW, OFF)
+#define PG_Q5_STASH(S, OFF) "vmovdqa %[" S "], " #OFF "(%[stash])\n\t"
+#define PG_Q5_WIDEN(S, OFF)                                                                 \
+  "vpmaddwd 64(%[mk]), %[" S "], %[" S "]\n\t"                                              \
+  "vmovdqa " #OFF "(%[stash]), %[p]\n\t"                                                    \
+  "vpmaddwd 64(%[mk]), %[p], %[p]\n\t"                                                      \
+  "vpaddd %[p], %[" S "], %[" S "]\n\t"
+#define PG_Q5_EACH(M)                                                                      \
+  M("s00", 0) M("s01", 32) M("s10", 64) M("s11", 96) M("s20", 128) M("s21", 160)            \
+      M("s30", 192) M("s31", 224) M("s40", 256) M("s41", 288)
+__attribute__((always_inline)) inline void q5_group_sums_5x2(const uint8_t* codes,
+                                                             const int8_t* acts, int64_t k,
+                                                             __m256i (&sums)[5][2]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const int8_t* acts3 = acts + 3 * k;
+  alignas(32) __m256i stash[10];
+  __m256i u0, u1, b, p;
+  asm(PG_Q5_STEP(PG_Q4_FIRST_ROW, PG_Q5_LOW, 0, "vpsllw", 4, 0)
+          PG_Q5_STEP(PG_Q4_ROW, PG_Q5_HIGH, 0, "vpsllw", 3, 4)
+              PG_Q5_STEP(PG_Q4_ROW, PG_Q5_LOW, 64, "vpsllw", 2, 8)
+                  PG_Q5_STEP(PG_Q4_ROW, PG_Q5_HIGH, 64, "vpsllw", 1, 12)
+                      PG_Q5_EACH(PG_Q5_STASH)
+                          PG_Q5_STEP(PG_Q4_FIRST_ROW, PG_Q5_LOW, 128, "vpsrlw", 0, 16)
+                              PG_Q5_STEP(PG_Q4_ROW, PG_Q5_HIGH, 128, "vpsrlw", 1, 20)
+                                  PG_Q5_STEP(PG_Q4_ROW, PG_Q5_LOW, 192, "vpsrlw", 2, 24)
+                                      PG_Q5_STEP(PG_Q4_ROW, PG_Q5_HIGH, 192, "vpsrlw", 3, 28)
+                                          PG_Q5_EACH(PG_Q5_WIDEN)
+      : [s00] "=&x"(sums[0][0]), [s01] "=&x"(sums[0][1]), [s10] "=&x"(sums[1][0]),
+        [s11] "=&x"(sums[1][1]), [s20] "=&x"(sums[2][0]), [s21] "=&x"(sums[2][1]),
+        [s30] "=&x"(sums[3][0]), [s31] "=&x"(sums[3][1]), [s40] "=&x"(sums[4][0]),
+        [s41] "=&x"(sums[4][1]), [u0] "=&x"(u0), [u1] "=&x"(u1), [b] "=&x"(b), [p] "=&x"(p)
+      : [c] "r"(codes), [a0] "r"(acts), [a3] "r"(acts3), [k] "r"(k), [mask] "x"(mask),
+        [mk] "r"(kAsmConstants), [stash] "r"(stash)
+      : "memory");
+}
+#undef PG_Q5_EACH
+#undef PG_Q5_WIDEN
+#undef PG_Q5_STASH
+#undef PG_Q5_STEP
+#undef PG_Q5_HIGH
+#undef PG_Q5_LOW
+#undef PG_Q5_CODES
 #undef PG_Q4_STEP
 #undef PG_Q4_FIRST_ROW
 #undef PG_Q4_ROW
@@ -600,10 +673,13 @@ void block_dot(const LayoutSpan<BITS, HALVES, MINS>& span, const QuantizedActiva
     // The integer sums of steps [2 * first_pair, 2 * last_pair) into `sums`.
     const auto accumulate = [&](int first_pair, int last_pair) __attribute__((always_inline)) {
 #if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    if constexpr (kPairs && MB == 5 && T == 2) {  // a whole group, in assembly
+    if constexpr ((kPairs || BITS == 5) && MB == 5 && T == 2) {  // a whole group, in assembly
       static_assert(!kOffset, "the assembly writes the sums: they must start from 0");
       if (first_pair == 0 && last_pair == kSteps / 2) {
-        q4_group_sums_5x2(span.chunk(0, g, 0), rows.codes + g * kGroup, k, sums[0]);
+        if constexpr (kPairs)
+          q4_group_sums_5x2(span.chunk(0, g, 0), rows.codes + g * kGroup, k, sums[0]);
+        else
+          q5_group_sums_5x2(span.chunk(0, g, 0), rows.codes + g * kGroup, k, sums[0]);
         return;
       }
     }
