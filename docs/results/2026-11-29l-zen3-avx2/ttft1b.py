@@ -1,7 +1,7 @@
 """The 1B's intent-like step in-process: 944 cached tokens, 77 new ones; median of rounds.
 PROFILE=1 profiles the fourth round (torch.profiler, by op and input shape)."""
 import os, sys, time, statistics
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, os.getcwd())  # run from the repository root
 import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 
