@@ -500,8 +500,8 @@ constexpr int64_t m_row(int part) {
 #if PREFIXGATE_QMM_AVX2 && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
 // A 4-bit group's integer sums for block_dot's prefill block (5 activation rows x 2 tiles, the
 // 16-bit pair sums of kPairs): its 8 steps, written out in assembly. Why: the block's 10
-// accumulators, the two tiles' codes, the broadcast, the product and the nibble mask fill the
-// 16 AVX2 registers exactly, and the compiler, which also holds the 10 float accumulators
+// accumulators, the two tiles' codes, the broadcast, the product and the nibble mask take 15
+// of the 16 AVX2 registers, and the compiler, which also holds the 10 float accumulators
 // live across the group, kept 9 of the 10 sums on the stack: a load and a store each every
 // two steps. Here the sums stay in registers for the whole group; the float work around it
 // stays C++. The instructions are block_dot's own (the same maddubs and adds on the same
