@@ -562,9 +562,9 @@ __attribute__((always_inline)) inline void q4_group_sums_5x2(const uint8_t* code
 // then serves 5 rows instead of 2). 16-bit pair sums hold 4 steps (4 * 2 * 31 * 127), so the
 // first 4 steps' sums wait in `stash` while the last 4 accumulate; each 16-bit sum is then
 // widened (pairs added into 32 bits) and the two added: the integers of block_dot's loop, the
-// group's 32-bit sums. Masks and ones as memory operands (kAsmConstants).
-alignas(32) inline constexpr uint64_t kAsmConstants[3][4] = {
-    {0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F},
+// group's 32-bit sums. The 5th bit's mask and the ones as memory operands (kAsmConstants;
+// the nibble mask is a register, as in the 4-bit block).
+alignas(32) inline constexpr uint64_t kAsmConstants[2][4] = {
     {0x1010101010101010, 0x1010101010101010, 0x1010101010101010, 0x1010101010101010},
     {0x0001000100010001, 0x0001000100010001, 0x0001000100010001, 0x0001000100010001}};
 // Tile bytes C (the nibble chunk) and F (the 5th bits' plane), one step's codes into U:
@@ -572,7 +572,7 @@ alignas(32) inline constexpr uint64_t kAsmConstants[3][4] = {
 // (shifted by FOP FN: block_dot's step_codes).
 #define PG_Q5_CODES(U, NIBBLE, F, FOP, FN)                                                  \
   NIBBLE "vmovdqu " #F "(%[c]), %[p]\n\t" FOP " $" #FN ", %[p], %[p]\n\t"                   \
-  "vpand 32(%[mk]), %[p], %[p]\n\t"                                                         \
+  "vpand (%[mk]), %[p], %[p]\n\t"                                                           \
   "vpor %[p], %[" U "], %[" U "]\n\t"
 #define PG_Q5_LOW(U, C) "vpand " #C "(%[c]), %[mask], %[" U "]\n\t"
 #define PG_Q5_HIGH(U, C)                                                                    \
@@ -587,9 +587,9 @@ alignas(32) inline constexpr uint64_t kAsmConstants[3][4] = {
   PG_Q5_CODES("u1", NIBBLE("u1", 32 + C), 288, FOP, FN) PG_Q4_STEP(ROW, OFF)
 #define PG_Q5_STASH(S, OFF) "vmovdqa %[" S "], " #OFF "(%[stash])\n\t"
 #define PG_Q5_WIDEN(S, OFF)                                                                 \
-  "vpmaddwd 64(%[mk]), %[" S "], %[" S "]\n\t"                                              \
+  "vpmaddwd 32(%[mk]), %[" S "], %[" S "]\n\t"                                              \
   "vmovdqa " #OFF "(%[stash]), %[p]\n\t"                                                    \
-  "vpmaddwd 64(%[mk]), %[p], %[p]\n\t"                                                      \
+  "vpmaddwd 32(%[mk]), %[p], %[p]\n\t"                                                      \
   "vpaddd %[p], %[" S "], %[" S "]\n\t"
 #define PG_Q5_EACH(M)                                                                      \
   M("s00", 0) M("s01", 32) M("s10", 64) M("s11", 96) M("s20", 128) M("s21", 160)            \
