@@ -10,7 +10,10 @@ each worker imports it before it takes an actor. Only workers started for our ow
 
 import os
 
-from replicas.spare_worker import PRELOAD_ENV_VAR  # the standard library only, at import
+from replicas.spare_worker import (  # the standard library only, at import
+    PRELOAD_ENV_VALUE,
+    PRELOAD_ENV_VAR,
+)
 
-if os.environ.get(PRELOAD_ENV_VAR) == "1":
+if os.environ.get(PRELOAD_ENV_VAR) == PRELOAD_ENV_VALUE:
     import replicas.app  # noqa: F401

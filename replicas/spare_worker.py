@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 # an actor only a worker started with the same runtime env, so the spare carries it too.
 PRELOAD_MODULES = ["replicas.preload"]
 PRELOAD_ENV_VAR = "PREFIXGATE_PRELOAD"
-ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {PRELOAD_ENV_VAR: "1"}}
+PRELOAD_ENV_VALUE = "1"
+ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {PRELOAD_ENV_VAR: PRELOAD_ENV_VALUE}}
 
 
 def started_for_our_actors(pid: int) -> bool:
@@ -54,7 +55,7 @@ def started_for_our_actors(pid: int) -> bool:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return True
-    return f"{PRELOAD_ENV_VAR}=1".encode() in environ.split(b"\0")
+    return f"{PRELOAD_ENV_VAR}={PRELOAD_ENV_VALUE}".encode() in environ.split(b"\0")
 
 
 @dataclass(frozen=True)
