@@ -451,6 +451,47 @@ inline __m512i widen16(const c10::BFloat16* p, bool high) {
 }
 #endif
 
+// The plan's items cut into one contiguous run per thread, of about equal estimated work
+// (bounds[j]..bounds[j + 1] is run j). Counting items was not enough: a decode batch's plan
+// lists its shared chunks first, each an item of every member's query heads, then one small
+// item per member for its own last chunk, so the first thread took every shared chunk and the
+// other waited at the barrier (8 decodes sharing a prefix: two threads 1.2x one). An item's
+// work is its keys times its rows (the members' query heads; the tiles' rows rounded up to a
+// whole tile) plus the chunk's layout, about kLayoutRows rows a KV head. Which thread runs an
+// item changes none of its arithmetic, so the bits are the same for any cut; runs stay
+// contiguous so that a chunk's consecutive tiles still reuse one layout.
+std::vector<int64_t> balanced_runs(const int64_t* item_ptr, int64_t num_items,
+                                   const int64_t* member_ptr, const int64_t* pos,
+                                   int64_t num_heads, int64_t num_kv_heads, bool tiles) {
+  constexpr int64_t kLayoutRows = 2;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> bounds{0};
+  if (threads == 1) {
+    bounds.push_back(num_items);
+    return bounds;
+  }
+  const int64_t group = num_heads / num_kv_heads, round = tiles ? 16 : 1;
+  std::vector<double> done(num_items + 1, 0.0);  // work of the items before each
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t start = item_ptr[3 * item] * kChunkTokens, count = item_ptr[3 * item + 2];
+    const int64_t* tile = member_ptr + item_ptr[3 * item + 1];
+    int64_t keys = 0;
+    for (int64_t i = 0; i < count; ++i)
+      keys = std::max(keys, std::min(kChunkTokens, pos[tile[i]] + 1 - start));
+    const int64_t rows = (count * group + round - 1) / round * round + kLayoutRows;
+    done[item + 1] = done[item] + static_cast<double>(keys * rows * num_kv_heads);
+  }
+  for (int64_t j = 1; j < threads; ++j) {
+    const double target = done[num_items] * static_cast<double>(j) / static_cast<double>(threads);
+    int64_t cut = std::lower_bound(done.begin(), done.end(), target) - done.begin();
+    // the nearer of the two item boundaries around the target, never behind the last cut
+    if (cut > 0 && target - done[cut - 1] < done[cut] - target) --cut;
+    bounds.push_back(std::clamp(cut, bounds.back(), num_items));
+  }
+  bounds.push_back(num_items);
+  return bounds;
+}
+
 // HEAD_DIM > 0 fixes the row length at compile time (unrolled loops); 0 reads it at run time.
 template <typename T, typename KV, int64_t HEAD_DIM>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -495,7 +536,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   constexpr bool tiles = false;
 #endif
 
-  at::parallel_for(0, items.size(0), 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> runs = balanced_runs(item_ptr, items.size(0), member_ptr, pos,
+                                                  num_heads, num_kv_heads, tiles);
+  const auto attend_items = [&](int64_t begin, int64_t end) {
+    if (begin == end) return;
     const int64_t q_row = num_heads * head_dim, kv_row = num_kv_heads * head_dim;
     // Consecutive items of one chunk (the plan lists a chunk's tiles together) reuse its keys
     // and values as the last item laid them out (transposed, widened or paired): the same
@@ -838,6 +882,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #if PREFIXGATE_ATTN_AMX
     if (tiles) _tile_release();
 #endif
+  };
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) - 1, 1, [&](int64_t first, int64_t last) {
+    attend_items(runs[first], runs[last]);
   });
 
   // Merge each (query, head)'s chunks in chunk order: out = sum_c acc_c e^(m_c - M) / L.
