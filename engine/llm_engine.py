@@ -116,7 +116,7 @@ class LLMEngine:
             Path(config.prefix_file) if config.prefix_file is not None else None,
             self.tokenizer,
             self.max_model_len,
-            self.checker.compile,
+            self.checker.check,
         )
         if config.prefix_file is not None:
             self._load_prefix_file_at_start()

@@ -18,7 +18,6 @@ from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import GrammarSpec
 from engine.registry.file import parse_prefix_bytes, read_prefix_file
 from engine.registry.spec import PrefixSpec, RegistryFileError
-from engine.structured.grammar import CompiledGrammar
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
@@ -32,14 +31,15 @@ class PrefixFileWatcher:
         path: Path | None,
         tokenizer: Tokenizer,
         max_model_len: int,
-        compile_grammar: Callable[[GrammarSpec], CompiledGrammar],
+        check_grammar: Callable[[GrammarSpec], None],
     ) -> None:
         self.path = path
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         # a function, not the compiler: the compiler's view of the tokenizer (0.3-1 s and up
-        # to ~135 MB) is built on the first grammar, which a file without contracts never has
-        self.compile_grammar = compile_grammar
+        # to ~135 MB) is built by the first constrained request, not by a file's contracts
+        # (`RequestChecker.check`)
+        self.check_grammar = check_grammar
         # sha-256 of the file as last read, and as read by the last poll
         self._read_digest: bytes | None = None
         self._settling_digest: bytes | None = None
@@ -57,7 +57,7 @@ class PrefixFileWatcher:
             raise
         self._read_digest = self._settling_digest = _digest(content)
         specs = parse_prefix_bytes(content, self.path, self.tokenizer, self.max_model_len)
-        self._compile_contracts(specs, self.path)
+        self._check_contracts(specs, self.path)
         return specs
 
     def poll(self) -> bool:
@@ -74,15 +74,15 @@ class PrefixFileWatcher:
             return False
         return True
 
-    def _compile_contracts(self, specs: list[PrefixSpec], path: Path) -> None:
-        """Each entry's response_format must compile now: a bad schema fails the file (old
+    def _check_contracts(self, specs: list[PrefixSpec], path: Path) -> None:
+        """Each entry's response_format is checked now: a bad schema fails the file (old
         registry kept), not the first request that hits the entry."""
         problems = []
         for spec in specs:
             if spec.contract.grammar is None:
                 continue
             try:
-                self.compile_grammar(spec.contract.grammar)
+                self.check_grammar(spec.contract.grammar)
             except InvalidRequestError as exc:
                 problems.append(f"entry '{spec.name}' field 'response_format': {exc.message}")
         if problems:

@@ -59,6 +59,16 @@ def to_llguidance(spec: GrammarSpec) -> str:
     return answer if spec.think_first is None else _after_thinking(answer, spec.think_first)
 
 
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raise InvalidRequestError (param "grammar") where llguidance finds `spec` wrong without
+    a tokenizer: what a schema, regex or grammar says (what depends on the tokens, such as a
+    token a grammar names, shows when compiled). Takes well under a millisecond, where the
+    compiler's view of the tokenizer takes ~0.35 s to build (SmolLM2)."""
+    error = llguidance.LLMatcher.validate_grammar(to_llguidance(spec))
+    if error:
+        raise _invalid(spec, error)
+
+
 # After the block, the blank lines thinking models write before the answer: a few at most.
 _GAP = "GAP: /[ \\t\\r\\n]{0,8}/\n"
 

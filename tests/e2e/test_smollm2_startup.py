@@ -38,6 +38,6 @@ def test_a_warm_start_builds_the_engine_without_transformers(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    # The three shipped entries, a grammar compiler (the intent entry's contract), no module
-    # of transformers, no torch._dynamo.
+    # The three shipped entries, a grammar compiler (built by the probe, as by a first
+    # constrained request), no module of transformers, no torch._dynamo.
     assert done.stdout.split("\n")[0] == "3 49152 [] False"

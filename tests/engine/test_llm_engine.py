@@ -316,13 +316,13 @@ def test_the_input_batch_gives_back_the_rows_of_finished_requests(tiny_llama_pat
 
 
 @pytest.mark.parametrize("with_contract", [False, True])
-def test_the_grammar_compiler_is_built_by_the_first_grammar(
+def test_the_grammar_compiler_is_built_by_the_first_constrained_request(
     tiny_llama_path: Path, tmp_path: Path, with_contract: bool
 ) -> None:
     """llguidance's view of the tokenizer costs a start 0.3-1 s and up to ~135 MB (Gemma 3's
-    262k tokens): an engine whose prefix file has no output contract never builds it; one
-    whose file has a contract builds it at start (the contract must compile); a constrained
-    request builds it where nothing did."""
+    262k tokens): a start never builds it, not even for a prefix file whose entry has an
+    output contract (checked without the tokenizer, and served under it); the first
+    constrained request builds it."""
     entry = '  - name: n\n    text: "Numbers like 0 1 2"\n'
     if with_contract:
         entry += "    response_format: {type: json_object}\n"
@@ -330,12 +330,14 @@ def test_the_grammar_compiler_is_built_by_the_first_grammar(
     prefix_file.write_text("version: 1\nprefixes:\n" + entry)
     engine = tiny_engine(tiny_llama_path, prefix_file=str(prefix_file))
     assert len(engine.registry.prefixes) == 1
-    assert (engine.checker._grammars is not None) == with_contract
+    contract = engine.prefix_contract([*engine.registry.prefixes["n"].token_ids, 5])
+    assert (contract is not None and contract.grammar is not None) == with_contract
+    assert engine.checker._grammars is None
     plain = SamplingParams(temperature=0, max_tokens=2)
     engine.add_request("plain", [5, 6, 7], plain)
     while engine.has_unfinished_requests():
         engine.step()
-    assert (engine.checker._grammars is not None) == with_contract
+    assert engine.checker._grammars is None
     constrained = SamplingParams(temperature=0, max_tokens=4, grammar=GrammarSpec.json_schema())
     engine.add_request("json", [5, 6, 7], constrained)
     while engine.has_unfinished_requests():
