@@ -104,10 +104,18 @@ class QuantizedWeight:
         """Scale rows of m after the d: 0 (m = 0), 1, or 2 (one a half)."""
         return self.scales.shape[2] - (2 if self.halves else 1)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (float32 or bf16, contiguous) times this weight: [M, N], on the kernel."""
+    def matmul(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x [M, K] (float32 or bf16, contiguous) times this weight: [M, N] in x's dtype, or
+        with `float_out` in float32 (the kernel's sums, not rounded to bf16), on the kernel."""
         out: torch.Tensor = torch.ops.prefixgate.quant_matmul(
-            x, self.codes, self.scales, self.op_bits, self.out_features, self.factors, self.halves
+            x,
+            self.codes,
+            self.scales,
+            self.op_bits,
+            self.out_features,
+            self.factors,
+            self.halves,
+            float_out,
         )
         return out
 
@@ -570,15 +578,17 @@ class QuantizedLinear(nn.Module):
     def out_features(self) -> int:
         return sum(part.out_features for part in self.parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x times the weight, in x's dtype; with `float_out`, float32 (on the kernel its
+        unrounded sums, on the dense copy the compute dtype's product widened)."""
         if self.dense is not None:
             out: torch.Tensor = self.dense(x)
-            return out
+            return out.float() if float_out else out
         x = x.contiguous()
         if len(self.parts) == 1:
-            y = self.parts[0].matmul(x)
+            y = self.parts[0].matmul(x, float_out)
         else:
-            y = torch.cat([part.matmul(x) for part in self.parts], dim=1)
+            y = torch.cat([part.matmul(x, float_out) for part in self.parts], dim=1)
         return y if self.bias is None else y + self.bias
 
     @property
@@ -669,6 +679,18 @@ def move_kernel_weights(model: nn.Module, place: Callable[[torch.Tensor], torch.
             if id(part) in readers:
                 readers.pop(id(part)).head = parts[-1]
         module.parts = tuple(parts)
+
+
+def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's logits [rows, vocab], always float32. On the quantized kernel they are its
+    float32 sums as they are: in bf16 compute, logits rounded to bf16 moved in steps of
+    0.0625-0.125 at common magnitudes, so a reported logprob was that coarse and a near-tie
+    became an exact tie (greedy then took the lower token id). A dense head's product is the
+    compute dtype's, widened."""
+    if isinstance(head, QuantizedLinear):
+        return head.forward(hidden, float_out=True)
+    logits: torch.Tensor = head(hidden)
+    return logits.float()
 
 
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ std::string attention_path();
 // quant_matmul.cpp
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         int64_t bits, int64_t n, const std::optional<at::Tensor>& factors,
-                        bool halves);
+                        bool halves, bool float_out);
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                            int64_t n, const at::Tensor& ids,
                            const std::optional<at::Tensor>& factors, bool halves);

@@ -140,7 +140,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, in
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         int64_t bits, int64_t n, const std::optional<at::Tensor>& factors,
-                        bool halves) {
+                        bool halves, bool float_out) {
   const WeightLayout layout = check_weight(codes, scales, bits, n, factors, halves);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_matmul: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -150,16 +150,27 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(k / kGroup == layout.groups,
               "quantized weight: codes must be a contiguous uint8 [ceil(N / 16), K / 32, "
               "64 * bits]");
-  at::Tensor out = at::empty({rows, n}, x.options());
+  // float_out: the float32 sums as they are, for bf16 activations too (a head's logits: in
+  // bf16 they step by 0.06-0.125 nats at common magnitudes, and near-ties become ties). The
+  // kernel computes in float32 either way; only the store's rounding differs.
+  const bool wide = float_out || x.scalar_type() == at::kFloat;
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(wide ? at::kFloat : at::kBFloat16));
   if (rows == 0 || n == 0) return out;
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const QuantizedActivations act = quantize_activations(
         x.data_ptr<T>(), rows, k, code_offset(bits), halves, layout.mins == 2);
     with_width(bits, [&](auto bits_tag) {
-      matmul_width<decltype(bits_tag)::value>(act, codes.data_ptr<uint8_t>(), scales.data_ptr(),
-                                              layout.form, layout.factors, halves, layout.mins,
-                                              rows, n, k, out.data_ptr<T>());
+      const auto product = [&](auto* dst) {
+        matmul_width<decltype(bits_tag)::value>(act, codes.data_ptr<uint8_t>(),
+                                                scales.data_ptr(), layout.form, layout.factors,
+                                                halves, layout.mins, rows, n, k, dst);
+      };
+      if (wide) {
+        product(out.data_ptr<float>());
+      } else {
+        product(out.data_ptr<c10::BFloat16>());
+      }
     });
   };
   if (x.scalar_type() == at::kFloat) {

@@ -28,7 +28,7 @@ TORCH_LIBRARY(prefixgate, m) {
   // quant_matmul.cpp
   m.def(
       "quant_matmul(Tensor x, Tensor codes, Tensor scales, int bits, int n, Tensor? factors=None, "
-      "bool halves=False) -> Tensor");
+      "bool halves=False, bool float_out=False) -> Tensor");
   m.def(
       "dequantize_rows(Tensor codes, Tensor scales, int bits, int n, Tensor rows, "
       "Tensor? factors=None, bool halves=False) -> Tensor");

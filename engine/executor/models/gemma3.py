@@ -31,7 +31,7 @@ from engine.executor.models.layers import (
     sliding_layers,
 )
 from engine.executor.models.llama import LlamaAttention, LlamaForCausalLM
-from engine.executor.quantization import project
+from engine.executor.quantization import head_logits, project
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -161,7 +161,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         assert residual is not None
         return self.norm.add(x, residual, batch.use_cpu_kernels)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab]
-        logits = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        logits = head_logits(self.lm_head, hidden)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

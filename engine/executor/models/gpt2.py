@@ -82,8 +82,8 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, batch)
         return self.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab]
-        return hidden @ self.wte.weight.T
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        return (hidden @ self.wte.weight.T).float()
 
     def attention_layers(self) -> list[GPT2Attention]:
         return [m for m in self.modules() if isinstance(m, GPT2Attention)]

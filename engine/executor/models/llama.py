@@ -26,7 +26,7 @@ from engine.executor.models.layers import (
     sliding_layers,
     stack_weights,
 )
-from engine.executor.quantization import project
+from engine.executor.quantization import head_logits, project
 
 # Model types whose attention normalises each query and key head (over head_dim) before RoPE.
 QK_NORM_TYPES = frozenset({"qwen3", "gemma3_text"})
@@ -171,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         return self.norm.add(x, residual, batch.use_cpu_kernels)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab]
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
+        return head_logits(self.lm_head, hidden)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [m for m in self.modules() if isinstance(m, LlamaAttention)]

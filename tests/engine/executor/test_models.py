@@ -299,6 +299,24 @@ def test_bfloat16_forward_tracks_float32() -> None:
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-sliding"])
+def test_bf16_compute_gives_float32_logits_from_the_quantized_head(arch: str) -> None:
+    """The head's logits are float32 in every compute dtype: on the kernel its unrounded sums
+    (rounded to bf16 they stepped by 0.06-0.125 at common magnitudes, and a reported logprob
+    with them), on a dense bf16 head its product widened."""
+    torch.manual_seed(0)
+    hf = ARCHITECTURES[arch]().eval()
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 300, (20,), generator=gen).tolist()
+    kernel = WeightFormat(layers="int4", head="int8", dense_copies=False)
+    for weights, on_grid in ((kernel, False), (WeightFormat(), True)):
+        harness = PagedHarness(hf, torch.bfloat16, weights=weights)
+        harness.run([(harness.add("x", prompt), len(prompt))])
+        logits = torch.cat(harness.logits["x"])
+        assert logits.dtype == torch.float32, weights
+        assert torch.equal(logits, logits.to(torch.bfloat16).float()) == on_grid, weights
+
+
 def test_weights_that_do_not_fit_are_rejected() -> None:
     hf = _llama_gqa()
     state = hf.state_dict()

@@ -449,6 +449,32 @@ def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
         assert torch.equal(got, whole[start:]), f"from row {start}"
 
 
+@pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+def test_float_out_gives_the_unrounded_sums_of_bf16_activations(
+    kernels: None, bits: int, layout: str
+) -> None:
+    """A head's logits (`float_out`): bf16 activations, float32 results. They are the sums the
+    float32 activations of the same values give (the activations' rounding to 8 bits sees the
+    same numbers), and rounded once to bf16 they are the bf16 call's bits, at every row count
+    the blocks, tails and chunks cut differently (on AMX, from 16 rows the tiles)."""
+    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 32, 40, seed=40 + bits)
+    if layout == "halves":
+        gen = torch.Generator().manual_seed(bits)
+        sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
+        weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
+    if layout == "half-mins":
+        weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
+    x16 = x.to(torch.bfloat16)
+    for rows in (1, 2, 5, 8, 17, 40):
+        wide = weight.matmul(x16[:rows], float_out=True)
+        assert wide.dtype == torch.float32, rows
+        assert torch.equal(wide, weight.matmul(x16[:rows].float())), rows
+        assert torch.equal(wide.to(torch.bfloat16), weight.matmul(x16[:rows])), rows
+    # not bf16's grid: the point of the float32 results
+    assert not torch.equal(wide, wide.to(torch.bfloat16).float())
+
+
 @pytest.mark.parametrize("bits", [4, 6, 8])
 def test_weights_past_a_weight_block_give_each_row_its_bits_alone(kernels: None, bits: int) -> None:
     """Tiles go in blocks of ~256 KB of weights that every row chunk passes before the next
