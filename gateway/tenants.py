@@ -1,8 +1,12 @@
 """API keys as tenants: who is calling, and which cache scope their requests live in.
 
 `--api-key` may be given several times, each `KEY` or `NAME=KEY`; `--api-key-file` holds one
-`NAME: KEY` per line (`#` comments, blank lines). Each key is a tenant: its name is what
-prefixes.yaml's `tenants:` lists, and a digest of the key salts its requests' automatic
+`NAME: KEY` per line (`#` comments, blank lines). A value whose text after its first `=` is
+empty or only `=` is a key (base64's padding), not a name and an empty key. Each key is a
+tenant: its name is what prefixes.yaml's `tenants:` lists (an unnamed key's is `key-` and 8
+hex digits of a digest of the key: the same whatever other keys are given or in what order,
+so what a tenant owns, such as stored responses, never passes to another when a key is
+revoked or the list reordered), and a digest of the key salts its requests' automatic
 prefix cache, so one tenant's prompts can never be detected through another's
 `cached_tokens` or latency. A request's own `cache_salt` narrows its scope further, within
 its tenant's. With no keys configured there is one shared scope.
@@ -39,12 +43,14 @@ class KeyRing:
     """The configured API keys and their tenants."""
 
     def __init__(self, keys: tuple[str, ...] = (), key_file: str | None = None) -> None:
-        named = [_parse_key(value, index) for index, value in enumerate(keys, 1)]
+        named = [_parse_key(value) for value in keys]
         if key_file is not None:
             named += _read_key_file(Path(key_file))
         self._tenants: dict[bytes, Tenant] = {}
         names: set[str] = set()
         for name, key in named:
+            if not key:
+                raise ValueError("an API key is empty")
             if name in names:
                 raise ValueError(f"API key name {name!r} is given twice")
             digest = _digest(key)
@@ -63,17 +69,21 @@ class KeyRing:
 
     def tenant_of(self, token: str | None) -> Tenant | None:
         """The tenant whose key `token` is, if any."""
-        if token is None:
+        if not token:  # an empty header is no key, whatever keys are configured
             return None
         return self._tenants.get(_digest(token))
 
 
-def _parse_key(value: str, index: int) -> tuple[str, str]:
-    """`KEY` or `NAME=KEY`; an unnamed key is called key-1, key-2, ... by position."""
+def _parse_key(value: str) -> tuple[str, str]:
+    """`KEY` or `NAME=KEY` -> (name, key). A key with `=` in it reads as NAME=KEY when the
+    text before the first `=` could be a name; what follows must then be more than padding
+    (`dG9rZW4=` is a key, not the tenant dG9rZW4 with an empty key, which any empty header
+    would then have matched)."""
     name, separator, key = value.partition("=")
-    if not separator or not _NAME.match(name):
-        return f"key-{index}", value
-    return name, key
+    if separator and _NAME.match(name) and key.strip("="):
+        return name, key
+    # named by its digest, not its position: see the module's docstring
+    return f"key-{hashlib.sha256(b'name:' + _digest(value)).hexdigest()[:8]}", value
 
 
 def _read_key_file(path: Path) -> list[tuple[str, str]]:

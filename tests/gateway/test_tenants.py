@@ -5,6 +5,7 @@ tenant, and the key ring reads keys and key files as documented."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,9 +122,9 @@ def test_keys_names_and_files(tmp_path: Path) -> None:
     key_file = tmp_path / "keys.txt"
     key_file.write_text("# team keys\ncarol: key-c\n\n  dave :  key-d  \n")
     ring = KeyRing(("key-a", "bob=key-b"), str(key_file))
-    assert ring.names == ["bob", "carol", "dave", "key-1"]
     alice, bob = ring.tenant_of("key-a"), ring.tenant_of("key-b")
-    assert alice is not None and alice.name == "key-1"
+    assert alice is not None and re.fullmatch(r"key-[0-9a-f]{8}", alice.name)
+    assert ring.names == sorted(["bob", "carol", "dave", alice.name])
     assert bob is not None and bob.name == "bob"
     assert ring.tenant_of("key-d") is not None and ring.tenant_of("key-x") is None
     assert ring.tenant_of(None) is None
@@ -131,9 +132,38 @@ def test_keys_names_and_files(tmp_path: Path) -> None:
     assert KeyRing().is_empty
 
 
+def test_an_unnamed_keys_tenant_is_the_same_whatever_other_keys_are_given() -> None:
+    """What a tenant owns (stored responses) follows its name: revoking or reordering other
+    keys must not hand an unnamed key's name, and so its belongings, to another key."""
+    rings = [
+        KeyRing(("key-one", "key-two")),
+        KeyRing(("key-two",)),
+        KeyRing(("key-two", "key-one")),
+    ]
+    names = {ring.tenant_of("key-two") for ring in rings}
+    assert None not in names and len({t.name for t in names if t is not None}) == 1
+    one, two = rings[0].tenant_of("key-one"), rings[0].tenant_of("key-two")
+    assert one is not None and two is not None and one.name != two.name
+
+
+@pytest.mark.parametrize("key", ["dG9rZW4=", "c2VjcmV0LWtleQ==", "bob="])
+def test_a_key_ending_in_padding_is_the_whole_key_and_an_empty_one_matches_nothing(
+    key: str,
+) -> None:
+    """Base64 keys end in `=`: read as NAME=KEY they were the name and an empty key (or
+    `=`), which an empty `x-api-key` header or `Bearer =` then matched."""
+    ring = KeyRing((key,))
+    tenant = ring.tenant_of(key)
+    assert tenant is not None and tenant.name.startswith("key-")
+    assert key.split("=")[0] not in tenant.name  # no part of the key in names or logs
+    for token in ("", "=", "==", None):
+        assert ring.tenant_of(token) is None, token
+
+
 @pytest.mark.parametrize(
     ("keys", "file_text", "message"),
     [
+        (("",), None, "empty"),
         (("a=k1", "a=k2"), None, "given twice"),
         (("a=k1", "b=k1"), None, "are equal"),
         ((), "no separator here\n", "expected 'NAME: KEY'"),
