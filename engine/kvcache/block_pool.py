@@ -126,6 +126,16 @@ class BlockPool:
         self._cached[block_hash] = block_id
         self._hashes.setdefault(block_id, []).append(block_hash)
 
+    def uncache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """`block_hash` no longer finds `block_id` (if it did; another holder of that hash
+        keeps it). The block itself, its references and its other hashes are untouched."""
+        if self._cached.get(block_hash) != block_id:
+            return
+        del self._cached[block_hash]
+        self._hashes[block_id].remove(block_hash)
+        if not self._hashes[block_id]:
+            del self._hashes[block_id]
+
     def cached_block(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 

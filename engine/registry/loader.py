@@ -73,6 +73,9 @@ class _Pending:
     ready: dict[str, RegisteredPrefix]
     filling: dict[str, Sequence]
     callbacks: list[Callable[[ReloadStatus], None]] = field(default_factory=list)
+    # A reload failed after this one began: that failure is the newer outcome, and stays what
+    # the status says when this one finishes (the file on disk is still the bad one).
+    overtaken: bool = False
 
 
 class PrefixLoader:
@@ -133,6 +136,7 @@ class PrefixLoader:
         pending = self._pending
         if pending is not None and pending.specs == list(specs):
             pending.callbacks += callbacks
+            pending.overtaken = False  # this reload is the newest again
             return FillChange([], [])
         self._check_budget(specs)
         dropped, dropped_callbacks = self._drop_pending()
@@ -156,6 +160,8 @@ class PrefixLoader:
         stays, and the failure is what the status says."""
         status = ReloadStatus(time.time(), False, error, len(self.registry.prefixes))
         self.registry.last_reload = status
+        if self._pending is not None:
+            self._pending.overtaken = True
         logger.error("prefix reload failed, keeping the old registry: %s", error)
         if on_done is not None:
             on_done(status)
@@ -217,7 +223,8 @@ class PrefixLoader:
             {s.name: pending.ready[s.name] for s in pending.specs if s.name in pending.ready}
         )
         status = ReloadStatus(time.time(), True, None, len(pending.specs))
-        self.registry.last_reload = status
+        if not pending.overtaken:
+            self.registry.last_reload = status
         for prefix in self.registry.prefixes.values():
             logger.info(
                 "prefix %r: %d tokens in %d blocks%s",

@@ -130,6 +130,7 @@ class PrefixRegistry:
         self.stats = RegistryStats()
         self.last_reload = ReloadStatus()
         self.digest = registry_digest(())
+        self._findable: set[tuple[int, BlockHash]] = set()  # (block, hash) install cached
 
     def match(
         self,
@@ -186,18 +187,27 @@ class PrefixRegistry:
         return live if live is not None and live.token_ids == spec.token_ids else None
 
     def install(self, prefixes: dict[str, RegisteredPrefix]) -> None:
-        """Swap in a new set atomically; drop the registry's hold on prefixes that left it."""
+        """Swap in a new set atomically; drop the registry's hold on prefixes that left it.
+        Each prefix's blocks are findable in the registry scope of each tenant that may hit
+        it (or the shared one), and in no other: an entry kept with the same ids whose
+        `tenants` changed, or one removed, leaves the scopes it had (else a tenant no longer
+        listed, or any caller after `tenants:` was added, still found its blocks by content
+        and could confirm a guess of its text through `cached_tokens`)."""
+        wanted = {
+            (block_id, block_hash)
+            for prefix in prefixes.values()
+            for block_id, block_hash in self._scoped_blocks(prefix)
+        }
+        # What the last install made findable (a kept prefix's spec is the new one by now)
+        for block_id, block_hash in self._findable - wanted:
+            self.pool.uncache_block(block_id, block_hash)
+        self._findable = wanted
         kept = {id(p) for p in prefixes.values()}
         for old in self.prefixes.values():
             if id(old) not in kept:
                 release(self.pool, old)
-        for prefix in prefixes.values():
-            # Findable in the registry scope of each tenant that may hit it (or the shared one).
-            tenants = prefix.spec.tenants
-            for seed in [registry_seed()] if tenants is None else map(registry_seed, tenants):
-                hashes = registry_hashes(prefix.token_ids, self.pool.block_size, seed)
-                for block_id, block_hash in zip(prefix.block_ids, hashes, strict=False):
-                    self.pool.cache_block(block_id, block_hash, replace=True)
+        for block_id, block_hash in wanted:
+            self.pool.cache_block(block_id, block_hash, replace=True)
         self.index = PrefixIndex(prefixes.values(), _ids, self.pool.block_size)
         self.prefixes = prefixes
         self.digest = registry_digest(p.spec for p in prefixes.values())
@@ -205,6 +215,15 @@ class PrefixRegistry:
     @property
     def num_pinned_blocks(self) -> int:
         return len({b for p in self.prefixes.values() for b in p.block_ids})
+
+    def _scoped_blocks(self, prefix: RegisteredPrefix) -> list[tuple[int, BlockHash]]:
+        """(block, hash) of each full block of `prefix` in each registry scope it is in."""
+        tenants = prefix.spec.tenants
+        pairs = []
+        for seed in [registry_seed()] if tenants is None else map(registry_seed, tenants):
+            hashes = registry_hashes(prefix.token_ids, self.pool.block_size, seed)
+            pairs += zip(prefix.block_ids, hashes, strict=False)
+        return pairs
 
 
 def registry_digest(specs: Iterable[PrefixSpec]) -> str:

@@ -388,6 +388,38 @@ def test_invalid_reload_keeps_the_old_registry_and_reports(
     _assert_idle(engine)
 
 
+def test_a_failed_reload_stays_reported_when_an_earlier_one_finishes(
+    tiny_llama_path: Path, prefix_file: Path
+) -> None:
+    """A valid file still filling, then a bad one: the fill finishes and its entries serve
+    (its caller hears success), but the status keeps the newer failure, which is what the
+    file on disk still is (the watcher does not read unchanged bytes again). A later reload
+    of the filling file itself makes it the newest outcome again."""
+    engine = _engine(tiny_llama_path, prefix_file)
+    grown = _yaml(SYS_ENTRY + DOC_ENTRY.replace(DOC, DOC + " plus a new tail to fill"))
+    prefix_file.write_text(grown)
+    outcomes: list[Any] = []
+    engine.reload_prefix_file(outcomes.append)
+    assert engine.prefixes.is_pending
+    prefix_file.write_text("version: 1\nprefixes: [")
+    engine.reload_prefix_file(outcomes.append)
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert [o.ok for o in outcomes] == [False, True]
+    assert "new tail" in engine.registry.prefixes["doc"].spec.text
+    assert engine.registry.last_reload is outcomes[0]
+    prefix_file.write_text(grown.replace("new tail", "newer tail"))
+    engine.reload_prefix_file()
+    prefix_file.write_text("version: 1\nprefixes: [")
+    engine.reload_prefix_file()
+    prefix_file.write_text(grown.replace("new tail", "newer tail"))
+    engine.reload_prefix_file()  # joins the pending reload of the same entries
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert engine.registry.last_reload.ok is True
+    _assert_idle(engine)
+
+
 def test_the_digest_names_what_the_registry_serves(
     tiny_llama_path: Path, prefix_file: Path
 ) -> None:
@@ -417,6 +449,47 @@ def _reloaded_digest(engine: LLMEngine, prefix_file: Path, content: str) -> str:
         engine.step()
     assert engine.registry.last_reload.ok, engine.registry.last_reload.error
     return engine.stats().registry_digest
+
+
+def _cached_for(engine: LLMEngine, prompt: list[int], tenant: str | None) -> int:
+    """Tokens `tenant`'s request for `prompt` found cached."""
+    request = engine.prepare_request(prompt, GREEDY, tenant=tenant)
+    engine.add_prepared("probe", request)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs[-1].num_cached_tokens
+
+
+def test_an_entry_leaves_the_scopes_its_tenants_list_leaves(
+    tiny_llama_path: Path, prefix_file: Path, tiny_tokenizer: Any
+) -> None:
+    """An entry's blocks are findable by content only in the registry scopes of the tenants
+    it lists now: when `tenants:` is added, or a tenant taken off, with the same text (the
+    blocks kept, no refill), the others no longer find them, whether the prompt holds the
+    whole entry or diverges inside it; and when the entry is removed, nobody does."""
+    engine = _engine(tiny_llama_path, prefix_file)
+    doc_ids = text_prompt_ids(tiny_tokenizer, DOC)
+    whole = [*doc_ids, *text_prompt_ids(tiny_tokenizer, " and more")]
+    diverging = list(whole)
+    diverging[3 * BLOCK + 1] = (diverging[3 * BLOCK + 1] + 1) % len(tiny_tokenizer)
+    full = len(doc_ids) // BLOCK * BLOCK
+    for tenant in (None, "team-a", "team-b"):
+        assert _cached_for(engine, whole, tenant) >= full
+        assert _cached_for(engine, diverging, tenant) == 3 * BLOCK
+    original = prefix_file.read_text()
+    for listed in ("team-a", "team-b"):
+        edited = original.replace("name: doc", f"name: doc\n    tenants: [{listed}]")
+        assert _reloaded_digest(engine, prefix_file, edited)
+        for tenant in (None, "team-a", "team-b"):
+            want = (full, 3 * BLOCK) if tenant == listed else (0, 0)
+            got = (_cached_for(engine, whole, tenant), _cached_for(engine, diverging, tenant))
+            assert (min(got[0], full), got[1]) == want, (listed, tenant, got)
+    prefix_file.write_text(_yaml(SYS_ENTRY))
+    assert _reloaded_digest(engine, prefix_file, _yaml(SYS_ENTRY))
+    for tenant in (None, "team-a", "team-b"):
+        assert _cached_for(engine, diverging, tenant) == 0, tenant
+    _assert_idle(engine)
 
 
 def test_the_digest_ignores_entry_order() -> None:
