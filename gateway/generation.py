@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -58,8 +59,11 @@ class Job:
     requests: list[EngineRequest]  # per choice (several prompts fan out too)
     affinity_key: str | None = None  # the client's prompt_cache_key or user (replica routing)
     # The HTTP request's x-request-id (the client's own when it sent one): the engine request
-    # of choice i is "{x_request_id}-{i}", so the engine's log lines name what the client sees
+    # of choice i is "{x_request_id}-{i}-{8 hex digits of this job's}", so the engine's log
+    # lines name what the client sees, and two requests that send the same header (a proxy's
+    # fixed id, a retry) are still two engine requests, not a "duplicate request id" error
     x_request_id: str | None = None
+    _unique: str = field(default_factory=lambda: uuid.uuid4().hex[:8], init=False)
     started: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     choices: list[Choice] = field(default_factory=list)
@@ -93,7 +97,7 @@ class Job:
     def _streams(self) -> list[AsyncIterator[RequestOutput]]:
         base = self.x_request_id or self.request_id
         return [
-            self.engine.generate(request, f"{base}-{i}", self.affinity_key)
+            self.engine.generate(request, f"{base}-{i}-{self._unique}", self.affinity_key)
             for i, request in enumerate(self.requests)
         ]
 

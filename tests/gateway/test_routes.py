@@ -712,14 +712,27 @@ def test_the_client_s_request_id_names_its_engine_requests(
     client: TestClient, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any]
 ) -> None:
     """What a client sends as x-request-id is what the engine's log lines say: choice i is
-    engine request "<x-request-id>-<i>"."""
-    with caplog.at_level(logging.DEBUG, logger="engine.llm_engine"):
-        response = client.post(path, json=body, headers={"x-request-id": "trace-7f3a"})
-    assert response.status_code == 200
-    messages = [r.getMessage() for r in caplog.records if r.name == "engine.llm_engine"]
-    named = {m.split(":")[0].split(" finished")[0] for m in messages if m.startswith("request ")}
-    assert named == {"request trace-7f3a-0", "request trace-7f3a-1"}
-    assert sum(" finished (length)" in m for m in messages) == 2
+    engine request "<x-request-id>-<i>-<8 hex digits>". The digits are the HTTP request's
+    own: a second request with the same header (a proxy's fixed id, a retry; concurrent
+    ones failed as duplicate engine requests) is other engine requests."""
+    names = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="engine.llm_engine"):
+            response = client.post(path, json=body, headers={"x-request-id": "trace-7f3a"})
+        assert response.status_code == 200
+        messages = [r.getMessage() for r in caplog.records if r.name == "engine.llm_engine"]
+        named = {
+            m.split(":")[0].split(" finished")[0] for m in messages if m.startswith("request ")
+        }
+        assert sum(" finished (length)" in m for m in messages) == 2
+        assert len(named) == 2
+        for choice in (0, 1):
+            [name] = [
+                n for n in named if re.fullmatch(rf"request trace-7f3a-{choice}-[0-9a-f]{{8}}", n)
+            ]
+            names.append(name)
+    assert len(set(names)) == 4
 
 
 def test_logprob_token_texts_are_decoded_once_after_start_off_the_event_loop(
