@@ -126,7 +126,8 @@ def check_request(
         )
     max_model_len = limits.max_model_len
     num_prompt = len(prompt_token_ids)
-    num_total = num_prompt + (params.max_tokens or 1)
+    # room for one token unless max_tokens says otherwise: 0 (scoring the prompt) needs none
+    num_total = num_prompt + (1 if params.max_tokens is None else params.max_tokens)
     if num_total > max_model_len:
         requested = (
             f"{num_total} tokens ({num_prompt} in the prompt, {params.max_tokens} in the "

@@ -60,6 +60,24 @@ def test_max_tokens_0_scores_without_generating(tiny_llama_path: Path) -> None:
     assert all(s.top == () for s in output.prompt_logprobs[1:])
 
 
+def test_a_prompt_that_fills_the_context_is_scored_and_one_more_token_is_not(
+    tiny_llama_path: Path,
+) -> None:
+    """Scoring generates nothing, so a prompt of max_model_len tokens fits; one token more,
+    or the same prompt with a token to generate, does not."""
+    engine = tiny_engine(tiny_llama_path, max_model_len=64)
+    ids = (engine.tokenizer.encode(PROMPT) * 8)[:64]
+    [output] = _run(engine, ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert len(output.prompt_logprobs) == 64 and output.token_ids == []
+    for too_long, params in (
+        (ids + ids[:1], SamplingParams(max_tokens=0, prompt_logprobs=0)),
+        (ids, SamplingParams(max_tokens=1, prompt_logprobs=0)),
+        (ids, SamplingParams()),
+    ):
+        with pytest.raises(InvalidRequestError, match="maximum context length is 64"):
+            engine.add_request("too-long", too_long, params)
+
+
 def test_max_tokens_0_needs_prompt_logprobs() -> None:
     with pytest.raises(InvalidRequestError) as raised:
         SamplingParams(max_tokens=0)
