@@ -219,7 +219,7 @@ class PrefixRegistry:
     def _scoped_blocks(self, prefix: RegisteredPrefix) -> list[tuple[int, BlockHash]]:
         """(block, hash) of each full block of `prefix` in each registry scope it is in."""
         tenants = prefix.spec.tenants
-        pairs = []
+        pairs: list[tuple[int, BlockHash]] = []
         for seed in [registry_seed()] if tenants is None else map(registry_seed, tenants):
             hashes = registry_hashes(prefix.token_ids, self.pool.block_size, seed)
             pairs += zip(prefix.block_ids, hashes, strict=False)
