@@ -27,7 +27,7 @@ def main():
         t = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t)
     if prof:
         ctx.__exit__(None, None, None)
-        print(ctx.key_averages(group_by_input_shape=False).table(sort_by="self_cpu_time_total", row_limit=16))
+        print(ctx.key_averages(group_by_input_shape=os.environ.get("SHAPES") == "1").table(sort_by="self_cpu_time_total", row_limit=16))
     print(os.environ.get("LABEL", ""), f"N={n} step ms median", round(statistics.median(times) * 1e3, 2),
           "p10/p90", [round(x * 1e3, 2) for x in statistics.quantiles(times, n=10)[::8]])
 
