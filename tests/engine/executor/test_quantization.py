@@ -268,19 +268,29 @@ PINNED_DIGESTS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 5, 8])
-def test_every_build_gives_the_pinned_bits(
-    kernels: None, bits: int, dtype: torch.dtype, layout: str
-) -> None:
-    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 37, 14 * 32, 512, seed=bits)
+def _layout_problem(
+    bits: int, layout: str, rows: int, seed: int, n: int = 8 * 5, k: int = 3 * 32
+) -> tuple[torch.Tensor, QuantizedWeight]:
+    """`_integer_problem`'s activations and weight in one of the scale layouts: a d per group
+    ("groups"), a d per half group ("halves", Q6_K's and Q3_K's), or a d and an m per half
+    ("half-mins", Q2_K's)."""
+    x, weight, (codes, d, m) = _integer_problem(bits, n, k, rows, seed=seed)
     if layout == "halves":
         gen = torch.Generator().manual_seed(bits)
         sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
         weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
     if layout == "half-mins":
         weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
+    return x, weight
+
+
+@pytest.mark.parametrize("layout", ["groups", "halves", "half-mins"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_every_build_gives_the_pinned_bits(
+    kernels: None, bits: int, dtype: torch.dtype, layout: str
+) -> None:
+    x, weight = _layout_problem(bits, layout, 512, seed=bits, n=8 * 37, k=14 * 32)
     out = weight.matmul(x.to(dtype))
     assert _digest(out) == PINNED_DIGESTS[(layout, bits, dtype)]
 
@@ -431,13 +441,7 @@ def test_every_row_count_from_1_to_512_gives_each_row_the_bits_it_gets_alone(
     tiles, in chunks of 256, the rest on the vector path: every count from 1 to 512 crosses a
     different mix of blocks, tails and chunk ends, and none may change a row's bits (the
     tiles: two blocks of two and an odd one; an odd number of groups)."""
-    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 32, 512, seed=20 + bits)
-    if layout == "halves":
-        gen = torch.Generator().manual_seed(bits)
-        sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
-        weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
-    if layout == "half-mins":
-        weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
+    x, weight = _layout_problem(bits, layout, 512, seed=20 + bits)
     whole = weight.matmul(x)
     alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(whole, alone)
@@ -458,13 +462,7 @@ def test_float_out_gives_the_unrounded_sums_of_bf16_activations(
     float32 activations of the same values give (the activations' rounding to 8 bits sees the
     same numbers), and rounded once to bf16 they are the bf16 call's bits, at every row count
     the blocks, tails and chunks cut differently (on AMX, from 16 rows the tiles)."""
-    x, weight, (codes, d, m) = _integer_problem(bits, 8 * 5, 3 * 32, 40, seed=40 + bits)
-    if layout == "halves":
-        gen = torch.Generator().manual_seed(bits)
-        sub_scales = torch.randint(-128, 128, (*d.shape, 2), generator=gen).float()
-        weight = pack_weight(codes, d.float()[..., None] * sub_scales, m.float(), bits)
-    if layout == "half-mins":
-        weight = pack_weight(codes, *_half_scales(d, m, seed=bits), bits)
+    x, weight = _layout_problem(bits, layout, 40, seed=40 + bits)
     x16 = x.to(torch.bfloat16)
     for rows in (1, 2, 5, 8, 17, 40):
         wide = weight.matmul(x16[:rows], float_out=True)
