@@ -193,15 +193,12 @@ class PrefixRegistry:
         `tenants` changed, or one removed, leaves the scopes it had (else a tenant no longer
         listed, or any caller after `tenants:` was added, still found its blocks by content
         and could confirm a guess of its text through `cached_tokens`)."""
-        wanted = {
-            (block_id, block_hash)
-            for prefix in prefixes.values()
-            for block_id, block_hash in self._scoped_blocks(prefix)
-        }
+        # in entry order, as the pool's replacements below take them (a dict, not a set)
+        wanted = dict.fromkeys(pair for p in prefixes.values() for pair in self._scoped_blocks(p))
         # What the last install made findable (a kept prefix's spec is the new one by now)
-        for block_id, block_hash in self._findable - wanted:
+        for block_id, block_hash in self._findable - wanted.keys():
             self.pool.uncache_block(block_id, block_hash)
-        self._findable = wanted
+        self._findable = set(wanted)
         kept = {id(p) for p in prefixes.values()}
         for old in self.prefixes.values():
             if id(old) not in kept:
