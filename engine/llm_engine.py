@@ -117,6 +117,7 @@ class LLMEngine:
             self.tokenizer,
             self.max_model_len,
             self.checker.check,
+            config.tenant_names,
         )
         if config.prefix_file is not None:
             self._load_prefix_file_at_start()

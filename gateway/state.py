@@ -52,7 +52,9 @@ class Gateway:
     ) -> None:
         self.config = config
         self.engine: EngineClient | None = engine
-        self._connect = connect or (lambda: AsyncEngine(config.engine))
+        self.keys = KeyRing(config.api_keys, config.api_key_file)
+        served = self.keys.serving(config.engine)
+        self._connect = connect or (lambda: AsyncEngine(served))
         self.load_error: str | None = None
         self.created = int(time.time())
         self.waiting = WaitingQueue(config.max_waiting)
@@ -61,7 +63,6 @@ class Gateway:
         self._logprob_texts: asyncio.Future[Any] | None = None  # see _facts_of
         self._tool_format: ToolFormat | None = None
         self.metrics = GatewayMetrics(self.stats_by_replica, self.model_name)
-        self.keys = KeyRing(config.api_keys, config.api_key_file)
         self.responses: ResponseStore = open_response_store(config)
         # Parsing, rendering and tokenizing run here, never on the event loop: a 5 MB prompt
         # takes seconds to tokenize, and every open stream would wait behind it.

@@ -17,10 +17,13 @@ its time says nothing about how much of a guess was right.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine import EngineConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -66,6 +69,10 @@ class KeyRing:
     @property
     def names(self) -> list[str]:
         return sorted(tenant.name for tenant in self._tenants.values())
+
+    def serving(self, engine: EngineConfig) -> EngineConfig:
+        """`engine` told these keys' names: its prefix file's `tenants:` may list no other."""
+        return dataclasses.replace(engine, tenant_names=tuple(self.names))
 
     def tenant_of(self, token: str | None) -> Tenant | None:
         """The tenant whose key `token` is, if any."""

@@ -33,6 +33,7 @@ from starlette.applications import Starlette
 from engine import EngineConfig
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.tenants import KeyRing
 from replicas.client import ReplicaSet
 from replicas.replica import EngineReplica
 from replicas.router import PreferredReplicaRouter
@@ -78,8 +79,10 @@ class Ingress:
 
 def build_app(config: GatewayConfig) -> Application:
     """The application for `config`: paths made absolute (replicas may start elsewhere),
-    torch threads set (`replica_threads`)."""
-    engine_config = _absolute_paths(config.engine)
+    torch threads set (`replica_threads`), the API keys' names told (`KeyRing.serving`)."""
+    engine_config = KeyRing(config.api_keys, config.api_key_file).serving(
+        _absolute_paths(config.engine)
+    )
     if engine_config.num_threads is None:
         engine_config = dataclasses.replace(engine_config, num_threads=replica_threads(config))
     logger.info(

@@ -157,6 +157,11 @@ class EngineConfig:
     num_threads: int | None = option(None, "torch intra-op threads")
     seed: int = option(0, "seed of the engine's default random generator")
     debug_check_integrity: bool = option(False, "check the KV block accounting every step")
+    # Not a flag: the gateway sets it from its API keys' names (gateway/tenants.py). A prefix
+    # file whose `tenants:` names anything else fails like any bad file: a misspelt name would
+    # leave the entry unreachable for the tenant meant, silently. None: not checked (the
+    # engine without a gateway: `prefixgate generate`, tests).
+    tenant_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -32,6 +32,7 @@ class PrefixFileWatcher:
         tokenizer: Tokenizer,
         max_model_len: int,
         check_grammar: Callable[[GrammarSpec], None],
+        tenant_names: tuple[str, ...] | None = None,
     ) -> None:
         self.path = path
         self.tokenizer = tokenizer
@@ -40,6 +41,8 @@ class PrefixFileWatcher:
         # to ~135 MB) is built by the first constrained request, not by a file's contracts
         # (`RequestChecker.check`)
         self.check_grammar = check_grammar
+        # the API keys' names (EngineConfig.tenant_names); None: `tenants:` is not checked
+        self.tenant_names = tenant_names
         # sha-256 of the file as last read, and as read by the last poll
         self._read_digest: bytes | None = None
         self._settling_digest: bytes | None = None
@@ -58,6 +61,7 @@ class PrefixFileWatcher:
         self._read_digest = self._settling_digest = _digest(content)
         specs = parse_prefix_bytes(content, self.path, self.tokenizer, self.max_model_len)
         self._check_contracts(specs, self.path)
+        self._check_tenants(specs, self.path)
         return specs
 
     def poll(self) -> bool:
@@ -85,6 +89,27 @@ class PrefixFileWatcher:
                 self.check_grammar(spec.contract.grammar)
             except InvalidRequestError as exc:
                 problems.append(f"entry '{spec.name}' field 'response_format': {exc.message}")
+        if problems:
+            raise RegistryFileError(path, problems)
+
+    def _check_tenants(self, specs: list[PrefixSpec], path: Path) -> None:
+        """Each entry's `tenants:` must name API keys the server has: a name that matches no
+        key (a typo, a key since renamed) fails the file, old registry kept, instead of leaving
+        the entry silently unreachable for the tenant meant."""
+        if self.tenant_names is None:
+            return
+        known = set(self.tenant_names)
+        have = (
+            f"the API keys' names: {', '.join(sorted(known))}"
+            if known
+            else "the server has no API keys: --api-key NAME=KEY names a tenant"
+        )
+        problems = [
+            f"entry '{spec.name}' field 'tenants': no API key is named "
+            f"{', '.join(repr(n) for n in unknown)} ({have})"
+            for spec in specs
+            if (unknown := [n for n in spec.tenants or () if n not in known])
+        ]
         if problems:
             raise RegistryFileError(path, problems)
 

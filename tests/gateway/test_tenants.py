@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from engine import EngineConfig
+from gateway.app import create_app
+from gateway.config import GatewayConfig
 from gateway.tenants import KeyRing
+from tests.gateway.server_harness import wait_until
 from tests.helpers import tiny_app
 
 MODEL = "tiny-llama"
@@ -113,6 +117,36 @@ def test_stored_responses_belong_to_their_tenant(client: TestClient) -> None:
     assert stolen.json()["error"]["code"] == "response_not_found"
     own = client.post("/v1/responses", json=chained, headers=_as("alice"))
     assert own.status_code == 200
+
+
+def test_a_reload_naming_a_tenant_no_key_has_is_refused(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    """The keys' names reach the engine the server builds itself (not a test's ready one):
+    a misspelt `tenants:` name fails the reload, and the entry keeps serving its tenant."""
+    path = tmp_path / "prefixes.yaml"
+    path.write_text(PREFIXES)
+    engine = EngineConfig(
+        model=str(tiny_llama_path),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=512,
+        max_model_len=256,
+        prefix_file=str(path),
+    )
+    keys = tuple(f"{name}={key}" for name, key in KEYS.items())
+    app = create_app(GatewayConfig(engine=engine, api_keys=keys, admin_api_key=ADMIN))
+    with TestClient(app) as client:
+        wait_until(lambda: client.get("/health").status_code == 200, 120, "/health 200")
+        path.write_text(PREFIXES.replace("tenants: [alice]", "tenants: [Alice]"))
+        reload = client.post("/v1/prefixes/reload", headers=_as("admin"))
+        assert reload.status_code == 400, reload.text
+        error = reload.json()["error"]
+        assert error["code"] == "prefix_reload_failed"
+        assert "entry 'secret' field 'tenants': no API key is named 'Alice'" in error["message"]
+        assert "(the API keys' names: alice, bob)" in error["message"]
+        assert _cached(client, "alice", SECRET + " What now?") > 0
+        assert _cached(client, "bob", SECRET + " What now?") == 0
 
 
 # -- the key ring ----------------------------------------------------------------------------

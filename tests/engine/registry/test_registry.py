@@ -513,6 +513,30 @@ def test_a_bad_file_fails_the_start(tiny_llama_path: Path, tmp_path: Path) -> No
         _engine(tiny_llama_path, path)
 
 
+@pytest.mark.parametrize(
+    ("keys", "says"),
+    [
+        (("alice", "bob"), r"no API key is named 'alcie' \(the API keys' names: alice, bob\)"),
+        ((), r"no API key is named 'alice', 'alcie' \(the server has no API keys"),
+    ],
+)
+def test_a_tenant_no_key_is_named_fails_the_file(
+    tiny_llama_path: Path, tmp_path: Path, keys: tuple[str, ...], says: str
+) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text(_yaml(SYS_ENTRY + DOC_ENTRY + "    tenants: [alice, alcie]\n"))
+    with pytest.raises(
+        RegistryFileError, match=rf"typo\.yaml: entry 'doc' field 'tenants': {says}"
+    ):
+        _engine(tiny_llama_path, path, tenant_names=keys)
+    # the names the keys do have pass; and without a gateway (None) nothing is checked
+    for names in (("alice", "alcie"), None):
+        assert sorted(_engine(tiny_llama_path, path, tenant_names=names).registry.prefixes) == [
+            "doc",
+            "sys",
+        ]
+
+
 def test_async_engine_watches_the_file_and_reloads_on_request(
     tiny_llama_path: Path, prefix_file: Path
 ) -> None:
