@@ -216,12 +216,7 @@ class PrefixLoader:
         if pending is None or pending.filling:
             return
         self._pending = None
-        for spec in pending.specs:
-            if spec.name in pending.ready:  # same ids; the description or contract may be new
-                pending.ready[spec.name].spec = spec
-        self.registry.install(
-            {s.name: pending.ready[s.name] for s in pending.specs if s.name in pending.ready}
-        )
+        self.registry.install(pending.specs, pending.ready)
         status = ReloadStatus(time.time(), True, None, len(pending.specs))
         if not pending.overtaken:
             self.registry.last_reload = status

@@ -130,7 +130,6 @@ class PrefixRegistry:
         self.stats = RegistryStats()
         self.last_reload = ReloadStatus()
         self.digest = registry_digest(())
-        self._findable: set[tuple[int, BlockHash]] = set()  # (block, hash) install cached
 
     def match(
         self,
@@ -186,19 +185,24 @@ class PrefixRegistry:
         live = self.prefixes.get(spec.name)
         return live if live is not None and live.token_ids == spec.token_ids else None
 
-    def install(self, prefixes: dict[str, RegisteredPrefix]) -> None:
-        """Swap in a new set atomically; drop the registry's hold on prefixes that left it.
+    def install(self, specs: list[PrefixSpec], ready: dict[str, RegisteredPrefix]) -> None:
+        """Swap in a new set atomically: `specs` in file order, each served by `ready[name]`
+        (an entry kept with the same ids takes its new spec here: the description, contract
+        or tenants may be new). The registry's hold on prefixes that left the set is dropped.
         Each prefix's blocks are findable in the registry scope of each tenant that may hit
         it (or the shared one), and in no other: an entry kept with the same ids whose
         `tenants` changed, or one removed, leaves the scopes it had (else a tenant no longer
         listed, or any caller after `tenants:` was added, still found its blocks by content
         and could confirm a guess of its text through `cached_tokens`)."""
+        had = {pair for p in self.prefixes.values() for pair in self._scoped_blocks(p)}
+        prefixes = {s.name: ready[s.name] for s in specs if s.name in ready}
+        for spec in specs:
+            if spec.name in prefixes:
+                prefixes[spec.name].spec = spec
         # in entry order, as the pool's replacements below take them (a dict, not a set)
         wanted = dict.fromkeys(pair for p in prefixes.values() for pair in self._scoped_blocks(p))
-        # What the last install made findable (a kept prefix's spec is the new one by now)
-        for block_id, block_hash in self._findable - wanted.keys():
+        for block_id, block_hash in had - wanted.keys():
             self.pool.uncache_block(block_id, block_hash)
-        self._findable = set(wanted)
         kept = {id(p) for p in prefixes.values()}
         for old in self.prefixes.values():
             if id(old) not in kept:
