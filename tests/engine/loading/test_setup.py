@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -220,6 +222,40 @@ def test_a_gguf_models_first_start_reads_its_blocks_not_float_weights(
     second = load_model(config)
     assert _weights(second.model) == _weights(first.model)
     assert len(_quantized(first.model)) == 4 * 30 + 1  # qkv, o, gate_up, down per layer; head
+
+
+def test_a_models_stale_quantized_caches_are_removed_when_a_new_one_is_written(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each layout-code or torch upgrade keys a new cache file: writing one removes the same
+    model's others that are unused for a week, past the two most recently used; a read marks
+    its file used. Other models' files, and files of another shape, are left alone."""
+    monkeypatch.setattr(quantized_cache, "default_cache_dir", lambda: tmp_path)
+    folder = tmp_path / "quantized"
+    folder.mkdir()
+    now = time.time()
+
+    def made(key: str, days: float, model: str = tiny_llama_path.name) -> Path:
+        path = folder / f"{model}-{key}.safetensors"
+        path.write_bytes(b"x")
+        os.utime(path, (now - days * 86400, now - days * 86400))
+        return path
+
+    recent, stale = made("a" * 16, 1), made("b" * 16, 10)  # the two most recent: both kept
+    gone = [made("c" * 16, 11), made("d" * 16, 30)]
+    others = {made("f" * 16, 40, "other"), made("notes", 40)}
+    config = _config(tiny_llama_path, quantization="int4")
+    load_model(config)
+    [written] = set(folder.iterdir()) - {recent, stale, *gone, *others}
+    assert set(folder.iterdir()) == {recent, stale, written, *others}
+    os.utime(written, (now - 9 * 86400, now - 9 * 86400))
+    load_model(config)  # read from the cache, which marks it used
+    assert written.stat().st_mtime > now - 60
+    # past the two most recent, a file used within the week stays
+    written.unlink()
+    second, third = made("e" * 16, 2), made("0" * 16, 3)
+    load_model(config)
+    assert set(folder.iterdir()) == {recent, second, third, written, *others}
 
 
 def test_a_failed_kernel_build_serves_on_the_torch_paths(
