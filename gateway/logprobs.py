@@ -132,17 +132,24 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    tokenizer: Any, prompt_ids: list[int], prompt_logprobs: list[SampleLogprobs | None] | None
+    tokenizer: Any,
+    prompt_ids: list[int],
+    prompt_logprobs: list[SampleLogprobs | None] | None,
+    starts: list[int] | None = None,
 ) -> CompletionLogprobs:
     """An echoed prompt's tokens; the first has null logprobs, as nothing precedes it.
-    Offsets count the characters the prompt's bytes decode to (a split character once
-    complete)."""
+    `starts`: where each token begins in the echoed text, for a text prompt as sent
+    (`Tokenizer.encode_with_offsets`: a BOS the tokenizer added takes none of it). Without
+    them (token ids, echoed as their decoded text) offsets count the characters the prompt's
+    bytes decode to (a split character once complete)."""
     scored = prompt_logprobs or [None] * len(prompt_ids)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, num_chars = [], 0
-    for token_id in prompt_ids:
-        offsets.append(num_chars)
-        num_chars += len(decoder.decode(token_bytes(tokenizer, token_id)))
+    offsets = starts
+    if offsets is None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        offsets, num_chars = [], 0
+        for token_id in prompt_ids:
+            offsets.append(num_chars)
+            num_chars += len(decoder.decode(token_bytes(tokenizer, token_id)))
     entries = list(zip(prompt_ids, scored, strict=True))
     return _legacy_logprobs(tokenizer, entries, offsets)
 

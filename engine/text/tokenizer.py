@@ -69,6 +69,14 @@ class TokenizerFacts:
     split_special_tokens: bool = False  # the default of `encode` (tokenizer_config.json's)
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedText:
+    """A text's token ids and where each token starts in it (`Tokenizer.encode_with_offsets`)."""
+
+    ids: list[int]
+    starts: list[int]
+
+
 class Tokenizer:
     """Encode, decode, the vocabulary and the chat template of one model (module docstring).
 
@@ -176,13 +184,32 @@ class Tokenizer:
         """Token ids of `text`. `add_special_tokens`: what the tokenizer's post-processor adds
         (a BOS, for some). `split_special_tokens`: special-token text is plain text (None:
         the tokenizer's own default, as transformers has it)."""
+        return list(self._encoding(text, add_special_tokens, split_special_tokens).ids)
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> EncodedText:
+        """`encode`'s ids, and where each token's text starts in `text`, in characters (an
+        echoed prompt's `text_offset`). A token the tokenizer added (a BOS) stands for no
+        text: it starts where the text is at that point. Tokens that share a character (byte
+        pieces of one) start where it does."""
+        encoding = self._encoding(text, add_special_tokens, None)
+        starts, at = [], 0
+        for start, end in encoding.offsets:
+            if end > start:
+                at = start
+            starts.append(at)
+            at = max(at, end)
+        return EncodedText(list(encoding.ids), starts)
+
+    def _encoding(
+        self, text: str, add_special_tokens: bool, split_special_tokens: bool | None
+    ) -> Any:
         if split_special_tokens is None:
             split_special_tokens = self.facts.split_special_tokens
         backend = self._splitting_backend() if split_special_tokens else self._backend
         # encode_batch, as transformers calls it: unlike `encode`, it lets go of the GIL, so a
         # 2 MB prompt tokenized in a worker thread does not stall the event loop.
         [encoding] = backend.encode_batch([text], add_special_tokens=add_special_tokens)
-        return list(encoding.ids)
+        return encoding
 
     def _splitting_backend(self) -> RustTokenizer:
         with self._lock:

@@ -701,7 +701,8 @@ class CompletionRequest(GenerationRequest):
     )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = Field(
-        default=None, description="needs a model with a fill-in-the-middle format"
+        default=None,
+        description="needs a model with a fill-in-the-middle format; not with echo",
     )
     best_of: int | None = Field(
         default=None, ge=1, description="must equal n (candidates beyond n are not supported)"
@@ -718,6 +719,18 @@ class CompletionRequest(GenerationRequest):
         if value == 0 and not info.data.get("echo"):
             raise PydanticCustomError(
                 "invalid_value", "may be 0 only with 'echo': true (to score the prompt alone)"
+            )
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_not_echoed(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("echo"):
+            raise PydanticCustomError(
+                "unsupported_value",
+                "cannot be combined with 'echo': true (the prompt is sent wrapped in the "
+                "model's fill-in-the-middle tokens around the suffix, which the echoed text "
+                "would not show)",
             )
         return value
 

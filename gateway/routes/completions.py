@@ -47,16 +47,25 @@ from gateway.tenants import Caller
 
 
 @dataclass(frozen=True, slots=True)
+class _Echo:
+    """A choice's echoed prompt: the text as sent (token ids: decoded), and where each of its
+    tokens starts in it (text prompts; None: counted from the tokens, see echo_logprobs)."""
+
+    text: str
+    starts: list[int] | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Output:
-    """How choices are written: with their echoed prompts (texts per choice) or not."""
+    """How choices are written: with their echoed prompts (one per choice) or not."""
 
     model: str
     want_logprobs: bool
-    echoes: list[str] | None
+    echoes: list[_Echo] | None
     tokenizer: Any
 
     def text(self, choice_index: int, text: str, is_first: bool) -> str:
-        return self.echoes[choice_index] + text if self.echoes and is_first else text
+        return self.echoes[choice_index].text + text if self.echoes and is_first else text
 
     def logprobs(
         self,
@@ -71,9 +80,10 @@ class _Output:
             return None
         if prompt is None or not self.echoes:
             return completion_logprobs(self.tokenizer, samples, text_offsets)
-        shift = len(self.echoes[choice_index])
+        echo = self.echoes[choice_index]
+        shift = len(echo.text)
         rest = completion_logprobs(self.tokenizer, samples, [o + shift for o in text_offsets])
-        return echo_logprobs(self.tokenizer, *prompt).extended(rest)
+        return echo_logprobs(self.tokenizer, *prompt, echo.starts).extended(rest)
 
 
 async def create_completion(request: Request) -> Response:
@@ -84,7 +94,7 @@ async def create_completion(request: Request) -> Response:
 async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> Response:
     gateway, body = gateway_of(request), admitted.body
     engine = admitted.engine
-    prepared = await gateway.run_blocking(_prepare, engine, body, admitted.caller)
+    prepared, starts = await gateway.run_blocking(_prepare, engine, body, admitted.caller)
     per_choice = [r for p in prepared for r in fan_out(p, body.n)]  # choice i: prompt i // n
     job = Job(
         gateway,
@@ -95,37 +105,51 @@ async def _respond(request: Request, admitted: Admitted[CompletionRequest]) -> R
         body.affinity_key,
         request.state.request_id,
     )
-    echoes = _echoes(body, engine.tokenizer) if body.echo else None
+    echoes = _echoes(body, engine.tokenizer, starts) if body.echo else None
     output = _Output(gateway.model_name, body.logprobs is not None, echoes, gateway.tokenizer)
     if body.stream:
         return sse_response(_stream(job, output, body.include_usage), gateway, admitted.ticket)
     return await unless_disconnected(request, _complete(job, output))
 
 
-def _prepare(engine: EngineClient, body: CompletionRequest, caller: Caller) -> list[EngineRequest]:
-    """Tokenize the text prompts (worker pool); token id prompts go as they are."""
+def _prepare(
+    engine: EngineClient, body: CompletionRequest, caller: Caller
+) -> tuple[list[EngineRequest], list[list[int] | None]]:
+    """Tokenize the text prompts (worker pool); token id prompts go as they are. With `echo`,
+    each text prompt's token starts in it too (for `text_offset`)."""
     tokenizer = engine.tokenizer
-    prompts = [
-        fim_prompt_ids(tokenizer, p, body.suffix)
-        if body.suffix is not None
-        else p
-        if isinstance(p, list)
-        else text_prompt_ids(tokenizer, p)
-        for p in body.prompts()
-    ]
+    prompts, starts = [], []
+    for prompt in body.prompts():
+        if isinstance(prompt, str) and body.suffix is None and body.echo:
+            encoded = tokenizer.encode_with_offsets(prompt)
+            prompts.append(encoded.ids)
+            starts.append(encoded.starts)
+            continue
+        prompts.append(
+            fim_prompt_ids(tokenizer, prompt, body.suffix)
+            if body.suffix is not None
+            else prompt
+            if isinstance(prompt, list)
+            else text_prompt_ids(tokenizer, prompt)
+        )
+        starts.append(None)
 
     def params_for(prompt: list[int]) -> SamplingParams:
         return body.to_sampling_params(engine.prefix_contract(prompt, caller.tenant_name))
 
-    return prepare_requests(
+    requests = prepare_requests(
         engine, prompts, params_for, body.engine_fields, caller, body.cache_salt
     )
+    return requests, starts
 
 
-def _echoes(body: CompletionRequest, tokenizer: Any) -> list[str]:
+def _echoes(body: CompletionRequest, tokenizer: Any, starts: list[list[int] | None]) -> list[_Echo]:
     """Each choice's echoed prompt: the text as sent, or token ids decoded."""
-    texts = [p if isinstance(p, str) else str(tokenizer.decode(p)) for p in body.prompts()]
-    return [text for text in texts for _ in range(body.n)]
+    echoes = [
+        _Echo(p if isinstance(p, str) else str(tokenizer.decode(p)), s)
+        for p, s in zip(body.prompts(), starts, strict=True)
+    ]
+    return [echo for echo in echoes for _ in range(body.n)]
 
 
 def _prompt_of(job: Job, choice: Choice) -> tuple[list[int], list[SampleLogprobs | None] | None]:

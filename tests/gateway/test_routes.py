@@ -9,6 +9,7 @@ Expected texts and logprobs come from a second, in-process engine on the same we
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import re
@@ -21,6 +22,8 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
+from tokenizers.processors import TemplateProcessing
+from transformers import PreTrainedTokenizerFast
 
 from engine import (
     AsyncEngine,
@@ -37,6 +40,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import ReplicaHealth, ReplicaState
 from gateway.logprobs import _piece, completion_logprobs, echo_logprobs
 from tests.gateway.server_harness import Reference, greedy
+from tests.helpers import save_tiny_llama, tiny_app
 
 MODEL = "tiny-llama"
 BLOCK_SIZE = 4
@@ -696,12 +700,79 @@ def test_echo_streams_the_prompt_in_the_first_chunk(client: TestClient) -> None:
     assert offsets == whole["logprobs"]["text_offset"]
 
 
+@pytest.fixture(scope="module")
+def bos_client(
+    tiny_tokenizer: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestClient]:
+    """The tiny Llama over a tokenizer that puts a BOS before every text it encodes (as
+    Gemma's and Llama's do): that token is in the prompt, not in the text a client sent."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    bos = "<|endoftext|>"
+    bos_id = tokenizer.convert_tokens_to_ids(bos)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+    path = save_tiny_llama(tokenizer, tmp_path_factory.mktemp("bos") / MODEL)
+    with TestClient(tiny_app(path, max_model_len=MAX_MODEL_LEN)) as test_client:
+        yield test_client
+
+
+def _assert_offsets_locate_tokens(logprobs: dict[str, Any], text: str, first: int) -> None:
+    """Each token from `first` on starts at its text_offset in `text` (tokens that hold part
+    of a character, written as bytes, start where the character does), in order."""
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    for token, offset in list(zip(logprobs["tokens"], offsets, strict=True))[first:]:
+        if not token.startswith("bytes:"):
+            assert text[offset:].startswith(token), (token, offset, text[offset:])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_offsets_leave_out_the_bos_the_tokenizer_added(
+    bos_client: TestClient, stream: bool
+) -> None:
+    """A text prompt is echoed as sent: the BOS its tokenization added takes none of that
+    text (it and the first word both start at 0), and every later token, the completion's
+    too, starts where its text is. Token ids are echoed as their decoded text, BOS
+    included."""
+    prompt = "Café naïve résumé: 日本語 and 😀 too."
+    body = {**COMPLETION, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 4}
+    [choice] = _post(bos_client, "/v1/completions", body)["choices"]
+    text, logprobs = choice["text"], choice["logprobs"]
+    assert text.startswith(prompt)
+    assert logprobs["tokens"][0] == "<|endoftext|>" and logprobs["text_offset"][:2] == [0, 0]
+    _assert_offsets_locate_tokens(logprobs, text, first=1)
+    if stream:
+        with bos_client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == text
+        streamed = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+        assert streamed == logprobs["text_offset"]
+    ids = bos_client.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    [by_ids] = _post(bos_client, "/v1/completions", {**body, "prompt": ids})["choices"]
+    assert by_ids["text"].startswith("<|endoftext|>" + prompt)
+    assert by_ids["logprobs"]["tokens"] == logprobs["tokens"]
+    _assert_offsets_locate_tokens(by_ids["logprobs"], by_ids["text"], first=0)
+
+
 def test_suffix_without_a_fill_in_the_middle_format_is_400(client: TestClient) -> None:
     response = client.post("/v1/completions", json={**COMPLETION, "suffix": "return x"})
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("suffix", "unsupported_value")
     assert error["message"].startswith("suffix needs a model with a fill-in-the-middle format")
+
+
+def test_suffix_with_echo_is_400(client: TestClient) -> None:
+    """The prompt goes out wrapped in fill-in-the-middle tokens around the suffix: no echoed
+    text and offsets could show that as the prompt sent."""
+    body = {**COMPLETION, "suffix": "return x", "echo": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("suffix", "unsupported_value")
+    assert "cannot be combined with 'echo': true" in error["message"]
 
 
 @pytest.mark.parametrize(

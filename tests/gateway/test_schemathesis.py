@@ -10,7 +10,8 @@ may get a 400, with exactly that error code:
   `invalid_value` on exactly those fields;
 - `too_many_sequences`: n x prompts must fit the waiting queue;
 - a completions `max_tokens` of 0 needs `echo` (`invalid_value` on max_tokens), and `suffix`
-  needs a model with a fill-in-the-middle format (`unsupported_value`; the tiny model has none);
+  needs a model with a fill-in-the-middle format and no `echo` (`unsupported_value`; the tiny
+  model has none);
 - `tool_choice` `required` or a named function needs `tools` holding it (`invalid_value`);
 - a tool result answers a call made before it (`messages[i].tool_call_id`, and the Responses
   `input[i].call_id`: `invalid_value`);

@@ -229,6 +229,13 @@ def test_the_cached_tokenizer_works_as_auto_tokenizers_own(
                     tokenizer.encode(text, add_special_tokens=add, split_special_tokens=split)
                     == expected["input_ids"]
                 ), (text, add, split)
+            # an echoed prompt's offsets: the same ids, each token where transformers maps it
+            mapped = reference(text, return_offsets_mapping=True)
+            spans = mapped["offset_mapping"]
+            with_offsets = tokenizer.encode_with_offsets(text)
+            assert with_offsets.ids == mapped["input_ids"]
+            starts = [at for at, (a, b) in zip(with_offsets.starts, spans, strict=True) if b > a]
+            assert starts == [a for a, b in spans if b > a]
             encoded = reference(text)["input_ids"]
             for skip in (False, True):
                 assert tokenizer.decode(encoded, skip_special_tokens=skip) == reference.decode(
