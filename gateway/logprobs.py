@@ -159,10 +159,16 @@ def _legacy_logprobs(
 ) -> CompletionLogprobs:
     tokens = [_piece(tokenizer, token_id) for token_id, _ in entries]
     token_logprobs = [s.logprob if s is not None else None for _, s in entries]
-    tops = [
-        {_piece(tokenizer, alt.token_id): alt.logprob for alt in s.top} if s is not None else None
-        for _, s in entries
-    ]
+    tops = [_top_logprobs(tokenizer, s) if s is not None else None for _, s in entries]
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
     )
+
+
+def _top_logprobs(tokenizer: Any, sample: SampleLogprobs) -> dict[str, float]:
+    """The legacy API's top alternatives, and the token itself among them wherever they left
+    it out (OpenAI: "the API will always return the logprob of the sampled token, so there
+    may be up to logprobs+1 elements")."""
+    top = {_piece(tokenizer, alt.token_id): alt.logprob for alt in sample.top}
+    top.setdefault(_piece(tokenizer, sample.token_id), sample.logprob)
+    return top

@@ -270,6 +270,31 @@ def test_chat_logprobs(client: TestClient, reference: Reference) -> None:
     assert joined == body["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token(client: TestClient, stream: bool) -> None:
+    """OpenAI's legacy API always returns the sampled token's logprob among the top ones (up
+    to logprobs + 1 entries): sampled hot, many tokens are not among the 1 most likely."""
+    body = {**COMPLETION, "logprobs": 1, "temperature": 2.0, "seed": 7, "max_tokens": 24}
+    body |= {"echo": True, "stream": stream}
+    if stream:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e)["choices"][0]["logprobs"] for e in events[:-1]]
+        logprobs = {k: [v for c in chunks for v in c[k]] for k in ("tokens", "token_logprobs")}
+        logprobs["top_logprobs"] = [v for c in chunks for v in c["top_logprobs"]]
+    else:
+        logprobs = _post(client, "/v1/completions", body)["choices"][0]["logprobs"]
+    entries = list(
+        zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
+    )
+    assert entries[0][1:] == (None, None)  # the prompt's first token: nothing before it
+    outside = 0
+    for token, logprob, top in entries[1:]:
+        assert top[token] == logprob and 1 <= len(top) <= 2, (token, logprob, top)
+        outside += len(top) == 2
+    assert outside >= 3  # the case this is about did happen, in the prompt and the sample
+
+
 def test_completion_logprobs(client: TestClient, reference: Reference) -> None:
     body = _post(client, "/v1/completions", {**COMPLETION, "logprobs": 2})
     choice = body["choices"][0]
@@ -282,7 +307,7 @@ def test_completion_logprobs(client: TestClient, reference: Reference) -> None:
     assert logprobs["token_logprobs"] == [s.logprob for s in samples]
     assert logprobs["top_logprobs"] == [
         {_expected_piece(tok, alt.token_id)[0]: alt.logprob for alt in s.top} for s in samples
-    ]
+    ]  # greedy: each token is the first of its alternatives
     # Where each token's text starts in `text`, as the detokenizer emitted it.
     emitted = [o.text for o in reference.run(reference.text_ids(PROMPT), greedy(NUM_TOKENS))]
     assert logprobs["text_offset"] == [len("".join(emitted[:i])) for i in range(len(emitted))]
