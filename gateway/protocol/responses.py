@@ -115,8 +115,9 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """A chunk's delta. Serialises without its unset fields: `{"role": "assistant",
-    "content": ""}` first, then `{"content": "..."}`, and `{}` on the finishing chunk."""
+    """A chunk's delta. Serialises without its None fields: `{"role": "assistant",
+    "content": ""}` first (with tools in use `{"role": "assistant"}`: the answer may be calls
+    alone), then `{"content": "..."}`, and `{}` on the finishing chunk."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None

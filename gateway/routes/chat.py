@@ -280,8 +280,11 @@ async def _stream(
         reasoning, content = splitters[index].feed(text) if splitters else ("", text)
         return reasoning, texts[index].feed(content) if texts else content
 
-    for choice in job.choices:  # the first delta of each choice carries the role
-        yield delta(choice.index, DeltaMessage(role="assistant", content=""))
+    # The first delta of each choice carries the role; with tools in use its content is null,
+    # as OpenAI's is before calls: an answer that is only calls must not come out as "" text
+    # (the SDK's stream helper builds the message's content from these deltas).
+    for choice in job.choices:
+        yield delta(choice.index, DeltaMessage(role="assistant", content=None if reader else ""))
     async for choice, out in job.run():
         index = choice.index
         reasoning, text = parts(index, out.text)

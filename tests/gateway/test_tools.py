@@ -91,7 +91,10 @@ def test_a_streamed_call_arrives_whole(client: TestClient) -> None:
     deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
     calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
     assert [(c["index"], c["function"]) for c in calls] == [(0, whole[0]["function"])]
-    assert all(not d["delta"].get("content") for d in deltas)
+    # no content at all, not even the role delta's "": the SDK's stream helper would build
+    # an answer of calls alone with content "" (and a content event) instead of null
+    assert deltas[0]["delta"] == {"role": "assistant"}
+    assert all(d["delta"].get("content") is None for d in deltas)
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
