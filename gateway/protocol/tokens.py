@@ -7,6 +7,19 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from gateway.protocol.common import RequestModel
+from gateway.protocol.requests import ChatCompletionRequest, CompletionRequest
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """A chat body for /tokenize; `model` may be left out (the served one), as on vLLM's."""
+
+    model: str | None = None  # type: ignore[assignment]
+
+
+class TokenizeCompletionRequest(CompletionRequest):
+    """A completion body for /tokenize; `model` may be left out (the served one)."""
+
+    model: str | None = None  # type: ignore[assignment]
 
 
 class TokenizeResponse(BaseModel):

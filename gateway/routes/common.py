@@ -56,14 +56,17 @@ def chat_ids(engine: EngineClient, body: ChatCompletionRequest) -> list[int]:
     )
 
 
-def chat_or_completion(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+def chat_or_completion(
+    body: dict[str, Any],
+    chat: type[ChatCompletionRequest] = ChatCompletionRequest,
+    completion: type[CompletionRequest] = CompletionRequest,
+) -> ChatCompletionRequest | CompletionRequest:
     """A body that is a chat request or a completion request (either may carry the other's
-    fields as unknown ones), as the schema documents the routes that take both. Tried in the
-    order its keys suggest; when both fail, the error is the first kind's."""
+    fields as unknown ones), as the schema documents the routes that take both (`chat` and
+    `completion`: a route's own kinds of them). Tried in the order its keys suggest; when
+    both fail, the error is the first kind's."""
     kinds: list[type[ChatCompletionRequest] | type[CompletionRequest]] = (
-        [ChatCompletionRequest, CompletionRequest]
-        if "messages" in body
-        else [CompletionRequest, ChatCompletionRequest]
+        [chat, completion] if "messages" in body else [completion, chat]
     )
     try:
         return errors.validate(kinds[0], body)

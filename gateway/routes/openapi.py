@@ -35,7 +35,13 @@ from gateway.protocol.admin import (
 )
 from gateway.protocol.response_objects import DeletedResponse, ResponseObject
 from gateway.protocol.responses_request import ResponsesRequest
-from gateway.protocol.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse
+from gateway.protocol.tokens import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ _ROUTES = (
         "post",
         "The prompt a chat or completion body gives the model, as token ids",
         TokenizeResponse,
-        (ChatCompletionRequest, CompletionRequest),
+        (TokenizeChatRequest, TokenizeCompletionRequest),
         errors=(400, 401, 404, 408, 413, 415, 503),
     ),
     _Route(

@@ -17,7 +17,13 @@ from engine import InvalidRequestError
 from gateway import errors
 from gateway.admission import gateway_of, parse_json, read_body
 from gateway.engine_client import EngineClient
-from gateway.protocol.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse
+from gateway.protocol.tokens import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 from gateway.routes.common import chat_or_completion, first_prompt_ids
 
 
@@ -46,8 +52,9 @@ async def _answer(
 def _tokenize(
     engine: EngineClient, check_model: Callable[[str], None], raw: bytes
 ) -> TokenizeResponse:
-    request = chat_or_completion(parse_json(raw))
-    check_model(request.model)
+    request = chat_or_completion(parse_json(raw), TokenizeChatRequest, TokenizeCompletionRequest)
+    if request.model is not None:  # left out: the served one, as on vLLM's route
+        check_model(request.model)
     _, ids = first_prompt_ids(engine, request)
     _check_ids(ids, engine, "prompt")
     return TokenizeResponse(

@@ -437,14 +437,17 @@ def test_tokenize_gives_the_prompt_the_generation_routes_give_the_model(
         ({**COMPLETION, "prompt": [5, 6, 7]}, [5, 6, 7]),
     ]
     for body, ids in cases:
-        response = client.post("/tokenize", json=body)
-        assert response.status_code == 200, response.text
-        assert response.json() == {
-            "count": len(ids),
-            "max_model_len": MAX_MODEL_LEN,
-            "tokens": ids,
-            "token_strs": tokenizer.convert_ids_to_tokens(ids),
-        }
+        # `model` may be left out (vLLM's route, and /detokenize): the served one
+        without_model = {k: v for k, v in body.items() if k != "model"}
+        for sent in (body, without_model, {**without_model, "model": None}):
+            response = client.post("/tokenize", json=sent)
+            assert response.status_code == 200, response.text
+            assert response.json() == {
+                "count": len(ids),
+                "max_model_len": MAX_MODEL_LEN,
+                "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids),
+            }
     usage = client.post("/v1/chat/completions", json=CHAT).json()["usage"]
     assert usage["prompt_tokens"] == len(chat_ids)
 
