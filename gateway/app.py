@@ -90,7 +90,7 @@ def create_app(
         Route("/v1/completions", counted("/v1/completions", create_completion), methods=["POST"]),
         Route("/v1/responses", counted("/v1/responses", create_response), methods=["POST"]),
         Route(
-            "/v1/responses/{id:path}",
+            "/v1/responses/{id}",
             counted("/v1/responses/{id}", stored_response),
             methods=["GET", "DELETE"],
         ),

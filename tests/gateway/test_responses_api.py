@@ -408,6 +408,12 @@ def test_retrieve_and_delete_a_stored_response(client: TestClient) -> None:
     created = _post(client, {**BASE, "input": "Keep me"})
     fetched = client.get(f"/v1/responses/{created['id']}")
     assert fetched.status_code == 200 and fetched.json() == created
+    # a route under a kept response that this server does not serve (OpenAI's input_items
+    # list) is an unknown URL, not a kept response that "was never stored"
+    items = client.get(f"/v1/responses/{created['id']}/input_items")
+    assert items.status_code == 404, items.text
+    assert items.json()["error"]["message"].startswith("Invalid URL (GET /v1/responses/")
+    assert items.json()["error"]["code"] != "response_not_found"
     deleted = client.delete(f"/v1/responses/{created['id']}")
     assert deleted.json() == {"id": created["id"], "object": "response", "deleted": True}
     assert client.get(f"/v1/responses/{created['id']}").status_code == 404
