@@ -504,6 +504,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            num_cache_written_tokens=seq.num_cache_written_tokens,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             logprobs=logprobs,

@@ -32,6 +32,7 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cache_written_tokens: int = 0
     is_started: bool = False
 
     def add(self, out: RequestOutput) -> None:
@@ -45,6 +46,7 @@ class Choice:
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
+        self.num_cache_written_tokens = out.num_cache_written_tokens
 
 
 @dataclass(slots=True)
@@ -129,6 +131,11 @@ class Job:
         for prompt, choice in zip(self.prompts, self.choices, strict=True):
             firsts.setdefault(tuple(prompt), choice.num_cached_tokens)
         return sum(firsts.values())
+
+    @property
+    def num_cache_written_tokens(self) -> int:
+        """Choices of one prompt share its blocks: one of them wrote them."""
+        return sum(c.num_cache_written_tokens for c in self.choices)
 
     @property
     def num_completion_tokens(self) -> int:

@@ -37,6 +37,9 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int
     finish_reason: str | None = None
+    # prompt tokens the request put in the automatic cache (the Responses API's
+    # `cache_write_tokens`): its full prompt blocks whose content the cache did not hold
+    num_cache_written_tokens: int = 0
     stop_reason: str | int | None = None
     logprobs: list[SampleLogprobs] | None = None
     # On a request's first output when it asked for prompt_logprobs: one per prompt token.

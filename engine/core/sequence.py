@@ -41,6 +41,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    # prompt tokens this sequence put in the automatic cache (blocks no copy held before)
+    num_cache_written_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -112,19 +112,21 @@ class BlockPool:
                     self._free.move_to_end(block_id, last=False)
 
     # -- content hashes (automatic prefix caching) ------------------------------------------------
-    def cache_block(self, block_id: int, block_hash: BlockHash, replace: bool = False) -> None:
+    def cache_block(self, block_id: int, block_hash: BlockHash, replace: bool = False) -> bool:
         """Make a full, computed block findable by `block_hash`. If another block holds that
         content already, it keeps it, unless `replace` (a pinned registry block must stay
-        findable; the other copy would be evicted some day)."""
+        findable; the other copy would be evicted some day). True when the hash found no
+        block before: content the cache did not hold."""
         holder = self._cached.get(block_hash)
         if holder == block_id or (holder is not None and not replace):
-            return
+            return False
         if holder is not None:
             self._hashes[holder].remove(block_hash)
             if not self._hashes[holder]:
                 del self._hashes[holder]
         self._cached[block_hash] = block_id
         self._hashes.setdefault(block_id, []).append(block_hash)
+        return holder is None
 
     def uncache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """`block_hash` no longer finds `block_id` (if it did; another holder of that hash

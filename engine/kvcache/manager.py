@@ -309,8 +309,11 @@ class KVCacheManager:
         if num_full <= seq.num_indexed_blocks:
             return
         self.hash_blocks(seq, num_full * self.block_size)
+        num_prompt_blocks = seq.num_prompt_tokens // self.block_size
         for index in range(seq.num_indexed_blocks, num_full):
-            self.pool.cache_block(seq.block_table[index], seq.block_hashes[index])
+            added = self.pool.cache_block(seq.block_table[index], seq.block_hashes[index])
+            if added and index < num_prompt_blocks:
+                seq.num_cache_written_tokens += self.block_size
         seq.num_indexed_blocks = num_full
 
     # -- invariants -----------------------------------------------------------------------------

@@ -77,6 +77,7 @@ OutputItem = ReasoningOutput | OutputMessage | FunctionCallOutput
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # prompt tokens this response put in the prefix cache
 
 
 class OutputTokensDetails(BaseModel):
@@ -91,10 +92,14 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def from_counts(cls, num_input: int, num_output: int, num_cached: int) -> ResponseUsage:
+    def from_counts(
+        cls, num_input: int, num_output: int, num_cached: int, num_written: int = 0
+    ) -> ResponseUsage:
         return cls(
             input_tokens=num_input,
-            input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=num_cached, cache_write_tokens=num_written
+            ),
             output_tokens=num_output,
             total_tokens=num_input + num_output,
         )
@@ -117,6 +122,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: ResponseStatus = "in_progress"
+    completed_at: int | None = None  # set when the status is "completed"
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str

@@ -10,6 +10,7 @@ that the next turn can continue it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,9 +277,14 @@ class ResponseRun:
         response.status = status
         if status == "incomplete":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        else:
+            response.completed_at = int(time.time())
         job = self.job
         response.usage = ResponseUsage.from_counts(
-            job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens
+            job.num_prompt_tokens,
+            job.num_completion_tokens,
+            job.num_cached_tokens,
+            job.num_cache_written_tokens,
         )
         if self.thinking is not None:
             reasoning_tokens = self.thinking.reasoning_tokens(choice)

@@ -56,6 +56,42 @@ def test_a_repeated_prompt_reuses_every_full_block_but_the_last_token(
     assert_all_free(engine)
 
 
+def _written(
+    engine: LLMEngine, prompt: list[int], cache_salt: str | None = None
+) -> tuple[int, int]:
+    """(cached, written) prompt tokens of one request run alone: what it read from the cache
+    and what of its prompt it put there (the Responses API's cache_write_tokens)."""
+    sampling = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_prepared("w", engine.prepare_request(prompt, sampling, cache_salt))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs[-1].num_cached_tokens, outputs[-1].num_cache_written_tokens
+
+
+def test_a_request_counts_the_prompt_tokens_it_put_in_the_cache(
+    engine: LLMEngine, tiny_llama_path: Path
+) -> None:
+    """A first prompt writes its full blocks; the same again writes none; one that extends it
+    writes only its new full blocks (its answer's blocks are not prompt tokens); another
+    scope holds none of them; with the automatic cache off nothing is written."""
+    prompt = _prompt(4, 30)
+    assert _written(engine, prompt) == (0, 28)
+    assert _written(engine, prompt) == (28, 0)
+    assert _written(engine, prompt + _prompt(5, 9)) == (28, 36 - 28)
+    assert _written(engine, prompt, cache_salt="other") == (0, 28)
+    off = tiny_engine(tiny_llama_path, max_model_len=256, enable_auto_prefix_cache=False)
+    assert _written(off, prompt) == (0, 0)
+    # Two prompts that share a fresh prefix, computed in the same steps: the prefix is
+    # written once between them, each tail by its own.
+    shared = _prompt(6, 28)
+    pair = [shared + _prompt(7, 10), shared + _prompt(8, 10)]
+    outputs = run_staggered(engine, pair, SamplingParams(temperature=0, max_tokens=2), [0, 0])
+    counts = [(o[-1].num_cached_tokens, o[-1].num_cache_written_tokens) for o in outputs]
+    assert sum(written for _, written in counts) == 28 + 2 * 8
+    assert_all_free(engine)
+
+
 def test_the_next_chat_turn_reuses_the_previous_prompt_and_answer(
     engine: LLMEngine, plain: LLMEngine
 ) -> None:

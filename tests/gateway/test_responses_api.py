@@ -113,6 +113,39 @@ def test_a_response_is_its_chat_completion(client: TestClient, sdk: openai.OpenA
     assert usage.input_tokens_details.cached_tokens == 0
     assert cached == (usage.input_tokens - 1) // 4 * 4
     assert response.instructions == "Be brief." and response.temperature == 0
+    # It was first: it wrote every full block of its prompt into the cache; the same input
+    # again reads them and writes nothing.
+    assert usage.input_tokens_details.cache_write_tokens == usage.input_tokens // 4 * 4
+    again = sdk.responses.create(
+        model=MODEL, input="Hello there", instructions="Be brief.", temperature=0,
+        max_output_tokens=12,
+    )  # fmt: skip
+    assert again.usage is not None
+    assert again.usage.input_tokens_details.cached_tokens == cached
+    assert again.usage.input_tokens_details.cache_write_tokens == 0
+    assert (response.completed_at is None) == (response.status == "incomplete")
+
+
+def test_a_response_is_the_sdks_response_type(client: TestClient) -> None:
+    """Every field the SDK's `Response` type requires is there, with its type (strict
+    clients and generated ones validate what they receive); `completed_at` only once
+    completed (a grammar's end completes a short answer, a length cut does not)."""
+    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema = {
+        "type": "json_schema",
+        "name": "flag",
+        "schema": {**flag, "additionalProperties": False},
+    }
+    done = {**BASE, "input": "Is it on?", "max_output_tokens": 40, "text": {"format": schema}}
+    cut = {**BASE, "input": "Count", "max_output_tokens": 2}
+    for body, status in ((done, "completed"), (cut, "incomplete")):
+        created = _post(client, body)
+        assert created["status"] == status
+        parsed = openai.types.responses.Response.model_validate(created)
+        assert parsed.usage is not None
+        assert (parsed.completed_at is not None) == (status == "completed")
+        if parsed.completed_at is not None:
+            assert parsed.completed_at >= parsed.created_at
 
 
 def test_length_limit_makes_an_incomplete_response(client: TestClient) -> None:
