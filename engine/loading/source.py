@@ -73,8 +73,9 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted folder's layout changes: the cache key changes, so old folders are
 # ignored rather than half-understood.
 # 2: Llama-family tensors read directly; 3: the file's RoPE kept; 4: no float32 copy of the
-# weights read directly (a 1B Q4_K_M's was 4.9 GB beside a 0.8 GB file)
-_CONVERSION_VERSION = 4
+# weights read directly (a 1B Q4_K_M's was 4.9 GB beside a 0.8 GB file); 5: every
+# end-of-generation token in generation_config.json, not only the file's eos
+_CONVERSION_VERSION = 5
 _HASH_WINDOW_BYTES = 1 << 20
 _STALE_TEMP_SECONDS = 3600.0
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -481,26 +482,72 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
     config, tokenizer = _load_gguf_header(gguf_path, table.arch)
     _check_model_type(config.model_type, gguf_path)
+    end_ids = end_of_generation_ids(read_metadata(gguf_path)[0], tokenizer)
     try:
         if table.arch in ARCH_MODEL_TYPES:
             complete_config(table, config)
-            _save_config(config, out_dir)
+            _save_config(config, out_dir, end_ids)
     except (ValueError, KeyError) as exc:  # a damaged tensor table or tensor
         raise ModelLoadError(f"cannot read the tensors of GGUF {gguf_path}: {exc}") from exc
     if table.arch not in ARCH_MODEL_TYPES:
         model = _load_gguf_model(gguf_path)
         _plain_config(model.config, type(model).__name__).save_pretrained(out_dir)
+        model.generation_config.eos_token_id = end_ids or model.generation_config.eos_token_id
         model.generation_config.save_pretrained(out_dir)
         save_file(_untied(model.state_dict()), out_dir / "model.safetensors", {"format": "pt"})
     tokenizer.save_pretrained(out_dir)
     _check_saved_tokenizer(tokenizer, out_dir, gguf_path)
 
 
-def _save_config(config: PretrainedConfig, out_dir: Path) -> None:
+def _save_config(config: PretrainedConfig, out_dir: Path, end_ids: list[int]) -> None:
     from transformers import GenerationConfig
 
     _plain_config(config).save_pretrained(out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = end_ids or generation.eos_token_id
+    generation.save_pretrained(out_dir)
+
+
+# The texts of the tokens that end a turn or a message in the chat formats GGUF files carry
+# (Llama 3's eot and eom, ChatML's, Phi's, Gemma's, Qwen's and SmolLM's end of text, ...).
+# A GGUF names one eos, where a Hugging Face folder's generation_config.json lists every
+# token that ends generation (Gemma 3: <eos> and <end_of_turn>; Llama 3.1: end of text, eom
+# and eot); llama.cpp's server stops at any special token of these texts, and so do we.
+END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end_of_text|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<EOT>",
+        "<end_of_utterance>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    }
+)
+
+
+def end_of_generation_ids(metadata: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The tokens that end generation for a GGUF: its eos, end-of-turn and end-of-message
+    ids (`tokenizer.ggml.*_token_id`), and its special tokens whose text is one of
+    `END_OF_GENERATION_TEXTS` (a plain vocabulary entry of that text is not one)."""
+    ids = {
+        int(metadata[key])
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
+        if isinstance(metadata.get(key), int)
+    }
+    ids.update(
+        token_id
+        for token_id, token in tokenizer.added_tokens_decoder.items()
+        if token.special and token.content in END_OF_GENERATION_TEXTS
+    )
+    return sorted(ids)
 
 
 def _load_gguf_header(

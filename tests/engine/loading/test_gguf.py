@@ -8,7 +8,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -1073,6 +1073,56 @@ def test_a_new_conversion_names_the_float_copies_of_earlier_ones(
     caplog.clear()
     source.resolve_model(str(path), cache_dir=cache)  # converted: named no more
     assert "earlier conversion" not in caplog.text
+
+
+def test_a_gguf_ends_generation_at_each_of_its_end_of_turn_tokens(
+    tmp_path: Path, tiny_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A GGUF names one eos, where a Hugging Face folder's generation_config.json lists every
+    token that ends generation (Gemma 3's <end_of_turn>, Llama 3.1's eom and eot). The
+    conversion lists the file's eos with its special tokens of an end-of-turn text (here
+    ChatML's <|endoftext|> beside the eos <|im_end|>), and the engine stops at each, as
+    llama.cpp's server does on the same file."""
+    from engine.loading import source
+
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.gguf"
+    _write_like_llama_cpp(path, ARCHITECTURES["llama-gqa"]().eval(), "llama", tiny_tokenizer)
+    out = tmp_path / "converted"
+    out.mkdir()
+    source._convert_gguf(path, out)
+    ids = {t: tiny_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == sorted(ids.values())
+    config = source.load_hf_config(out, tmp_path / "cache")
+    tokenizer = source.load_tokenizer(out, tmp_path / "cache")
+    assert model_setup._eos_token_ids(config, tokenizer, out) == set(ids.values())
+
+
+def test_end_of_generation_ids_read_the_files_ids_and_its_special_tokens() -> None:
+    """The file's eos, eot and eom ids, and special tokens whose text ends a turn; a token of
+    such a text that is plain vocabulary (not special), or a special token of another text,
+    is not one."""
+    from tokenizers import AddedToken
+
+    from engine.loading.source import end_of_generation_ids
+
+    class Vocabulary:
+        added_tokens_decoder: ClassVar[dict[int, AddedToken]] = {
+            5: AddedToken("<end_of_turn>", special=True),
+            6: AddedToken("<|eom_id|>", special=True),
+            7: AddedToken("<|end|>", special=False),
+            8: AddedToken("<start_of_turn>", special=True),
+        }
+
+    metadata = {
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.eot_token_id": 9,
+        "tokenizer.ggml.eom_token_id": 6,
+        "tokenizer.ggml.bos_token_id": 2,
+    }
+    assert end_of_generation_ids(metadata, Vocabulary()) == [1, 5, 6, 9]
+    assert end_of_generation_ids({}, Vocabulary()) == [5, 6]
 
 
 def test_a_qwen3_gguf_keeps_its_head_width_through_conversion(tmp_path: Path) -> None:
