@@ -74,6 +74,11 @@ def _server_error(message: str, status_code: int = 500, code: str | None = None)
     return OpenAIError(status_code, message, "server_error", code=code)
 
 
+def internal_error() -> OpenAIError:
+    """A bug of ours, said as OpenAI says it (the details go to the log, not the client)."""
+    return _server_error(INTERNAL_ERROR_MESSAGE)
+
+
 # -- engine errors --------------------------------------------------------------------------
 
 
@@ -321,4 +326,4 @@ async def _handle_client_gone(request: Request, exc: Exception) -> Response:
 async def _handle_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises after this handler so the server logs it too; we log the route.
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _server_error(INTERNAL_ERROR_MESSAGE).response()
+    return internal_error().response()

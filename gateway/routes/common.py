@@ -158,7 +158,7 @@ def sse_response(events: AsyncIterator[str], gateway: Gateway, ticket: Ticket) -
     """`data: ...` lines separated by blank lines, as OpenAI streams. A failure after the
     stream started can no longer change the status: it is sent as an error event, then
     `[DONE]`, so clients always see the stream end (the drain on SIGTERM ends streams that
-    outlive `--shutdown-grace` this way)."""
+    outlive `--shutdown-grace` this way; a bug of ours ends it as a 500 would, logged)."""
 
     async def guarded() -> AsyncIterator[dict[str, str]]:
         try:
@@ -168,6 +168,10 @@ def sse_response(events: AsyncIterator[str], gateway: Gateway, ticket: Ticket) -
             logger.warning("stream failed: %s", exc)
             error = errors.shutting_down() if gateway.is_draining else errors.from_engine_error(exc)
             yield {"data": json.dumps(error.body())}
+            yield {"data": SSE_DONE}
+        except Exception:
+            logger.exception("stream failed on an unexpected error")
+            yield {"data": json.dumps(errors.internal_error().body())}
             yield {"data": SSE_DONE}
 
     return TicketedStream(guarded(), ticket)

@@ -10,6 +10,7 @@ that the next turn can continue it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from gateway.routes.common import TicketedStream, respond, unless_disconnected
 from gateway.state import Gateway
 from gateway.tenants import Caller
 from gateway.tool_stream import ToolCallText
+
+logger = logging.getLogger(__name__)
 
 # Chat fields -> where a Responses request has them.
 _FIELDS = {
@@ -419,8 +422,13 @@ async def _stream(run: ResponseRun, gateway: Gateway) -> AsyncIterator[dict[str,
     try:
         async for event_type, fields in run.events():
             yield sse(event_type, fields)
-    except EngineError as exc:
-        error = errors.shutting_down() if gateway.is_draining else errors.from_engine_error(exc)
+    except Exception as exc:  # an engine error, or a bug of ours (logged): the stream fails
+        if isinstance(exc, EngineError):
+            draining = gateway.is_draining
+            error = errors.shutting_down() if draining else errors.from_engine_error(exc)
+        else:
+            logger.exception("response stream failed on an unexpected error")
+            error = errors.internal_error()
         response = run.response
         response.status = "failed"
         response.error = ResponseError(code=error.code or error.type, message=error.message)

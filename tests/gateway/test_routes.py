@@ -715,6 +715,50 @@ def test_echo_logprobs_then_the_completions_own(client: TestClient, reference: R
     assert logprobs["text_offset"][len(ids) :] == completion.text_offset
 
 
+@pytest.mark.parametrize("route", ["chat", "responses"])
+def test_a_bug_mid_stream_ends_the_stream_as_a_server_error(
+    client: TestClient, app: Starlette, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """An unexpected exception of ours once a stream has started can no longer be a 500: the
+    stream ends with an error event as a 500's body (chat: then [DONE]; Responses:
+    response.failed), never cut short without one; its engine request is let go."""
+    from gateway.routes import chat, responses
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(chat if route == "chat" else responses, "chat_logprobs", broken)
+    if route == "chat":
+        body, path = (
+            {**CHAT, "logprobs": True, "stream": True, "max_tokens": 64},
+            "/v1/chat/completions",
+        )
+    else:
+        body = {"model": MODEL, "input": "Hi", "stream": True, "top_logprobs": 1}
+        body |= {"include": ["message.output_text.logprobs"], "max_output_tokens": 64}
+        path = "/v1/responses"
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    if route == "chat":
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        last = json.loads(events[-1])
+        assert last["type"] == "response.failed"
+        error = last["response"]["error"]
+        error = {"type": error["code"], "message": error["message"]}
+    assert error["type"] == "server_error"
+    assert error["message"] == "The server had an error while processing your request."
+    engine = app.state.gateway.engine
+    for _ in range(500):
+        stats = engine.stats()
+        if stats.num_requests_running == stats.num_requests_waiting == 0:
+            break
+        threading.Event().wait(0.01)
+    assert stats.num_requests_running == stats.num_requests_waiting == 0
+
+
 def test_echo_streams_the_prompt_in_the_first_chunk(client: TestClient) -> None:
     body = {**COMPLETION, "echo": True, "logprobs": 1, "stream": True}
     whole = _post(client, "/v1/completions", {**body, "stream": False})["choices"][0]
