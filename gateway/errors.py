@@ -258,7 +258,10 @@ def forbidden(
 def too_many_requests(retry_after: float) -> OpenAIError:
     """429 with `Retry-After` in whole seconds (at least 1)."""
     seconds = max(1, math.ceil(retry_after))
-    message = f"Too many requests are in flight on this server. Retry after {seconds} s."
+    message = (
+        "Too many requests are waiting to start on this server (--max-waiting). "
+        f"Retry after {seconds} s."
+    )
     headers = {"Retry-After": str(seconds)}
     return OpenAIError(429, message, "requests", code="rate_limit_exceeded", headers=headers)
 

@@ -318,7 +318,7 @@ def test_429_through_the_app(client: TestClient) -> None:
     assert response.status_code == 429
     assert response.headers["retry-after"] == "3"
     assert response.json() == error_body(
-        "Too many requests are in flight on this server. Retry after 3 s.",
+        "Too many requests are waiting to start on this server (--max-waiting). Retry after 3 s.",
         "requests",
         code="rate_limit_exceeded",
     )

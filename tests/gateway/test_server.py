@@ -498,7 +498,8 @@ def test_sdk_rate_limit_when_the_waiting_queue_is_full(long_server: Server) -> N
     assert isinstance(error, openai.RateLimitError)
     assert error.response.headers["retry-after"] == "1"
     assert error.body == {
-        "message": "Too many requests are in flight on this server. Retry after 1 s.",
+        "message": "Too many requests are waiting to start on this server (--max-waiting). "
+        "Retry after 1 s.",
         "type": "requests",
         "param": None,
         "code": "rate_limit_exceeded",
