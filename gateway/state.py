@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from engine import (
     AsyncEngine,
+    EngineError,
     EngineStats,
     ReasoningFormat,
     ToolFormat,
@@ -83,7 +84,10 @@ class Gateway:
         try:
             await engine.open()
         except Exception as exc:  # keep serving /health with the reason
-            logger.exception("engine failed to start")
+            if isinstance(exc, EngineError):  # the operator's to mend (a file, a model): said
+                logger.error("engine failed to start: %s", exc)  # plainly, in one line
+            else:
+                logger.exception("engine failed to start")
             self.load_error = str(exc)
             raise
         await self._facts_of(engine)

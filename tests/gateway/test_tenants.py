@@ -5,6 +5,7 @@ tenant, and the key ring reads keys and key files as documented."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ prefixes:
 """
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
 ADMIN = "key-admin"
+NOT_READY = "The server is not ready: it is still loading the model and its prefixes."
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +149,33 @@ def test_a_reload_naming_a_tenant_no_key_has_is_refused(
         assert "(the API keys' names: alice, bob)" in error["message"]
         assert _cached(client, "alice", SECRET + " What now?") > 0
         assert _cached(client, "bob", SECRET + " What now?") == 0
+
+
+def test_a_start_naming_a_tenant_no_key_has_fails_in_one_line(
+    tiny_llama_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At start such a file fails the engine: /health says why, and the log says it in one
+    line (the operator's file to mend, not a traceback of ours)."""
+    path = tmp_path / "prefixes.yaml"
+    path.write_text(PREFIXES.replace("tenants: [alice]", "tenants: [Alice]"))
+    engine = EngineConfig(
+        model=str(tiny_llama_path), dtype="float32", block_size=4, num_kv_blocks=512,
+        max_model_len=256, prefix_file=str(path),
+    )  # fmt: skip
+    keys = tuple(f"{name}={key}" for name, key in KEYS.items())
+    app = create_app(GatewayConfig(engine=engine, api_keys=keys, admin_api_key=ADMIN))
+    with caplog.at_level(logging.ERROR, logger="gateway.state"), TestClient(app) as client:
+        health = wait_until(
+            lambda: (r := client.get("/health")).json()["error"]["message"] != NOT_READY and r,
+            120,
+            "the failed start",
+        )
+    assert health.status_code == 503
+    assert "no API key is named 'Alice'" in health.json()["error"]["message"]
+    [record] = [r for r in caplog.records if r.name == "gateway.state"]
+    assert record.getMessage().startswith("engine failed to start: ")
+    assert "no API key is named 'Alice' (the API keys' names: alice, bob)" in record.getMessage()
+    assert record.exc_info is None
 
 
 # -- the key ring ----------------------------------------------------------------------------
