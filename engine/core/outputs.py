@@ -37,9 +37,6 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int
     finish_reason: str | None = None
-    # prompt tokens the request put in the automatic cache (the Responses API's
-    # `cache_write_tokens`): its full prompt blocks whose content the cache did not hold
-    num_cache_written_tokens: int = 0
     stop_reason: str | int | None = None
     logprobs: list[SampleLogprobs] | None = None
     # On a request's first output when it asked for prompt_logprobs: one per prompt token.
@@ -48,6 +45,9 @@ class RequestOutput:
     # Set with the text: per token of `token_ids`, where its text starts in `text` (a delta
     # may hold several tokens: forced, drafted, merged steps)
     text_offsets: list[int] | None = None
+    # prompt tokens the request put in the automatic cache (the Responses API's
+    # `cache_write_tokens`): its full prompt blocks whose content the cache did not hold
+    num_cache_written_tokens: int = 0
 
     @property
     def finished(self) -> bool:

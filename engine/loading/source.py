@@ -482,7 +482,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"cannot load GGUF {gguf_path}: {exc}") from exc
     config, tokenizer = _load_gguf_header(gguf_path, table.arch)
     _check_model_type(config.model_type, gguf_path)
-    end_ids = end_of_generation_ids(read_metadata(gguf_path)[0], tokenizer)
+    end_ids = end_of_generation_ids(read_metadata(gguf_path)[0], tokenizer, config.eos_token_id)
     try:
         if table.arch in ARCH_MODEL_TYPES:
             complete_config(table, config)
@@ -529,11 +529,13 @@ END_OF_GENERATION_TEXTS = frozenset(
 )
 
 
-def end_of_generation_ids(metadata: dict[str, Any], tokenizer: Any) -> list[int]:
-    """The tokens that end generation for a GGUF: its eos, end-of-turn and end-of-message
-    ids (`tokenizer.ggml.*_token_id`), and its special tokens whose text is one of
-    `END_OF_GENERATION_TEXTS` (a plain vocabulary entry of that text is not one)."""
-    ids = {
+def end_of_generation_ids(metadata: dict[str, Any], tokenizer: Any, eos: Any = None) -> list[int]:
+    """The tokens that end generation for a GGUF: the config's `eos` (an id or a list), the
+    file's eos, end-of-turn and end-of-message ids (`tokenizer.ggml.*_token_id`), and its
+    special tokens whose text is one of `END_OF_GENERATION_TEXTS` (a plain vocabulary entry
+    of that text is not one)."""
+    ids = {int(v) for v in (eos if isinstance(eos, list | tuple) else [eos]) if isinstance(v, int)}
+    ids |= {
         int(metadata[key])
         for key in (
             "tokenizer.ggml.eos_token_id",

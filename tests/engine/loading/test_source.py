@@ -206,6 +206,8 @@ def fake_gguf(
     monkeypatch.setattr(loader, "_load_gguf_model", lambda path: model)
     table = GGUFTable("gpt2", {"token_embd.weight": TensorEntry("Q8_0", (96, 64), 0, 6528)})
     monkeypatch.setattr(loader, "gguf_table", lambda path, folder: table)
+    metadata = {"tokenizer.ggml.eos_token_id": tiny_tokenizer.eos_token_id}
+    monkeypatch.setattr(loader, "read_metadata", lambda path: (metadata, list(table.tensors)))
     monkeypatch.setattr(
         loader, "_convert_in_child", lambda path, out: loader._convert_gguf(path, out)
     )
