@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,6 +51,10 @@ class PrefixSnapshots(Protocol):
 
     def save(self, spec: PrefixSpec, block_ids: list[int], logits: torch.Tensor) -> None:
         """Keep a freshly filled prefix's KV for the next start (written off this thread)."""
+        ...
+
+    def prune(self, names: Iterable[str]) -> None:
+        """The entries `names` are the loaded set: stale snapshots of others may go."""
         ...
 
 
@@ -217,6 +221,8 @@ class PrefixLoader:
             return
         self._pending = None
         self.registry.install(pending.specs, pending.ready)
+        if self.snapshots is not None:
+            self.snapshots.prune(spec.name for spec in pending.specs)
         status = ReloadStatus(time.time(), True, None, len(pending.specs))
         if not pending.overtaken:
             self.registry.last_reload = status

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,47 @@ def test_a_reload_restores_a_known_entry_and_saves_a_new_one(
     assert set(engine.registry.prefixes) == {"sys", "doc"}
     assert engine.snapshots.num_restored == 2 and engine.runner.num_forward_tokens == before
     _assert_idle(engine)
+
+
+def test_snapshots_of_entries_no_longer_loaded_go_once_unused_for_a_week(
+    tiny_llama_path: Path, prefix_file: Path, tmp_path: Path
+) -> None:
+    """Entries removed or renamed leave their snapshots behind. After a load, the registry
+    snapshots of entries it does not name go once unused for a week (another server on the
+    folder may still use a recent one); a loaded entry's stays however old, and a restore
+    marks it used."""
+    snapshots = tmp_path / "kv"
+    engine = _engine(tiny_llama_path, prefix_file, snapshots)  # sys and doc written
+    assert engine.snapshots is not None
+    folder = engine.snapshots.folder / "registry"
+    week = 7 * 24 * 3600.0
+    now = time.time()
+
+    def aged(path: Path, days: float) -> Path:
+        os.utime(path, (now - days * 86400, now - days * 86400))
+        return path
+
+    sys_path, doc_path = (engine.snapshots.prefix_path(n) for n in ("sys", "doc"))
+    old = aged(shutil.copy(doc_path, folder / "gone-00000000.kv"), 8)
+    recent = aged(shutil.copy(doc_path, folder / "renamed-00000000.kv"), 6)
+    aged(sys_path, 30)
+    aged(doc_path, 30)
+    engine = _engine(tiny_llama_path, prefix_file, snapshots)  # restores both, then prunes
+    assert engine.snapshots is not None and engine.snapshots.num_restored == 2
+    assert engine.snapshots.flush(30)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        p.name for p in (sys_path, doc_path, recent)
+    )
+    assert not old.exists()
+    assert min(sys_path.stat().st_mtime, doc_path.stat().st_mtime) > now - week  # used now
+    # A long-running server's entries, kept across a reload, read nothing: old, still kept.
+    aged(sys_path, 30)
+    aged(doc_path, 30)
+    engine.reload_prefix_file()
+    while engine.prefixes.is_pending:
+        engine.step()
+    assert engine.snapshots.flush(30)
+    assert sys_path.exists() and doc_path.exists() and recent.exists()
 
 
 def test_a_dead_writers_partial_file_is_removed_and_the_start_prefills(
