@@ -21,10 +21,8 @@ write a warning.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import os
 import queue
 import re
 import threading
@@ -34,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.unused_files import mark_used, remove_if_unused
 from engine.executor.kv_cache import KVCache
 from engine.kvcache.block_pool import BlockPool, num_blocks_for
 from engine.kvcache.snapshot import (
@@ -51,12 +50,6 @@ from engine.registry.spec import PrefixSpec
 logger = logging.getLogger(__name__)
 
 _Job = Callable[[], None]
-
-# A registry snapshot of an entry the loaded set does not name (removed, renamed) is removed
-# once unused for this long: replicas share the folder, possibly with other prefix files, so
-# one server cannot tell another's entries from stale ones; a week unused says stale (a
-# restore marks a snapshot used; an entry whose snapshot went is prefilled, never wrong).
-STALE_AFTER_S = 7 * 24 * 3600.0
 
 
 def snapshot_folder(root: Path, identity: Mapping[str, str]) -> Path:
@@ -114,8 +107,7 @@ class KVSnapshots:
             return None
         if restored is None:
             return None
-        with contextlib.suppress(OSError):  # used now (`prune`); a read-only folder keeps it
-            os.utime(path)
+        mark_used(path)  # for `prune`
         self.num_restored += 1
         block_ids = restored[0]
         logger.info(
@@ -179,28 +171,17 @@ class KVSnapshots:
         self._jobs.put(lambda: self._write(path, meta, k, v, logits, range(k.shape[1])))
 
     def prune(self, names: Iterable[str]) -> None:
-        """After a (re)load of the entries `names`: the registry snapshots of other entries,
-        unused for STALE_AFTER_S, are removed (on the writer thread, after queued writes)."""
+        """After a (re)load of the entries `names`: the registry snapshots of entries it does
+        not name (removed, renamed) go if unused for a week (engine/core/unused_files.py; a
+        loaded entry's stays however old), on the writer thread after the queued writes."""
         keep = {self.prefix_path(name) for name in names}
         self._jobs.put(lambda: self._prune(keep))
 
     def _prune(self, keep: set[Path]) -> None:
         folder = self.folder / "registry"
-        cutoff = time.time() - STALE_AFTER_S
         for path in sorted(folder.glob("*.kv")) if folder.is_dir() else ():
-            try:
-                stat = path.stat()
-                if path in keep or stat.st_mtime >= cutoff:
-                    continue
-                path.unlink()
-            except OSError:  # gone already (another replica pruned it), or not ours to remove
-                continue
-            logger.info(
-                "KV snapshot %s removed: no loaded entry names it, unused for %.0f days (%.1f MB)",
-                path,
-                (time.time() - stat.st_mtime) / 86400,
-                stat.st_size / 1e6,
-            )
+            if path not in keep:
+                remove_if_unused(path)
 
     # -- the hot automatic-cache set ---------------------------------------------------------------
     @property

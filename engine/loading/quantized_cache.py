@@ -9,18 +9,17 @@ ignore.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import re
-import time
 from pathlib import Path
 
 import torch
 
 from engine.core.config import default_cache_dir
 from engine.core.memory import huge_pages_available
+from engine.core.unused_files import mark_used, remove_if_unused
 from engine.executor import quantization
 from engine.executor.models import CausalLM
 from engine.executor.quantization import WeightFormat, quantized_state
@@ -42,11 +41,10 @@ _LAYOUT_SOURCES = (quantization.__file__, gguf.__file__)
 
 
 # A model's other cache files kept beside the one in use: other dtypes, formats or servers on
-# the host may load them. Beyond these, one unused for a week is removed when a new one is
-# written: each upgrade of the layout code or of torch keys a new file, and the old ones (the
-# 1B Llama's: 0.8 GB each) would otherwise pile up in the cache folder for good.
+# the host may load them. Beyond these, one unused for a week (engine/core/unused_files.py) is
+# removed when a new one is written: each upgrade of the layout code or of torch keys a new
+# file, and the old ones (the 1B Llama's: 0.8 GB each) would otherwise pile up for good.
 KEEP_OTHERS = 2
-STALE_AFTER_S = 7 * 24 * 3600
 
 
 def _layout_digest() -> str:
@@ -63,10 +61,7 @@ def read(path: Path, weights: WeightFormat) -> dict[str, torch.Tensor]:
     replaces those, and the arena would keep their pages as long as the codes beside them."""
     huge_pages = not weights.dense_copies and huge_pages_available()
     state = safetensors_io.read(path, huge_pages=huge_pages)
-    # its modification time says when it was last used (`prune`); a read-only cache folder
-    # keeps its files' times, and nothing is pruned there either
-    with contextlib.suppress(OSError):
-        os.utime(path)
+    mark_used(path)  # for `prune`
     return state
 
 
@@ -97,9 +92,7 @@ def write(model: CausalLM, path: Path) -> None:
 
 def prune(path: Path) -> None:
     """The cache files of `path`'s model (same name, other key) beyond the KEEP_OTHERS most
-    recently used, and unused for STALE_AFTER_S, are removed. Never an error: a file another
-    process still reads stays readable to it (its inode lives on), and a removed one is
-    quantized again by whoever needs it next."""
+    recently used are removed if unused for a week. Never an error."""
     stem = path.name.rsplit("-", 1)[0]
     pattern = re.compile(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.safetensors")
     try:
@@ -111,19 +104,5 @@ def prune(path: Path) -> None:
     except OSError as exc:
         logger.warning("could not list the quantized cache %s: %s", path.parent, exc)
         return
-    cutoff = time.time() - STALE_AFTER_S
-    for mtime, entry in sorted(others, reverse=True)[KEEP_OTHERS:]:
-        if mtime >= cutoff:
-            continue
-        try:
-            size = entry.stat().st_size
-            entry.unlink()
-        except OSError as exc:
-            logger.warning("could not remove the stale quantized cache %s: %s", entry, exc)
-        else:
-            logger.info(
-                "removed the quantized cache %s (%.0f MB), unused for %.0f days",
-                entry,
-                size / 1e6,
-                (time.time() - mtime) / 86400,
-            )
+    for _, entry in sorted(others, reverse=True)[KEEP_OTHERS:]:
+        remove_if_unused(entry)
