@@ -79,6 +79,17 @@ def internal_error() -> OpenAIError:
     return _server_error(INTERNAL_ERROR_MESSAGE)
 
 
+def stream_error(exc: Exception, draining: bool) -> OpenAIError:
+    """What a stream that has started (its 200 sent) says when `exc` ends it: the engine's
+    error as its status would have said it (the drain's, on SIGTERM), or a bug of ours as a
+    500 would (logged with its traceback)."""
+    if isinstance(exc, EngineError):
+        logger.warning("stream failed: %s", exc)
+        return shutting_down() if draining else from_engine_error(exc)
+    logger.error("stream failed on an unexpected error", exc_info=exc)
+    return internal_error()
+
+
 # -- engine errors --------------------------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from engine import (
-    EngineError,
     EngineRequest,
     InvalidRequestError,
     SamplingParams,
@@ -38,7 +36,6 @@ from gateway.state import Gateway
 from gateway.tenants import Caller
 from gateway.waiting import Ticket
 
-logger = logging.getLogger(__name__)
 SSE_DONE = "[DONE]"
 T = TypeVar("T")
 
@@ -164,14 +161,9 @@ def sse_response(events: AsyncIterator[str], gateway: Gateway, ticket: Ticket) -
         try:
             async for data in events:
                 yield {"data": data}
-        except EngineError as exc:
-            logger.warning("stream failed: %s", exc)
-            error = errors.shutting_down() if gateway.is_draining else errors.from_engine_error(exc)
+        except Exception as exc:
+            error = errors.stream_error(exc, gateway.is_draining)
             yield {"data": json.dumps(error.body())}
-            yield {"data": SSE_DONE}
-        except Exception:
-            logger.exception("stream failed on an unexpected error")
-            yield {"data": json.dumps(errors.internal_error().body())}
             yield {"data": SSE_DONE}
 
     return TicketedStream(guarded(), ticket)

@@ -10,7 +10,6 @@ that the next turn can continue it.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import CallReader, EngineError, InvalidRequestError, ReasoningFormat, ToolFormat
+from engine import CallReader, InvalidRequestError, ReasoningFormat, ToolFormat
 from gateway import errors
 from gateway.admission import Admitted, admit, gateway_of
 from gateway.engine_client import EngineClient
@@ -48,8 +47,6 @@ from gateway.routes.common import TicketedStream, respond, unless_disconnected
 from gateway.state import Gateway
 from gateway.tenants import Caller
 from gateway.tool_stream import ToolCallText
-
-logger = logging.getLogger(__name__)
 
 # Chat fields -> where a Responses request has them.
 _FIELDS = {
@@ -422,13 +419,8 @@ async def _stream(run: ResponseRun, gateway: Gateway) -> AsyncIterator[dict[str,
     try:
         async for event_type, fields in run.events():
             yield sse(event_type, fields)
-    except Exception as exc:  # an engine error, or a bug of ours (logged): the stream fails
-        if isinstance(exc, EngineError):
-            draining = gateway.is_draining
-            error = errors.shutting_down() if draining else errors.from_engine_error(exc)
-        else:
-            logger.exception("response stream failed on an unexpected error")
-            error = errors.internal_error()
+    except Exception as exc:  # an engine error, or a bug of ours: the stream fails
+        error = errors.stream_error(exc, gateway.is_draining)
         response = run.response
         response.status = "failed"
         response.error = ResponseError(code=error.code or error.type, message=error.message)
